@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first;
+# setup is skipped when pyproject.toml and constraints.txt have not changed.
+PYTHON ?= python3
+VENV   ?= .venv
+PIP_FLAGS ?= -q
+# Extra pip arguments, e.g. TORCH_INDEX=--extra-index-url=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+BIN := $(VENV)/bin
+
+.PHONY: setup setup-test demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install $(PIP_FLAGS) $(TORCH_INDEX) -c constraints.txt -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install $(PIP_FLAGS) $(TORCH_INDEX) -c constraints.txt -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+demo: setup
+	$(BIN)/stalwart demo
+
+test: setup-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs data/prepared .pytest_cache

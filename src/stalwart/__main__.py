@@ -1,0 +1,5 @@
+import sys
+
+from stalwart.cli import main
+
+sys.exit(main())

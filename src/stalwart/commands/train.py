@@ -1,0 +1,93 @@
+"""`stalwart train`: the LLaMA-style trainer, single process, `--nproc N` local workers, or under
+torchrun / `stalwart run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from stalwart.commands.common import emit
+
+QUIET_ENV = "STALWART_PARENT_REPORTS"  # set by a parent that prints the summary itself
+
+EPILOG = """\
+config overrides:
+  Any config key can be set as --section.key VALUE (or --section.key=VALUE), e.g.
+    --train.steps 50 --train.global_batch 32 --parallel.dp_mode fsdp --data.seq_len 256
+  Sections: model, data, train, parallel (see configs/debug.toml for every key and its meaning).
+
+examples:
+  stalwart train --config configs/debug.toml                 # one process
+  stalwart train --config configs/debug.toml --nproc 2       # two local workers (DDP over gloo)
+  torchrun --nproc-per-node 2 -m stalwart train --config configs/debug.toml
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a LLaMA-style model (DDP or FSDP2)",
+        description="Train a LLaMA-style decoder on prepared token data. Under a launcher (torchrun, "
+                    "stalwart run) it uses the launcher's environment; otherwise --nproc N spawns N "
+                    "local workers. Metrics go to OUT_DIR/metrics.jsonl, the summary to OUT_DIR/summary.json.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", type=Path, help="TOML config file (default: built-in debug config)")
+    p.add_argument("--nproc", type=int, default=1, help="local worker processes when not under a launcher")
+    p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
+    p.set_defaults(handler=run, accepts_overrides=True)
+
+
+def _strip(argv: list[str], flag: str, takes_value: bool) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = takes_value
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def train(config: Path | None, overrides: dict[str, Any], nproc: int = 1,
+          worker_argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Run training and return the summary (None on non-zero ranks under a launcher)."""
+    from stalwart.config import load_config
+    from stalwart.dist import launched
+
+    cfg = load_config(config, overrides)
+    if launched():
+        return _train_worker(cfg)
+    cfg.validate(nproc)
+    if nproc == 1:
+        return _train_worker(cfg)
+    from stalwart.data import ensure_default_corpus
+    from stalwart.train.launch import spawn_local
+
+    if cfg.data.prepare_default:
+        ensure_default_corpus(cfg.data.dir)
+    spawn_local(nproc, ["train", *(worker_argv or [])], env={QUIET_ENV: "1"})
+    return json.loads((Path(cfg.train.out_dir) / "summary.json").read_text())
+
+
+def _train_worker(cfg) -> dict[str, Any] | None:
+    from stalwart.dist import init_distributed, shutdown
+    from stalwart.train.trainer import Trainer
+
+    env = init_distributed(cfg.parallel.backend)
+    try:
+        summary = Trainer(cfg, env).fit()
+    finally:
+        shutdown()
+    return summary if env.is_main else None
+
+
+def run(args: argparse.Namespace, overrides: dict[str, Any], raw_argv: list[str]) -> int:
+    worker_argv = _strip(_strip(raw_argv, "--nproc", True), "--json", False)
+    summary = train(args.config, overrides, args.nproc, worker_argv)
+    if summary is not None and not os.environ.get(QUIET_ENV):
+        emit(summary, args.json, "training summary")
+    return 0

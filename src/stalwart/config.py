@@ -1,0 +1,199 @@
+"""Typed run configuration: TOML file + dotted command-line overrides, validated up front.
+
+    stalwart train --config configs/debug.toml --train.steps 50 --parallel.dp_mode fsdp
+
+Every mistake (unknown key, wrong type, impossible batch split) raises ``ValueError`` with a message
+that says what to change, before any process is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    name: str = "debug"  # a name from stalwart.models.SPECS
+    # Optional overrides of the named shape (0 / "" = keep the registry's value).
+    dim: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    ffn_hidden: int = 0
+    tie_embeddings: bool = False
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/prepared/stdlib-byte"  # prepared token directory
+    prepare_default: bool = True  # prepare the stdlib corpus into `dir` if it is missing
+    seq_len: int = 128
+    seed: int = 1234  # sampler order
+    shuffle: bool = True
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step, fixed whatever the world size
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 0  # model init
+    deterministic: bool = True
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
+    threads: int = 0  # intra-op threads per rank; 0 = cores / local ranks
+    log_every: int = 10
+    out_dir: str = "runs/debug"
+    peak_flops: float = 0.0  # per device, FLOP/s; enables MFU in metrics (0 = unknown)
+
+
+@dataclass
+class ParallelConfig:
+    dp_mode: str = "ddp"  # ddp | fsdp
+    reshard_after_forward: bool = True  # FSDP2: True ≈ ZeRO-3, False ≈ ZeRO-2
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: int = 1) -> None:
+        """Check values that do not depend on types alone; `world_size` = data-parallel ranks."""
+        t, d, p = self.train, self.data, self.parallel
+        _choice("parallel.dp_mode", p.dp_mode, ("ddp", "fsdp"))
+        _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
+        _choice("train.dtype", t.dtype, ("auto", "float32", "bfloat16"))
+        for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
+                           ("train.micro_batch", t.micro_batch), ("data.seq_len", d.seq_len),
+                           ("train.log_every", t.log_every)):
+            if value <= 0:
+                raise ValueError(f"{key} must be positive, got {value}")
+        if not 0 <= t.warmup_steps <= t.steps:
+            raise ValueError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
+        if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
+            raise ValueError(f"need 0 < train.lr and 0 ≤ train.min_lr ≤ train.lr (got {t.lr}, {t.min_lr})")
+        grad_accum(t.global_batch, t.micro_batch, world_size)
+
+
+def grad_accum(global_batch: int, micro_batch: int, dp_world: int) -> int:
+    """Micro-batches per rank per step; re-derived whenever the data-parallel world changes."""
+    per_step = dp_world * micro_batch
+    if global_batch % per_step:
+        fits = [m for m in range(1, global_batch + 1) if global_batch % (dp_world * m) == 0]
+        hint = f"micro_batch in {fits}" if fits else f"a global_batch divisible by {dp_world}"
+        raise ValueError(
+            f"train.global_batch={global_batch} is not divisible by data-parallel ranks ({dp_world}) × "
+            f"train.micro_batch ({micro_batch}) = {per_step}; use {hint}"
+        )
+    return global_batch // per_step
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _coerce(key: str, value: Any, target: type) -> Any:
+    """Convert a TOML value or a CLI string to the field's type, or explain why not."""
+    origin = typing.get_origin(target)
+    if origin in (typing.Union, types.UnionType):
+        target = next(a for a in typing.get_args(target) if a is not type(None))
+    if isinstance(value, str) and target is not str:
+        text = value.strip()
+        if target is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(f"{key} expects true/false, got {value!r}")
+        try:
+            return target(float(text)) if target is int and "e" in text.lower() else target(text)
+        except ValueError:
+            raise ValueError(f"{key} expects {target.__name__}, got {value!r}") from None
+    if target is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if target is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, target) or (target is int and isinstance(value, bool)):
+        raise ValueError(f"{key} expects {target.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> ValueError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+    return ValueError(f"unknown {kind} {name!r}{hint}")
+
+
+def _apply(cfg: Config, dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    sections = {f.name for f in dataclasses.fields(Config)}
+    if section not in sections or not key:
+        raise _unknown("config key", dotted, [f"{s}.<key>" for s in sorted(sections)])
+    obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(obj))
+    if key not in hints:
+        raise _unknown("config key", dotted, [f"{section}.{k}" for k in hints])
+    setattr(obj, key, _coerce(dotted, value, hints[key]))
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults ← TOML file ← overrides (dotted keys)."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path}: invalid TOML: {err}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _apply(cfg, f"{section}.{key}", value)
+    for dotted, value in (overrides or {}).items():
+        _apply(cfg, dotted, value)
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """['--train.steps', '5', '--data.seq_len=64'] → {'train.steps': '5', 'data.seq_len': '64'}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ValueError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ValueError(f"override {arg} needs a value")
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        out[key] = value
+        i += 1
+    return out

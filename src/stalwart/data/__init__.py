@@ -1,0 +1,7 @@
+"""Token data: preparation into memory-mapped shards, reading, and the global sampler."""
+
+from stalwart.data.dataset import TokenDataset
+from stalwart.data.prepare import ensure_default_corpus, prepare
+from stalwart.data.sampler import GlobalSampler
+
+__all__ = ["TokenDataset", "GlobalSampler", "prepare", "ensure_default_corpus"]

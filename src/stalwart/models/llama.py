@@ -1,0 +1,215 @@
+"""LLaMA-style decoder in plain PyTorch.
+
+Parallelism (DDP, FSDP2, TP, PP) is applied from outside (see ``stalwart.train.parallelize``); this
+module only knows tensors. Layers live in a ``ModuleDict`` keyed by index so a pipeline split can
+delete layers without renumbering, as torchtitan does.
+
+A few switches (``mlp``, ``norm``, ``pos``, ``bias``) let the same code express the GPT-3, OPT, BLOOM
+and Falcon shapes that the planner needs; the trained default is RMSNorm + RoPE + SwiGLU + GQA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    n_kv_heads: int | None = None  # None → multi-head attention (== n_heads)
+    ffn_hidden: int | None = None  # None → SwiGLU 8/3·dim rounded up to `multiple_of`, GELU 4·dim
+    multiple_of: int = 256
+    mlp: str = "swiglu"  # swiglu | gelu
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    pos: str = "rope"  # rope | learned | alibi
+    bias: bool = False
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads}"
+            )
+        for name, value, allowed in (
+            ("mlp", self.mlp, ("swiglu", "gelu")),
+            ("norm", self.norm, ("rmsnorm", "layernorm")),
+            ("pos", self.pos, ("rope", "learned", "alibi")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"model.{name}={value!r} is not one of {allowed}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.mlp == "gelu":
+            return 4 * self.dim
+        h = int(2 * 4 * self.dim / 3)
+        return self.multiple_of * math.ceil(h / self.multiple_of)
+
+    def with_(self, **changes: object) -> "ModelArgs":
+        return replace(self, **changes)
+
+
+def _norm(args: ModelArgs) -> nn.Module:
+    if args.norm == "rmsnorm":
+        return nn.RMSNorm(args.dim, eps=args.norm_eps)
+    return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin tables of shape (seq_len, head_dim // 2, 2) in float32."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    cos, sin = tables[: x.shape[1], None, :, 0], tables[: x.shape[1], None, :, 1]
+    out = torch.stack(
+        (xf[..., 0] * cos - xf[..., 1] * sin, xf[..., 0] * sin + xf[..., 1] * cos), dim=-1
+    )
+    return out.flatten(-2).type_as(x)
+
+
+def alibi_bias(n_heads: int, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """ALiBi causal bias (heads, seq, seq): linear distance penalty, -inf above the diagonal."""
+    start = 2.0 ** (-8.0 / n_heads)
+    slopes = torch.tensor([start ** (i + 1) for i in range(n_heads)], device=device)
+    pos = torch.arange(seq_len, device=device)
+    distance = (pos[None, :] - pos[:, None]).float()
+    bias = slopes[:, None, None] * distance[None]
+    return bias.masked_fill(distance[None] > 0, float("-inf"))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        hd = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=args.bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * hd, bias=args.bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * hd, bias=args.bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.bias)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd = self.args.head_dim
+        # -1 instead of the head count keeps this correct when TP shards the projections.
+        q = self.wq(x).view(b, s, -1, hd)
+        k = self.wk(x).view(b, s, -1, hd)
+        v = self.wv(x).view(b, s, -1, hd)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        if self.args.pos == "alibi":
+            mask = alibi_bias(self.args.n_heads, s, x.device).to(q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.swiglu = args.mlp == "swiglu"
+        self.w1 = nn.Linear(args.dim, args.hidden, bias=args.bias)
+        self.w2 = nn.Linear(args.hidden, args.dim, bias=args.bias)
+        self.w3 = nn.Linear(args.dim, args.hidden, bias=args.bias) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = _norm(args)
+        self.attention = Attention(args)
+        self.ffn_norm = _norm(args)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: tokens (batch, seq) → logits (batch, seq, vocab)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.pos == "learned" else None
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = _norm(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if args.pos == "rope":
+            tables = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+            self.register_buffer("rope", tables, persistent=False)
+        else:
+            self.rope = None
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic init: N(0, 0.02), residual projections scaled by 1/sqrt(2·layers) (GPT-2)."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(0 if seed is None else seed)
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            if p.ndim == 1:  # norm weights and biases
+                value = torch.ones_like(p, device="cpu") if name.endswith("norm.weight") else torch.zeros_like(p, device="cpu")
+            else:
+                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                value = torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=gen)
+            with torch.no_grad():
+                p.copy_(value)
+        if self.args.pos == "rope" and self.rope.device.type != "meta":
+            self.rope.copy_(rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.args.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(seq, device=tokens.device))
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,1 @@
+"""Observability: per-step metrics files and the console progress display."""

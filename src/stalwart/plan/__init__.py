@@ -1,0 +1,1 @@
+"""Planning estimators: pure functions, no torch.distributed."""

@@ -1,0 +1,1 @@
+"""Trainer loop, optimizer/schedule, data-parallel wrappers and local worker spawning."""

@@ -1,0 +1,40 @@
+"""`stalwart train --nproc N` without a launcher: spawn N local workers with TorchElastic.
+
+The parent validates the config and prepares data first, so a mistake fails once, before any worker
+starts; the workers are plain `python -m stalwart train ...` processes under torch's own
+elastic agent (c10d rendezvous on a free local port), exactly as `torchrun --standalone` runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from stalwart.errors import WorkersFailed
+
+
+def spawn_local(nproc: int, worker_argv: list[str], env: dict[str, str] | None = None) -> None:
+    if nproc < 1:
+        raise ValueError(f"--nproc must be ≥ 1, got {nproc}")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=f"stalwart-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+        max_restarts=0, monitor_interval=0.1,
+    )
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        elastic_launch(config, sys.executable)("-m", "stalwart", *worker_argv)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        raise WorkersFailed(
+            f"worker rank {rank} failed (exit code {failure.exitcode}): {failure.message or 'see its output above'}"
+        ) from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

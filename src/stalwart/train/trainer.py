@@ -1,0 +1,169 @@
+"""The training loop: one class that owns model, optimizer, schedule, sampler and the step.
+
+Everything that a checkpoint must capture is an attribute with ``state_dict``/``load_state_dict``
+(model, optimizer, scheduler, sampler) plus ``step``; nothing else carries state between steps, which
+is what makes bitwise resume possible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from stalwart.config import Config, grad_accum
+from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
+from stalwart.dist import DistEnv
+from stalwart.models import ModelArgs, Transformer, count_params, model_args
+from stalwart.observe.progress import MetricsWriter, ProgressDisplay
+from stalwart.plan.compute import flops_per_token
+from stalwart.train.optim import build_optimizer, build_scheduler
+from stalwart.train.parallelize import apply_data_parallel, grad_norm_clip, gradient_sync
+from stalwart.utils import state_dict_hash
+
+
+def resolve_model_args(cfg: Config, vocab_size: int) -> ModelArgs:
+    """The registry shape with the config's overrides, sized to the data's vocabulary."""
+    m = cfg.model
+    overrides: dict[str, Any] = {"vocab_size": vocab_size, "max_seq_len": cfg.data.seq_len}
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
+        if getattr(m, key):
+            overrides[key] = getattr(m, key)
+    if m.tie_embeddings:
+        overrides["tie_embeddings"] = True
+    return model_args(m.name, **overrides)
+
+
+def configure_determinism(cfg: Config, env: DistEnv) -> None:
+    t = cfg.train
+    threads = t.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+    torch.set_num_threads(threads)
+    random.seed(t.seed + env.rank)
+    np.random.seed(t.seed + env.rank)
+    torch.manual_seed(t.seed + env.rank)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        if env.device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv) -> None:
+        cfg.validate(env.world_size)
+        self.cfg, self.env = cfg, env
+        configure_determinism(cfg, env)
+        if cfg.data.prepare_default and env.local_rank == 0:
+            ensure_default_corpus(cfg.data.dir)
+        dist.barrier()
+        self.dataset = TokenDataset(cfg.data.dir, cfg.data.seq_len)
+        self.accum = grad_accum(cfg.train.global_batch, cfg.train.micro_batch, env.world_size)
+        self.model_args = resolve_model_args(cfg, self.dataset.vocab_size)
+
+        model = Transformer(self.model_args)
+        model.init_weights(cfg.train.seed)  # same weights on every rank, whatever the world size
+        self.n_params = count_params(model)
+        self.model = apply_data_parallel(model.to(env.device), cfg.parallel, env)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.sampler = GlobalSampler(len(self.dataset), cfg.train.global_batch, cfg.data.seed,
+                                     cfg.data.shuffle)
+        self.step = 0
+        self.flops_per_token = flops_per_token(self.n_params, self.model_args.n_layers,
+                                               self.model_args.dim, cfg.data.seq_len)
+
+    # -- one optimizer step --------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.cfg.train.dtype
+        if dtype == "bfloat16" or (dtype == "auto" and self.env.device.type == "cuda"):
+            return torch.autocast(self.env.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> StepResult:
+        """Forward/backward over this rank's micro-batches of the next global batch, then update."""
+        self.model.train()
+        ids = self.sampler.next_batch(self.env.rank, self.env.world_size)
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, chunk in enumerate(np.split(ids, self.accum)):
+            inputs, targets = (t.to(self.env.device) for t in self.dataset.batch(chunk))
+            with gradient_sync(self.model, enabled=i == self.accum - 1), self._autocast():
+                logits = self.model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / self.accum
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = grad_norm_clip(self.model, self.cfg.train.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        dist.all_reduce(loss_sum)  # mean over ranks, for the log only
+        return StepResult(loss_sum.item() / self.env.world_size, grad_norm.item(), lr)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self, progress: bool = True) -> dict[str, Any]:
+        t = self.cfg.train
+        out = Path(t.out_dir)
+        main = self.env.is_main
+        writer = MetricsWriter(out / "metrics.jsonl") if main else None
+        display = ProgressDisplay(t.steps, self.step, t.log_every, enabled=main and progress)
+        tokens_per_step = t.global_batch * self.cfg.data.seq_len
+        step_times: list[float] = []
+        start = time.perf_counter()
+        try:
+            while self.step < t.steps:
+                t0 = time.perf_counter()
+                result = self.train_step()
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                tps = tokens_per_step / dt
+                mfu = (self.flops_per_token * tps / (t.peak_flops * self.env.world_size)
+                       if t.peak_flops else None)
+                record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
+                          "lr": result.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu,
+                          "samples_consumed": self.sampler.consumed, "time": time.time()}
+                if writer:
+                    writer.write(record)
+                display.update(record)
+        finally:
+            display.close()
+            if writer:
+                writer.close()
+        wall = time.perf_counter() - start
+        final_hash = self.weights_hash()
+        summary = {
+            "steps": self.step, "world_size": self.env.world_size, "dp_mode": self.cfg.parallel.dp_mode,
+            "model": self.cfg.model.name, "n_params": self.n_params, "grad_accum": self.accum,
+            "global_batch": t.global_batch, "seq_len": self.cfg.data.seq_len,
+            "final_loss": result.loss if step_times else None,
+            "median_step_time_s": statistics.median(step_times) if step_times else None,
+            "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
+            "wall_s": wall, "samples_consumed": self.sampler.consumed, "final_hash": final_hash,
+            "metrics": str(out / "metrics.jsonl"),
+        }
+        if main:
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def weights_hash(self) -> str:
+        """Hash of the full (unsharded) model weights; a collective under FSDP2."""
+        return state_dict_hash(get_model_state_dict(self.model))
