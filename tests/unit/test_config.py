@@ -1,0 +1,74 @@
+import pytest
+
+from stalwart.config import Config, grad_accum, load_config, parse_overrides
+
+
+def test_toml_and_overrides_layer_over_defaults(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 7\nlr = 1e-3\n[parallel]\ndp_mode = "fsdp"\n')
+    cfg = load_config(path, {"train.steps": "9", "data.shuffle": "false", "train.lr": "2e-3"})
+    assert cfg.train.steps == 9 and cfg.train.lr == 2e-3
+    assert cfg.parallel.dp_mode == "fsdp" and cfg.data.shuffle is False
+    assert cfg.train.global_batch == Config().train.global_batch
+
+
+def test_shipped_configs_load_and_validate():
+    for name in ("configs/debug.toml", "configs/small.toml"):
+        load_config(name).validate(world_size=2)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"train.stepz": "1"}, "unknown config key 'train.stepz' \\(did you mean 'train.steps'\\?\\)"),
+    ({"trian.steps": "1"}, "unknown config key 'trian.steps'"),
+    ({"train.steps": "many"}, "train.steps expects int, got 'many'"),
+    ({"train.deterministic": "maybe"}, "expects true/false"),
+])
+def test_bad_overrides_name_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, overrides)
+
+
+def test_wrong_type_in_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = "ten"\n')
+    with pytest.raises(ValueError, match="train.steps expects int"):
+        load_config(path)
+    path.write_text("[train\n")
+    with pytest.raises(ValueError, match="invalid TOML"):
+        load_config(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_float_int_coercion():
+    cfg = load_config(None, {"train.steps": "1e3", "train.peak_flops": "312e12"})
+    assert cfg.train.steps == 1000 and cfg.train.peak_flops == 312e12
+
+
+def test_batch_divisibility_is_explained():
+    assert grad_accum(16, 4, 2) == 2
+    assert grad_accum(16, 4, 1) == 4
+    with pytest.raises(ValueError, match=r"not divisible by data-parallel ranks \(3\).*use a global_batch divisible by 3"):
+        grad_accum(16, 4, 3)
+    with pytest.raises(ValueError, match=r"use micro_batch in \[1, 2, 4, 8\]"):
+        grad_accum(16, 3, 2)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("parallel.dp_mode", "zero", "dp_mode"),
+    ("train.steps", "0", "train.steps must be positive"),
+    ("train.warmup_steps", "500", "warmup_steps"),
+    ("train.min_lr", "1.0", "min_lr"),
+])
+def test_validate_rejects_bad_values(key, value, match):
+    cfg = load_config(None, {key: value})
+    with pytest.raises(ValueError, match=match):
+        cfg.validate(1)
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--train.steps", "5", "--data.seq_len=64"]) == {"train.steps": "5", "data.seq_len": "64"}
+    with pytest.raises(ValueError, match="needs a value"):
+        parse_overrides(["--train.steps"])
+    with pytest.raises(ValueError, match="unexpected argument"):
+        parse_overrides(["steps"])
