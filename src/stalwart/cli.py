@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from stalwart import __version__
-from stalwart.commands import data, demo, train
+from stalwart.commands import data, demo, master, train
 from stalwart.commands.common import fail
 from stalwart.errors import WorkersFailed
 
-COMMANDS = (train, data, demo)
+COMMANDS = (train, data, demo, master)
 
 
 def build_parser() -> argparse.ArgumentParser:

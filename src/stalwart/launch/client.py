@@ -1,0 +1,80 @@
+"""Client for the job master: JSON over HTTP with the job token, retrying through master restarts."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class MasterError(RuntimeError):
+    """The master answered with an error status (the message carries its reason)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"master answered {status}: {message}")
+        self.status = status
+
+
+class MasterClient:
+    def __init__(self, address: str, token: str, timeout_s: float = 5.0, retry_for_s: float = 30.0) -> None:
+        self.address = address.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.retry_for_s = retry_for_s
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None,
+             retry_for_s: float | None = None) -> dict[str, Any]:
+        """One API call. Connection failures are retried with backoff for `retry_for_s` (the master
+        may be restarting); HTTP errors are not retried and raise MasterError."""
+        data = json.dumps(body).encode() if body is not None else None
+        deadline = time.monotonic() + (self.retry_for_s if retry_for_s is None else retry_for_s)
+        delay = 0.05
+        while True:
+            request = urllib.request.Request(
+                self.address + path, data=data, method=method,
+                headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as err:
+                try:
+                    message = json.loads(err.read()).get("error", err.reason)
+                except (json.JSONDecodeError, AttributeError):
+                    message = str(err.reason)
+                raise MasterError(err.code, message) from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # Convenience wrappers, one per route.
+    def join(self, node_id: str, host: str, nproc: int, info: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.call("POST", "/v1/nodes/join", {"node_id": node_id, "host": host, "nproc": nproc,
+                                                    "info": info or {}})
+
+    def heartbeat(self, node_id: str, progress: dict[str, Any], info: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"node_id": node_id, "progress": progress}
+        if info is not None:
+            body["info"] = info
+        return self.call("POST", "/v1/nodes/heartbeat", body)
+
+    def open_incident(self, kind: str, node_id: str | None = None, cls: str | None = None,
+                      times: dict[str, float] | None = None, details: dict[str, Any] | None = None) -> int:
+        return self.call("POST", "/v1/incidents", {"kind": kind, "node_id": node_id, "class": cls,
+                                                   "times": times or {}, "details": details or {}})["id"]
+
+    def update_incident(self, incident_id: int, times: dict[str, float],
+                        details: dict[str, Any] | None = None) -> None:
+        body: dict[str, Any] = {"times": times}
+        if details is not None:
+            body["details"] = details
+        self.call("PATCH", f"/v1/incidents/{incident_id}", body)
+
+    def request_restart(self, reason: str, node_id: str | None = None) -> dict[str, Any]:
+        return self.call("POST", "/v1/restarts", {"reason": reason, "node_id": node_id})
+
+    def status(self) -> dict[str, Any]:
+        return self.call("GET", "/v1/status")

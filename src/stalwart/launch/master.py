@@ -1,0 +1,253 @@
+"""The job master: an authenticated HTTP+JSON API over the SQLite journal.
+
+No pickle on the wire, a bearer token on every call (401 without one, 403 with a wrong one), loopback
+unless told otherwise. All state is in the journal, so `kill -9` and a restart with the same
+``--db`` resume the job; agents retry through the gap (see ``client.MasterClient``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+from stalwart.launch.journal import Journal
+
+log = logging.getLogger("stalwart.master")
+MAX_BODY = 1 << 20
+API = "/v1"
+
+
+class ApiError(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
+    if body.get(name) is None:
+        if required:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"missing field {name!r}")
+        return None
+    value = body[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"field {name!r} has the wrong type")
+    return value
+
+
+class MasterState:
+    """Request handling separated from HTTP plumbing, so it reads as the API it is."""
+
+    def __init__(self, journal: Journal, job_id: str, restart_budget: int, node_timeout_s: float) -> None:
+        self.journal = journal
+        self.job_id = journal.get("job_id") or job_id
+        journal.set("job_id", self.job_id)
+        if journal.get("created") is None:
+            journal.set("created", time.time())
+        journal.set("restart_budget", restart_budget)
+        self.node_timeout_s = node_timeout_s
+        self.started = time.time()  # this master process; heartbeats older than this are not counted
+        journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
+
+    def join(self, body: dict[str, Any]) -> dict[str, Any]:
+        node_id = _field(body, "node_id", str)
+        self.journal.join(node_id, _field(body, "host", str), _field(body, "nproc", int),
+                          _field(body, "info", dict, required=False) or {})
+        return {"job_id": self.job_id, "heartbeat_s": 1.0}
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        node_id = _field(body, "node_id", str)
+        known = self.journal.heartbeat(node_id, _field(body, "progress", dict, required=False) or {},
+                                       _field(body, "info", dict, required=False))
+        if not known:
+            raise ApiError(HTTPStatus.NOT_FOUND, f"node {node_id!r} has not joined this job")
+        return {"ok": True}
+
+    def open_incident(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            incident = self.journal.open_incident(
+                _field(body, "node_id", str, required=False), _field(body, "kind", str),
+                _field(body, "class", str, required=False), _field(body, "times", dict, required=False) or {},
+                _field(body, "details", dict, required=False) or {})
+        except ValueError as err:
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
+        return {"id": incident}
+
+    def update_incident(self, incident_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            found = self.journal.update_incident(incident_id, _field(body, "times", dict, required=False) or {},
+                                                 _field(body, "details", dict, required=False))
+        except ValueError as err:
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
+        if not found:
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no incident {incident_id}")
+        return {"ok": True}
+
+    def request_restart(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The restart budget is global to the job, not per node (pytorch#108158)."""
+        budget = int(self.journal.get("restart_budget", 0))
+        used = int(self.journal.get("restarts_used", 0))
+        allowed = used < budget
+        if allowed:
+            used = self.journal.increment("restarts_used")
+        reason = _field(body, "reason", str)
+        self.journal.decide("restart" if allowed else "give_up", reason,
+                            {"node_id": body.get("node_id"), "used": used, "budget": budget})
+        return {"allowed": allowed, "used": used, "budget": budget}
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        nodes = self.journal.nodes()
+        for node in nodes:
+            node["heartbeat_age_s"] = now - node["last_heartbeat"]
+        return {"job_id": self.job_id, "created": self.journal.get("created"),
+                "master_starts": self.journal.get("master_starts"),
+                "restart_budget": self.journal.get("restart_budget"),
+                "restarts_used": self.journal.get("restarts_used", 0),
+                "nodes": nodes, "incidents": self.journal.incidents(), "decisions": self.journal.decisions()}
+
+    def sweep(self) -> list[str]:
+        """Mark nodes without a heartbeat for node_timeout_s as lost (after this master has been up
+        that long, so a restarted master does not condemn nodes that were waiting for it)."""
+        now = time.time()
+        if now - self.started < self.node_timeout_s:
+            return []
+        lost = []
+        for node in self.journal.nodes():
+            if node["state"] == "alive" and now - node["last_heartbeat"] > self.node_timeout_s:
+                self.journal.set_node_state(node["node_id"], "lost")
+                self.journal.decide("node_lost", f"no heartbeat for {now - node['last_heartbeat']:.1f} s",
+                                    {"node_id": node["node_id"]})
+                lost.append(node["node_id"])
+        return lost
+
+
+Route = Callable[[MasterState, dict[str, Any], re.Match], dict[str, Any]]
+ROUTES: list[tuple[str, re.Pattern, Route]] = [
+    ("GET", re.compile(rf"^{API}/status$"), lambda s, b, m: s.status()),
+    ("POST", re.compile(rf"^{API}/nodes/join$"), lambda s, b, m: s.join(b)),
+    ("POST", re.compile(rf"^{API}/nodes/heartbeat$"), lambda s, b, m: s.heartbeat(b)),
+    ("POST", re.compile(rf"^{API}/incidents$"), lambda s, b, m: s.open_incident(b)),
+    ("PATCH", re.compile(rf"^{API}/incidents/(\d+)$"), lambda s, b, m: s.update_incident(int(m[1]), b)),
+    ("POST", re.compile(rf"^{API}/restarts$"), lambda s, b, m: s.request_restart(b)),
+]
+
+
+def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
+    expected = f"Bearer {token}".encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("%s " + fmt, self.client_address[0], *args)
+
+        def _reply(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if status == HTTPStatus.UNAUTHORIZED:
+                self.send_header("WWW-Authenticate", 'Bearer realm="stalwart"')
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _body(self) -> dict[str, Any]:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
+            if not length:
+                return {}
+            try:
+                body = json.loads(self.rfile.read(length))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ApiError(HTTPStatus.BAD_REQUEST, "body is not JSON") from None
+            if not isinstance(body, dict):
+                raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+            return body
+
+        def _dispatch(self, method: str) -> None:
+            try:
+                auth = (self.headers.get("Authorization") or "").encode()
+                if not auth:
+                    raise ApiError(HTTPStatus.UNAUTHORIZED, "missing bearer token")
+                if not hmac.compare_digest(auth, expected):
+                    raise ApiError(HTTPStatus.FORBIDDEN, "wrong job token")
+                path = self.path.split("?", 1)[0]
+                for verb, pattern, route in ROUTES:
+                    match = pattern.match(path)
+                    if match and verb == method:
+                        self._reply(HTTPStatus.OK, route(state, self._body(), match))
+                        return
+                raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
+            except ApiError as err:
+                self._reply(err.status, {"error": str(err)})
+            except Exception as err:  # never let a bad request take the master down
+                log.exception("request failed")
+                self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": type(err).__name__})
+
+        def do_GET(self) -> None:
+            self._dispatch("GET")
+
+        def do_POST(self) -> None:
+            self._dispatch("POST")
+
+        def do_PATCH(self) -> None:
+            self._dispatch("PATCH")
+
+    return Handler
+
+
+def load_or_create_token(path: Path, token: str | None = None) -> str:
+    """The job token: given, or read from `path`, or created there (mode 0600) on first start."""
+    if token:
+        return token
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(token)
+    return token
+
+
+class Master:
+    """Owns the server thread and the lost-node sweeper; `serve_forever` for the CLI."""
+
+    def __init__(self, db: str | Path, token: str, host: str = "127.0.0.1", port: int = 0,
+                 job_id: str = "job", restart_budget: int = 3, node_timeout_s: float = 30.0) -> None:
+        if not token:
+            raise ValueError("the master needs a job token")
+        self.journal = Journal(db)
+        self.state = MasterState(self.journal, job_id, restart_budget, node_timeout_s)
+        self.server = ThreadingHTTPServer((host, port), _handler(self.state, token))
+        self.server.daemon_threads = True
+        self._stop = threading.Event()
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.state.sweep()
+
+    def start(self) -> "Master":
+        threading.Thread(target=self.server.serve_forever, name="master-http", daemon=True).start()
+        threading.Thread(target=self._sweep_loop, name="master-sweep", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.journal.close()

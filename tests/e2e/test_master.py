@@ -1,0 +1,181 @@
+"""The job master as a real process over real HTTP: auth, API, journal, restart-resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from stalwart.launch.client import MasterClient, MasterError
+
+pytestmark = pytest.mark.e2e
+TOKEN = "test-token-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_master(db: Path, port: int, *extra: str) -> tuple[subprocess.Popen, str]:
+    ready = db.parent / f"ready-{time.monotonic_ns()}.json"
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "master", "--db", str(db), "--port", str(port),
+                             "--job-token", TOKEN, "--ready-file", str(ready), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "master did not start"
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())["address"]
+
+
+@pytest.fixture
+def master(tmp_path):
+    proc, address = start_master(tmp_path / "journal.sqlite", 0, "--restart-budget", "2")
+    yield address
+    proc.terminate()
+    proc.wait(10)
+
+
+def raw(address: str, method: str, path: str, token: str | None, body: bytes | None = None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(address + path, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_every_call_needs_the_token(master):
+    for method, path, body in (("GET", "/v1/status", None),
+                               ("POST", "/v1/nodes/join", b'{"node_id":"n","host":"h","nproc":1}'),
+                               ("POST", "/v1/restarts", b'{"reason":"x"}')):
+        assert raw(master, method, path, None, body) == 401
+        assert raw(master, method, path, "wrong", body) == 403
+    assert raw(master, "GET", "/v1/status", TOKEN) == 200
+    status = MasterClient(master, TOKEN).status()
+    assert status["nodes"] == [] and status["decisions"] == [], "rejected calls must change nothing"
+
+
+def test_bad_requests_are_rejected_cleanly(master):
+    assert raw(master, "POST", "/v1/nodes/join", TOKEN, b"not json") == 400
+    assert raw(master, "POST", "/v1/nodes/join", TOKEN, b"[1, 2]") == 400
+    assert raw(master, "POST", "/v1/nodes/join", TOKEN, b'{"node_id": 5, "host": "h", "nproc": 1}') == 400
+    assert raw(master, "GET", "/v1/nope", TOKEN) == 404
+    client = MasterClient(master, TOKEN)
+    with pytest.raises(MasterError) as err:
+        client.heartbeat("ghost", {"step": 1})
+    assert err.value.status == 404
+    with pytest.raises(MasterError, match="unknown incident timestamps"):
+        client.open_incident("kill", times={"whenever": 1.0})
+    assert client.status()["job_id"] == "job"  # still serving
+
+
+def test_membership_incidents_and_global_restart_budget(master):
+    client = MasterClient(master, TOKEN)
+    client.join("node-0", "hostA", 2, {"gpus": 0})
+    client.join("node-1", "hostB", 2)
+    client.heartbeat("node-0", {"step": 7, "phase": "train"})
+    incident = client.open_incident("sigkill", node_id="node-1", cls="system", times={"fault": 10.0, "detected": 10.2})
+    client.update_incident(incident, {"restarted": 11.0, "first_step": 12.5}, {"lost_steps": 1})
+    # The budget is per job: two restarts from different nodes use it up.
+    assert client.request_restart("worker died", "node-0")["allowed"]
+    assert client.request_restart("worker died", "node-1")["allowed"]
+    third = client.request_restart("worker died", "node-0")
+    assert not third["allowed"] and third["used"] == 2 and third["budget"] == 2
+    status = client.status()
+    assert [n["node_id"] for n in status["nodes"]] == ["node-0", "node-1"]
+    assert status["nodes"][0]["progress"] == {"step": 7, "phase": "train"}
+    [inc] = status["incidents"]
+    assert (inc["kind"], inc["class"], inc["fault"], inc["detected"], inc["restarted"], inc["first_step"]) == \
+        ("sigkill", "system", 10.0, 10.2, 11.0, 12.5)
+    assert inc["details"] == {"lost_steps": 1}
+    assert [d["action"] for d in status["decisions"]] == ["restart", "restart", "give_up"]
+
+
+def test_killed_master_restarts_and_resumes_the_job(tmp_path):
+    port = free_port()
+    db = tmp_path / "journal.sqlite"
+    proc, address = start_master(db, port)
+    client = MasterClient(address, TOKEN, retry_for_s=30)
+    client.join("node-0", "hostA", 1)
+    incident = client.open_incident("hang", node_id="node-0", times={"fault": 1.0})
+    beats, errors, stop = [], [], threading.Event()
+
+    def agent() -> None:  # heartbeats straight through the master's death and restart
+        step = 0
+        while not stop.is_set():
+            step += 1
+            try:
+                client.heartbeat("node-0", {"step": step})
+                beats.append(step)
+            except Exception as err:  # pragma: no cover - reported below
+                errors.append(err)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    before = len(beats)
+    time.sleep(0.5)
+    proc2, _ = start_master(db, port)
+    try:
+        deadline = time.monotonic() + 20
+        while len(beats) < before + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        thread.join(30)
+        assert not errors, errors
+        assert len(beats) >= before + 5, "heartbeats did not resume after the master restart"
+        status = client.status()
+        assert status["master_starts"] == 2
+        assert status["nodes"][0]["progress"]["step"] == beats[-1]
+        assert status["incidents"][0]["id"] == incident and status["incidents"][0]["fault"] == 1.0
+    finally:
+        proc2.terminate()
+        proc2.wait(10)
+
+
+def test_silent_node_is_declared_lost(tmp_path):
+    proc, address = start_master(tmp_path / "j.sqlite", 0, "--node-timeout", "1")
+    try:
+        client = MasterClient(address, TOKEN)
+        client.join("node-0", "h", 1)
+        client.join("node-1", "h", 1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            client.heartbeat("node-0", {"step": 1})
+            states = {n["node_id"]: n["state"] for n in client.status()["nodes"]}
+            if states["node-1"] == "lost":
+                break
+            time.sleep(0.2)
+        assert states == {"node-0": "alive", "node-1": "lost"}
+        assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node-1"
+                   for d in client.status()["decisions"])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_master_binds_loopback_by_default(tmp_path):
+    proc, address = start_master(tmp_path / "j.sqlite", 0)
+    try:
+        assert address.startswith("http://127.0.0.1:")
+    finally:
+        proc.terminate()
+        proc.wait(10)
