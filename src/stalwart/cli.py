@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from stalwart import __version__
-from stalwart.commands import data, demo, master, train
+from stalwart.commands import data, demo, master, run, train
 from stalwart.commands.common import fail
 from stalwart.errors import WorkersFailed
 
-COMMANDS = (train, data, demo, master)
+COMMANDS = (train, data, demo, master, run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,10 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    overrides = {}
     try:
+        # Pass-through commands (run) parse their own arguments, torchrun style, --help included.
+        if argv and argv[0] == "run":
+            return run.run(argparse.Namespace(argv=argv[1:]))
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        overrides = {}
         if extra:
             if not getattr(args, "accepts_overrides", False):
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")

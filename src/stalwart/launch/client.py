@@ -76,5 +76,8 @@ class MasterClient:
     def request_restart(self, reason: str, node_id: str | None = None) -> dict[str, Any]:
         return self.call("POST", "/v1/restarts", {"reason": reason, "node_id": node_id})
 
+    def decide(self, action: str, reason: str, details: dict[str, Any] | None = None) -> int:
+        return self.call("POST", "/v1/decisions", {"action": action, "reason": reason, "details": details or {}})["id"]
+
     def status(self) -> dict[str, Any]:
         return self.call("GET", "/v1/status")

@@ -103,6 +103,10 @@ class MasterState:
                             {"node_id": body.get("node_id"), "used": used, "budget": budget})
         return {"allowed": allowed, "used": used, "budget": budget}
 
+    def decide(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.journal.decide(_field(body, "action", str), _field(body, "reason", str),
+                                          _field(body, "details", dict, required=False))}
+
     def status(self) -> dict[str, Any]:
         now = time.time()
         nodes = self.journal.nodes()
@@ -138,6 +142,7 @@ ROUTES: list[tuple[str, re.Pattern, Route]] = [
     ("POST", re.compile(rf"^{API}/incidents$"), lambda s, b, m: s.open_incident(b)),
     ("PATCH", re.compile(rf"^{API}/incidents/(\d+)$"), lambda s, b, m: s.update_incident(int(m[1]), b)),
     ("POST", re.compile(rf"^{API}/restarts$"), lambda s, b, m: s.request_restart(b)),
+    ("POST", re.compile(rf"^{API}/decisions$"), lambda s, b, m: s.decide(b)),
 ]
 
 

@@ -1,0 +1,1 @@
+"""Node health: log diagnosis rules (and, with its issue, burn-in and collective checks)."""

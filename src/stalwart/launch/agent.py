@@ -1,0 +1,283 @@
+"""The node agent: TorchElastic's LocalElasticAgent plus detection, diagnosis and a journal.
+
+TorchElastic keeps doing what it does well (c10d rendezvous, process management, error files).
+On top, each monitor tick:
+  - reads every local rank's progress record (shared memory, see ``progress``) and declares a hang
+    when a rank is silent past its phase-aware allowance, dumping Python stacks with py-spy;
+  - on a worker failure, classifies it from the worker's log (``health.log_rules``): user errors fail
+    fast with their traceback, everything else asks the master for one restart from the job-wide
+    budget (pytorch#108158: TorchElastic counts restarts per node);
+  - journals each incident with timestamps: fault, detected, workers stopped, restarted, first step.
+A heartbeat thread sends progress and node info to the master once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsSpecs
+
+from stalwart.health.log_rules import NEVER, Diagnosis, diagnose, last_traceback
+from stalwart.launch.client import MasterClient, MasterError
+from stalwart.launch.hang import HangDetector, HangPolicy
+from stalwart.launch.progress import ENV_DIR, Progress, ProgressReader
+
+log = logging.getLogger("stalwart.agent")
+LOG_TAIL_BYTES = 256 << 10
+
+
+@dataclass
+class Incident:
+    """One fault being handled; times are wall-clock seconds."""
+
+    kind: str
+    cls: str
+    retry: bool
+    detected: float
+    fault: float | None = None
+    ranks: list[int] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+    last_step: int = -1
+
+
+def stack_dump(pid: int, timeout_s: float = 10.0) -> str:
+    """Python stacks of a process via py-spy (works on stopped or spinning processes)."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        return "(py-spy is not installed: no stack dump)"
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"(py-spy dump of pid {pid} timed out)"
+    return out.stdout or out.stderr
+
+
+def _tail(path: str | None) -> str:
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
+        return f.read().decode("utf-8", errors="replace")
+
+
+class StalwartAgent(LocalElasticAgent):
+    def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, *, master: MasterClient, node_id: str,
+                 run_dir: Path, hang_policy: HangPolicy, start_method: str = "spawn",
+                 on_failure: Callable[[Incident], dict[str, Any]] | None = None,
+                 heartbeat_s: float = 1.0, shutdown_timeout: int = 5) -> None:
+        super().__init__(spec, logs_specs, start_method, shutdown_timeout=shutdown_timeout)
+        self.master, self.node_id = master, node_id
+        self.run_dir = Path(run_dir)
+        self.progress_dir = self.run_dir / "progress" / node_id
+        self.reader = ProgressReader(self.progress_dir)
+        self.hang = HangDetector(hang_policy)
+        self.on_failure = on_failure
+        self.heartbeat_s = heartbeat_s
+        self.incidents: list[Incident] = []
+        self._pending: Incident | None = None  # set when detected, completed after the first step
+        self._latest: list[Progress] = []
+        self._started_at = time.time()
+        self._progressed = False  # any step completed in any attempt (user-error rules need it)
+        self._stop_beats = threading.Event()
+        self._beats = threading.Thread(target=self._heartbeat_loop, name="stalwart-heartbeat", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self, role: str = "default") -> RunResult:
+        self.master.join(self.node_id, socket.gethostname(), self._worker_group.spec.local_world_size,
+                         {"pid": os.getpid()})
+        self._beats.start()
+        try:
+            return super().run(role)
+        finally:
+            self._stop_beats.set()
+            self._beats.join(5)
+            self.reader.close()
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        # Fresh records: a restarted rank must not look alive through its predecessor's record.
+        if self.progress_dir.exists():
+            shutil.rmtree(self.progress_dir)
+        self.progress_dir.mkdir(parents=True)
+        self.reader.close()
+        os.environ[ENV_DIR] = str(self.progress_dir)  # inherited by the workers
+        self._started_at = time.time()
+        return super()._start_workers(worker_group)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        incident = self._pending
+        self._stop_workers(worker_group)
+        stopped = time.time()
+        saved: dict[str, Any] = {}
+        if incident is not None and self.on_failure is not None:
+            try:
+                saved = self.on_failure(incident)
+            except Exception as err:  # a failed save must not stop the recovery
+                log.exception("save-on-failure failed")
+                saved = {"error": f"{type(err).__name__}: {err}"}
+        worker_group.state = WorkerState.STOPPED
+        self.hang.reset()
+        self._initialize_workers(worker_group)
+        restarted = time.time()
+        if incident is not None and incident.id is not None:
+            self._journal(lambda: self.master.update_incident(
+                incident.id, {"stopped": stopped, "restarted": restarted},
+                {"save_on_failure": saved} if saved else None))
+        elif incident is None:
+            self._journal(lambda: self.master.decide("regroup", "membership changed: workers restarted "
+                                                     "without a fault", {"node_id": self.node_id}))
+
+    # -- detection ------------------------------------------------------------------------------
+    def _progress(self, worker_group: WorkerGroup) -> list[Progress]:
+        now = self._started_at
+        out = []
+        for worker in worker_group.workers:
+            p = self.reader.read(worker.global_rank)
+            # A rank with no record yet is still starting: it counts from the group's start.
+            out.append(p if p is not None else Progress(worker.global_rank, -1, now, "init", float("nan"), 0))
+        return out
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        now = time.time()
+        progress = self._progress(worker_group)
+        self._latest = progress
+        self._progressed = self._progressed or any(p.reports > 0 for p in progress)
+        self._check_first_step(progress)
+        if result.state == WorkerState.HEALTHY:
+            hung = self.hang.hung(progress, now)
+            if hung:
+                return self._on_hang(worker_group, hung, progress, now)
+        elif result.state == WorkerState.FAILED:
+            self._on_exit(worker_group, result, progress, now)
+        return result
+
+    def _on_hang(self, worker_group: WorkerGroup, hung: list[tuple[int, float, float]],
+                 progress: list[Progress], now: float) -> RunResult:
+        ranks = [rank for rank, _, _ in hung]
+        log.error("hang: rank(s) %s silent for %s s (allowance %s s); dumping stacks", ranks,
+                  [round(s, 1) for _, s, _ in hung], [round(a, 1) for _, _, a in hung])
+        pids = self._pcontext.pids() if self._pcontext else {}
+        dumps = {}
+        for worker in worker_group.workers:
+            pid = pids.get(worker.local_rank)
+            if pid:
+                dumps[worker.global_rank] = stack_dump(pid)
+                print(f"--- stalwart: Python stacks of rank {worker.global_rank} (pid {pid}) ---\n"
+                      f"{dumps[worker.global_rank]}", file=sys.stderr, flush=True)
+        for pid in pids.values():  # hung processes may ignore SIGTERM (or be stopped): kill them
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        fault = min(p.time for p in progress if p.rank in ranks)
+        fault = min([self._fault_time(r) or fault for r in ranks])
+        incident = Incident("hang", "system", True, now, fault, ranks,
+                            {"silent_s": {r: s for r, s, _ in hung}, "stacks": dumps})
+        self._handle(incident, progress)
+        return RunResult(state=WorkerState.FAILED)
+
+    def _fault_time(self, rank: int) -> float | None:
+        """When chaos injected the fault, if it did (it writes the time first): exact MTTR figures."""
+        try:
+            return float((self.progress_dir / f"rank{rank}.fault").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _on_exit(self, worker_group: WorkerGroup, result: RunResult, progress: list[Progress],
+                 now: float) -> None:
+        local_of = {w.global_rank: w.local_rank for w in worker_group.workers}
+        candidates = []
+        for rank, failure in result.failures.items():
+            text = _tail(self._pcontext.stderrs.get(local_of[rank]) if self._pcontext else None)
+            if failure.exitcode < 0:
+                name = signal.Signals(-failure.exitcode).name
+                diagnosis = Diagnosis(name.lower(), "system", NEVER, f"killed by {name}")
+            else:
+                diagnosis = diagnose(text) or Diagnosis("exit", "system", NEVER, f"exit code {failure.exitcode}")
+            # Peers of a dead rank fail with connection errors: prefer the failure that is a cause.
+            # The agent's own SIGTERM to the survivors is a consequence, too.
+            consequential = diagnosis.kind in ("connection", "collective_timeout", "sigterm")
+            candidates.append((consequential, failure.timestamp, rank, failure, diagnosis, text))
+        _, _, rank, failure, diagnosis, text = min(candidates, key=lambda c: c[:3])
+        traceback = failure.message if "Traceback" in str(failure.message or "") else last_traceback(text)
+        progressed = self._progressed or any(p.reports > 0 for p in progress)
+        retry = diagnosis.retry(progressed)
+        incident = Incident(diagnosis.kind, diagnosis.cls, retry, now, self._fault_time(rank), [rank],
+                            {"exitcode": failure.exitcode, "evidence": diagnosis.evidence,
+                             "traceback": traceback})
+        if not retry:
+            print(f"stalwart: rank {rank} failed with a user error ({diagnosis.kind}); not restarting.\n"
+                  f"{traceback or diagnosis.evidence}", file=sys.stderr, flush=True)
+        self._handle(incident, progress)
+
+    def _handle(self, incident: Incident, progress: list[Progress]) -> None:
+        incident.last_step = max((p.step for p in progress), default=-1)
+        times = {"detected": incident.detected}
+        if incident.fault is not None:
+            times["fault"] = incident.fault
+        self._journal(lambda: setattr(incident, "id", self.master.open_incident(
+            incident.kind, self.node_id, incident.cls, times, incident.details)))
+        allowed = incident.retry
+        if allowed:
+            try:
+                decision = self.master.request_restart(f"{incident.kind} on rank(s) {incident.ranks}",
+                                                       self.node_id)
+                allowed = decision["allowed"]
+                if not allowed:
+                    print(f"stalwart: restart budget used up ({decision['used']}/{decision['budget']}); "
+                          "giving up", file=sys.stderr, flush=True)
+            except (MasterError, OSError) as err:
+                log.error("master unreachable for the restart decision (%s); using the local budget", err)
+        if not allowed:
+            self._remaining_restarts = 0
+        self.incidents.append(incident)
+        self._pending = incident if allowed else None
+
+    def _check_first_step(self, progress: list[Progress]) -> None:
+        """Close the pending incident when every rank has reported a step since the restart."""
+        incident = self._pending
+        if incident is None or not progress or any(p.reports == 0 for p in progress):
+            return
+        first = max(p.time for p in progress)
+        self._pending = None
+        incident.details["first_step"] = first
+        if incident.id is not None:
+            self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first}))
+
+    # -- master ---------------------------------------------------------------------------------
+    def _journal(self, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except (MasterError, OSError) as err:
+            log.error("could not journal to the master: %s", err)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop_beats.wait(self.heartbeat_s):
+            ranks = [{"rank": p.rank, "step": p.step, "phase": p.phase, "age_s": round(time.time() - p.time, 3),
+                      "loss": None if p.loss != p.loss else p.loss} for p in self._latest]
+            state = self._worker_group.state.name
+            try:
+                self.master.call("POST", "/v1/nodes/heartbeat",
+                                 {"node_id": self.node_id, "progress": {"state": state, "ranks": ranks}},
+                                 retry_for_s=0)
+            except MasterError as err:
+                if err.status == 404:  # a master that lost its journal: join again
+                    self._journal(lambda: self.master.join(self.node_id, socket.gethostname(),
+                                                           self._worker_group.spec.local_world_size))
+            except OSError:
+                pass  # the master may be restarting; the next beat tries again

@@ -1,0 +1,181 @@
+"""Worker → agent progress over shared memory: one tiny memory-mapped record per rank.
+
+`stalwart.report(step, loss=...)` writes step, wall time, phase and loss into a 64-byte record with a
+seqlock (an odd sequence number means "being written"), so a step costs one `struct.pack_into` and no
+system call, let alone a network round trip. The node agent reads every rank's record when it
+heartbeats and when it checks for hangs. Extra metrics go to a per-rank JSONL file, flushed at most
+once a second, for the agent to forward in batches.
+
+Without a stalwart agent (no ``STALWART_PROGRESS_DIR``) every call is a cheap no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENV_DIR = "STALWART_PROGRESS_DIR"
+PHASES = ("init", "train", "checkpoint", "eval", "done")
+_RECORD = struct.Struct("<QqdIxxxxdQ")  # seq, step, time, phase, pad, loss, steps_reported
+SIZE = 64
+assert _RECORD.size <= SIZE
+
+
+@dataclass(frozen=True)
+class Progress:
+    rank: int
+    step: int  # -1 before the first report
+    time: float  # wall-clock time of the last report (or of channel creation)
+    phase: str
+    loss: float
+    reports: int
+
+    def age(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.time
+
+
+def record_path(directory: str | Path, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.progress"
+
+
+class ProgressWriter:
+    """The worker side. One per process; create through `writer()`."""
+
+    def __init__(self, directory: str | Path, rank: int) -> None:
+        path = record_path(directory, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self.rank = rank
+        self._seq = 0
+        self._step, self._phase, self._loss, self._reports = -1, 0, math.nan, 0
+        self._metrics_path = Path(directory) / f"rank{rank}.metrics.jsonl"
+        self._pending: list[str] = []
+        self._flushed = time.monotonic()
+        self._publish()
+
+    def _publish(self) -> None:
+        self._seq += 1  # odd: write in progress
+        struct.pack_into("<Q", self._map, 0, self._seq)
+        _RECORD.pack_into(self._map, 0, self._seq, self._step, time.time(), self._phase, self._loss,
+                          self._reports)
+        self._seq += 1  # even: consistent
+        struct.pack_into("<Q", self._map, 0, self._seq)
+
+    def report(self, step: int, loss: float | None = None, **metrics: Any) -> None:
+        self._step, self._reports = step, self._reports + 1
+        self._loss = math.nan if loss is None else float(loss)
+        if self._phase == 0:
+            self._phase = 1  # a report means training has started
+        self._publish()
+        if metrics:
+            self._pending.append(json.dumps({"step": step, "time": time.time(), "loss": loss, **metrics}))
+            if time.monotonic() - self._flushed > 1.0:
+                self.flush()
+
+    def set_phase(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
+        self._phase = PHASES.index(phase)
+        self._publish()
+
+    def flush(self) -> None:
+        if self._pending:
+            with open(self._metrics_path, "a") as f:
+                f.write("\n".join(self._pending) + "\n")
+            self._pending.clear()
+        self._flushed = time.monotonic()
+
+
+class ProgressReader:
+    """The agent side: consistent snapshots of every local rank's record (seqlock: the sequence
+    number is read before and after copying; equal and even means the copy is whole)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def _map(self, rank: int) -> mmap.mmap | None:
+        if rank not in self._maps:
+            path = record_path(self.directory, rank)
+            try:
+                with open(path, "rb") as f:
+                    if os.fstat(f.fileno()).st_size < SIZE:
+                        return None
+                    self._maps[rank] = mmap.mmap(f.fileno(), SIZE, prot=mmap.PROT_READ)
+            except FileNotFoundError:
+                return None
+        return self._maps[rank]
+
+    def read(self, rank: int) -> Progress | None:
+        m = self._map(rank)
+        if m is None:
+            return None
+        for _ in range(1000):
+            before = struct.unpack_from("<Q", m, 0)[0]
+            data = m[:SIZE]
+            after = struct.unpack_from("<Q", m, 0)[0]
+            if before == after and before % 2 == 0:
+                _, step, stamp, phase, loss, reports = _RECORD.unpack_from(data)
+                return Progress(rank, step, stamp, PHASES[phase] if phase < len(PHASES) else "train",
+                                loss, reports)
+        return None
+
+    def forget(self, rank: int) -> None:
+        """Drop a rank's mapping (its worker is being replaced and will recreate the record)."""
+        m = self._maps.pop(rank, None)
+        if m is not None:
+            m.close()
+
+    def close(self) -> None:
+        for rank in list(self._maps):
+            self.forget(rank)
+
+
+_writer: ProgressWriter | None = None
+_resolved = False
+
+
+def writer() -> ProgressWriter | None:
+    """This process's writer, created on first use when an agent set STALWART_PROGRESS_DIR."""
+    global _writer, _resolved
+    if not _resolved:
+        _resolved = True
+        directory = os.environ.get(ENV_DIR)
+        if directory:
+            _writer = ProgressWriter(directory, int(os.environ.get("RANK", "0")))
+    return _writer
+
+
+def report(step: int, loss: float | None = None, **metrics: Any) -> None:
+    """Tell the agent that `step` completed (call once per optimizer step, after it)."""
+    w = writer()
+    if w is not None:
+        w.report(step, loss, **metrics)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark a long non-step phase (checkpoint, eval) so hang detection allows for it."""
+    w = writer()
+    if w is None:
+        yield
+        return
+    w.set_phase(name)
+    try:
+        yield
+    finally:
+        w.set_phase("train")

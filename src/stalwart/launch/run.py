@@ -1,0 +1,167 @@
+"""`stalwart run`: torchrun's command line and rendezvous, with a stalwart agent and job master.
+
+torchrun's own parser and `config_from_args` read the torchrun flags, so a torchrun command line
+behaves the same here; our flags are added to the same parser. For single-host jobs a master is
+started inside this process (loopback, a generated token), unless `--master` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic import rendezvous
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import _get_addr_and_port
+
+from stalwart.launch.agent import StalwartAgent
+from stalwart.launch.client import MasterClient
+from stalwart.launch.hang import HangPolicy
+from stalwart.launch.master import Master, load_or_create_token
+
+log = logging.getLogger("stalwart.run")
+UNBOUNDED = 1 << 30  # local restart counter: the master's job-wide budget decides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = torchrun.get_args_parser()
+    parser.prog = "stalwart run"
+    parser.description = (
+        "Run a training script like torchrun, and keep it training through failures: heartbeats to a "
+        "job master, hang detection with stack dumps, log diagnosis (user errors fail fast), a "
+        "job-wide restart budget and an incident journal. All torchrun flags work as in torchrun; "
+        "--max-restarts is the budget for the whole job, not per node.")
+    g = parser.add_argument_group("stalwart")
+    g.add_argument("--master", default=None,
+                   help="job master URL (http://HOST:PORT) for multi-node jobs; default: start one here")
+    g.add_argument("--job-token", default=os.environ.get("STALWART_JOB_TOKEN"),
+                   help="job token for the master (default $STALWART_JOB_TOKEN, else generated into "
+                        "RUN_DIR/token)")
+    g.add_argument("--run-dir", type=Path, default=None,
+                   help="where the journal, logs and progress records go (default runs/RDZV_ID)")
+    g.add_argument("--node-id", default=None, help="this agent's name in the job (default HOST-PID)")
+    g.add_argument("--hang-timeout", default="auto",
+                   help="seconds without step progress before a rank is declared hung, or 'auto' = "
+                        "max(10 s, 3 × median step time); first steps and checkpoint/eval phases get "
+                        "longer allowances (default auto)")
+    g.add_argument("--startup-timeout", type=float, default=120.0,
+                   help="allowance in seconds before the first steps report (default 120)")
+    g.add_argument("--chaos", default=None, metavar="SPEC",
+                   help="fault injection for tests and demos, passed to workers as STALWART_CHAOS "
+                        "(e.g. kill:rank=1:step=7)")
+    g.add_argument("--summary-json", type=Path, default=None,
+                   help="write the run's outcome (exit, incidents, restarts) here as JSON")
+    return parser
+
+
+def _hang_policy(args: argparse.Namespace) -> HangPolicy:
+    if args.hang_timeout == "auto":
+        return HangPolicy(startup_s=args.startup_timeout)
+    try:
+        timeout = float(args.hang_timeout)
+    except ValueError:
+        raise ValueError(f"--hang-timeout must be a number of seconds or 'auto', got {args.hang_timeout!r}") from None
+    return HangPolicy(timeout_s=timeout, startup_s=args.startup_timeout)
+
+
+def _rendezvous_defaults(args: argparse.Namespace) -> None:
+    """torchrun's own rule: --standalone, or a single node without an endpoint, gets a local c10d
+    rendezvous on a free port with a fresh id."""
+    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
+                           and args.master_port is None and max_nodes == 1):
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        if args.standalone or args.rdzv_id == "none":
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def run(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    policy = _hang_policy(args)
+    _rendezvous_defaults(args)
+    config, cmd, cmd_args = torchrun.config_from_args(args)
+    run_dir = args.run_dir or Path("runs") / args.rdzv_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    node_id = args.node_id or f"{os.uname().nodename}-{os.getpid()}"
+    # Worker logs must land in files for diagnosis; tee keeps them on the console as torchrun does.
+    log_dir = args.log_dir or str(run_dir / "logs")
+    logs_specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.from_str(args.redirects),
+                                  tee=Std.ALL if args.tee == "0" and args.redirects == "0" else Std.from_str(args.tee))
+    if args.chaos:
+        os.environ["STALWART_CHAOS"] = args.chaos
+
+    master: Master | None = None
+    if args.master:
+        token = args.job_token or os.environ.get("STALWART_JOB_TOKEN")
+        if not token:
+            raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
+        address = args.master
+    else:
+        token = load_or_create_token(run_dir / "token", args.job_token)
+        master = Master(run_dir / "journal.sqlite", token, job_id=args.rdzv_id,
+                        restart_budget=args.max_restarts).start()
+        address = master.address
+    os.environ.update({"STALWART_MASTER": address, "STALWART_JOB_ID": args.rdzv_id,
+                       "STALWART_NODE_ID": node_id})
+    client = MasterClient(address, token)
+
+    params = rendezvous.RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs)
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    # A fresh worker store every round. torch shares the rendezvous TCP store with the workers
+    # across rounds without a per-round prefix, so restarted workers read their predecessors' gloo
+    # addresses and fail with "connectFullMesh ... Connection refused", burning a restart.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=UNBOUNDED,
+        monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
+        local_addr=config.local_addr)
+    agent = StalwartAgent(spec, logs_specs, master=client, node_id=node_id, run_dir=run_dir,
+                          hang_policy=policy, start_method=config.start_method)
+    exit_code = 0
+    try:
+        result = agent.run()
+        if result.is_failed():
+            exit_code = 1
+            first = min(result.failures.items(), default=None, key=lambda kv: kv[1].timestamp)
+            what = f"rank {first[0]} exit code {first[1].exitcode}" if first else "a hang"
+            print(f"stalwart run: job failed ({what}); journal: {run_dir / 'journal.sqlite'}",
+                  file=sys.stderr)
+    except ChildFailedError:
+        exit_code = 1
+    finally:
+        spec.rdzv_handler.shutdown()
+        summary = _summary(client, node_id, exit_code, agent)
+        if args.summary_json:
+            args.summary_json.write_text(json.dumps(summary, indent=1))
+        if master is not None:
+            master.stop()
+    return exit_code
+
+
+def _summary(client: MasterClient, node_id: str, exit_code: int, agent: StalwartAgent) -> dict[str, Any]:
+    incidents = [{"kind": i.kind, "class": i.cls, "ranks": i.ranks, "retry": i.retry, "fault": i.fault,
+                  "detected": i.detected, "first_step": i.details.get("first_step"),
+                  "exitcode": i.details.get("exitcode"), "last_step": i.last_step} for i in agent.incidents]
+    try:
+        status = client.call("GET", "/v1/status", retry_for_s=2)
+        restarts = status["restarts_used"]
+    except OSError:
+        restarts = None
+    return {"node_id": node_id, "exit_code": exit_code, "incidents": incidents, "restarts_used": restarts}
