@@ -179,3 +179,14 @@ def test_master_binds_loopback_by_default(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_agents_of_one_failure_share_one_restart(master):
+    client = MasterClient(master, TOKEN)
+    first = client.request_restart("rank 1 died", "node-0", round_=0)
+    second = client.request_restart("peer died", "node-1", round_=0)
+    assert first["allowed"] and second["allowed"] and second.get("shared")
+    assert client.status()["restarts_used"] == 1
+    assert client.request_restart("again", "node-1", round_=1)["used"] == 2
+    assert not client.request_restart("and again", "node-0", round_=2)["allowed"]  # budget 2
+    assert not client.request_restart("peer", "node-1", round_=2)["allowed"]

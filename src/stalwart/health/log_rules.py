@@ -41,7 +41,7 @@ RULES: tuple[Rule, ...] = (
     _r("nccl", SYSTEM, r"NCCL (?:WARN|error)|ncclSystemError|ncclInternalError|ProcessGroupNCCL.*[Tt]imeout"),
     _r("collective_timeout", SYSTEM, r"Watchdog caught collective operation timeout|"
                                      r"gloo.*(?:Timed out|timeout)|Socket Timeout"),
-    _r("connection", SYSTEM, r"Connection (?:refused|reset by peer)|connectFullMesh|Broken pipe|"
+    _r("connection", SYSTEM, r"Connection (?:refused|reset by peer|closed by peer)|connectFullMesh|Broken pipe|"
                              r"DistNetworkError|RendezvousConnectionError"),
     _r("nan", USER, r"\bloss (?:is )?(?:nan|inf)\b|non-finite loss|NaN or Inf found"),
     _r("syntax_error", USER, r"^(?:SyntaxError|IndentationError|TabError):", fatal=ALWAYS),

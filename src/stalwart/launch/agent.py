@@ -92,6 +92,7 @@ class StalwartAgent(LocalElasticAgent):
         self._pending: Incident | None = None  # set when detected, completed after the first step
         self._latest: list[Progress] = []
         self._started_at = time.time()
+        self._restart_round = 0  # same on every agent of a job: they restart together
         self._progressed = False  # any step completed in any attempt (user-error rules need it)
         self._stop_beats = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="stalwart-heartbeat", daemon=True)
@@ -130,6 +131,7 @@ class StalwartAgent(LocalElasticAgent):
                 log.exception("save-on-failure failed")
                 saved = {"error": f"{type(err).__name__}: {err}"}
         worker_group.state = WorkerState.STOPPED
+        self._restart_round += 1
         self.hang.reset()
         self._initialize_workers(worker_group)
         restarted = time.time()
@@ -213,13 +215,13 @@ class StalwartAgent(LocalElasticAgent):
             # The agent's own SIGTERM to the survivors is a consequence, too.
             consequential = diagnosis.kind in ("connection", "collective_timeout", "sigterm")
             candidates.append((consequential, failure.timestamp, rank, failure, diagnosis, text))
-        _, _, rank, failure, diagnosis, text = min(candidates, key=lambda c: c[:3])
+        consequential, _, rank, failure, diagnosis, text = min(candidates, key=lambda c: c[:3])
         traceback = failure.message if "Traceback" in str(failure.message or "") else last_traceback(text)
         progressed = self._progressed or any(p.reports > 0 for p in progress)
         retry = diagnosis.retry(progressed)
         incident = Incident(diagnosis.kind, diagnosis.cls, retry, now, self._fault_time(rank), [rank],
                             {"exitcode": failure.exitcode, "evidence": diagnosis.evidence,
-                             "traceback": traceback})
+                             "traceback": traceback, "consequential": consequential})
         if not retry:
             print(f"stalwart: rank {rank} failed with a user error ({diagnosis.kind}); not restarting.\n"
                   f"{traceback or diagnosis.evidence}", file=sys.stderr, flush=True)
@@ -236,7 +238,7 @@ class StalwartAgent(LocalElasticAgent):
         if allowed:
             try:
                 decision = self.master.request_restart(f"{incident.kind} on rank(s) {incident.ranks}",
-                                                       self.node_id)
+                                                       self.node_id, self._restart_round)
                 allowed = decision["allowed"]
                 if not allowed:
                     print(f"stalwart: restart budget used up ({decision['used']}/{decision['budget']}); "

@@ -73,8 +73,11 @@ class MasterClient:
             body["details"] = details
         self.call("PATCH", f"/v1/incidents/{incident_id}", body)
 
-    def request_restart(self, reason: str, node_id: str | None = None) -> dict[str, Any]:
-        return self.call("POST", "/v1/restarts", {"reason": reason, "node_id": node_id})
+    def request_restart(self, reason: str, node_id: str | None = None, round_: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"reason": reason, "node_id": node_id}
+        if round_ is not None:
+            body["round"] = round_
+        return self.call("POST", "/v1/restarts", body)
 
     def decide(self, action: str, reason: str, details: dict[str, Any] | None = None) -> int:
         return self.call("POST", "/v1/decisions", {"action": action, "reason": reason, "details": details or {}})["id"]

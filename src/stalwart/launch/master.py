@@ -54,6 +54,7 @@ class MasterState:
             journal.set("created", time.time())
         journal.set("restart_budget", restart_budget)
         self.node_timeout_s = node_timeout_s
+        self._lock = threading.Lock()  # restart decisions: check-and-spend must be atomic
         self.started = time.time()  # this master process; heartbeats older than this are not counted
         journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
 
@@ -92,16 +93,26 @@ class MasterState:
         return {"ok": True}
 
     def request_restart(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The restart budget is global to the job, not per node (pytorch#108158)."""
-        budget = int(self.journal.get("restart_budget", 0))
-        used = int(self.journal.get("restarts_used", 0))
-        allowed = used < budget
-        if allowed:
-            used = self.journal.increment("restarts_used")
+        """One restart from the job-wide budget (not per node: pytorch#108158). Every agent of a
+        job fails together and asks for the same restart round; the first request decides the round
+        and the others get the same answer without spending the budget again."""
         reason = _field(body, "reason", str)
-        self.journal.decide("restart" if allowed else "give_up", reason,
-                            {"node_id": body.get("node_id"), "used": used, "budget": budget})
-        return {"allowed": allowed, "used": used, "budget": budget}
+        round_ = _field(body, "round", int, required=False)
+        key = f"restart_round.{round_}" if round_ is not None else None
+        with self._lock:
+            if key is not None and (earlier := self.journal.get(key)) is not None:
+                return {**earlier, "shared": True}
+            budget = int(self.journal.get("restart_budget", 0))
+            used = int(self.journal.get("restarts_used", 0))
+            allowed = used < budget
+            if allowed:
+                used = self.journal.increment("restarts_used")
+            answer = {"allowed": allowed, "used": used, "budget": budget}
+            if key is not None:
+                self.journal.set(key, answer)
+            self.journal.decide("restart" if allowed else "give_up", reason,
+                                {"node_id": body.get("node_id"), "round": round_, **answer})
+        return answer
 
     def decide(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.journal.decide(_field(body, "action", str), _field(body, "reason", str),

@@ -158,7 +158,8 @@ def run(argv: list[str]) -> int:
 def _summary(client: MasterClient, node_id: str, exit_code: int, agent: StalwartAgent) -> dict[str, Any]:
     incidents = [{"kind": i.kind, "class": i.cls, "ranks": i.ranks, "retry": i.retry, "fault": i.fault,
                   "detected": i.detected, "first_step": i.details.get("first_step"),
-                  "exitcode": i.details.get("exitcode"), "last_step": i.last_step} for i in agent.incidents]
+                  "exitcode": i.details.get("exitcode"), "last_step": i.last_step,
+                  "consequential": i.details.get("consequential", False)} for i in agent.incidents]
     try:
         status = client.call("GET", "/v1/status", retry_for_s=2)
         restarts = status["restarts_used"]
