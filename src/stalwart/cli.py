@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from stalwart import __version__
-from stalwart.commands import data, demo, master, run, train
+from stalwart.commands import check, data, demo, master, plan, run, train
 from stalwart.commands.common import fail
 from stalwart.errors import WorkersFailed
 
-COMMANDS = (train, data, demo, master, run)
+COMMANDS = (train, data, demo, master, run, plan, check)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,49 @@
+"""`stalwart check` on 4 simulated nodes (4 real processes, gloo): exactly the bad node is named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stalwart.health.check import Fault, isolation_pairs, neighbour_pairs
+
+pytestmark = pytest.mark.e2e
+
+
+def check(*args: str) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "stalwart", "check", "--nodes", "4", "--json", *args],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fault, bad, slow", [
+    (None, [], []),
+    ("nan:node=2", [2], []),
+    ("node-fail:node=1", [1], []),
+    ("slow:node=3:factor=3", [], [3]),
+])
+def test_check_names_exactly_the_bad_node(fault, bad, slow):
+    code, report = check(*(["--fault", fault] if fault else []))
+    assert (report["bad_nodes"], report["stragglers"]) == (bad, slow), report
+    assert code == (0 if not bad and not slow else 1)
+    if fault and fault.startswith("node-fail"):
+        # Round 1 suspected the partner too; round 2 cleared it.
+        partner = report["nodes"][0]
+        assert partner["round1_ok"] is False and partner["round2_ok"] is True and partner["ok"]
+
+
+def test_pairing_rules():
+    assert neighbour_pairs(4) == [(0, 1), (2, 3)]
+    assert neighbour_pairs(5) == [(0, 1), (2, 3)]  # node 4 waits for round 2
+    speed = {0: 1.0, 1: 1.0, 2: 9.0, 3: 9.5, 4: 0.5}
+    assert isolation_pairs([2, 3], [0, 1, 4], speed) == [(3, 4), (2, 0)]
+    assert isolation_pairs([2, 3], [], speed) == []
+    assert Fault.parse("slow:node=2:factor=4") == Fault("slow", 2, 4.0)
+    with pytest.raises(ValueError, match="unknown check fault"):
+        Fault.parse("melt:node=1")
+    with pytest.raises(ValueError, match="KIND:node=N"):
+        Fault.parse("nan")
