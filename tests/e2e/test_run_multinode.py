@@ -20,7 +20,8 @@ from .test_run import EXPECTED_X, SCRIPT
 pytestmark = pytest.mark.e2e
 
 
-def start_agents(tmp_path: Path, master: str, nodes: int, nproc: int, *script_args: str) -> list[subprocess.Popen]:
+def start_agents(tmp_path: Path, master: str, nodes: int, nproc: int, *script_args: str,
+                 window_s: float = 1.0) -> list[subprocess.Popen]:
     port = free_port()
     (tmp_path / "job").mkdir(exist_ok=True)
     procs = []
@@ -28,6 +29,7 @@ def start_agents(tmp_path: Path, master: str, nodes: int, nproc: int, *script_ar
         cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn",
                "--master", master, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "2",
+               "--straggler-window", str(window_s),
                "--run-dir", str(tmp_path / f"run{n}"), "--summary-json", str(tmp_path / f"summary{n}.json"),
                str(SCRIPT), "--out", str(tmp_path / "job"), *script_args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
@@ -79,6 +81,22 @@ def test_killed_master_does_not_disturb_training(tmp_path):
         assert status["nodes"][0]["progress"]["ranks"], "heartbeats reached the restarted master"
         assert {p.name for p in (tmp_path / "job").glob("attempt-*")} == {"attempt-rank0-0", "attempt-rank1-0"}, \
             "workers were never restarted"
+    finally:
+        master.terminate()
+        master.wait(10)
+
+
+def test_slow_node_is_flagged_as_straggler(tmp_path):
+    master, address = start_master(tmp_path / "journal.sqlite", 0, "--straggler-windows", "3")
+    try:
+        agents = start_agents(tmp_path, address, 2, 1, "--steps", "60", "--step-s", "0.05",
+                              "--slow-rank", "1", "--slow-factor", "3")
+        # 1-second windows so three of them pass well within the run.
+        finish(agents)
+        status = MasterClient(address, TOKEN).status()
+        assert status["stragglers"] == ["node1"], status["stragglers"]
+        [decision] = [d for d in status["decisions"] if d["action"] == "straggler"]
+        assert decision["details"]["node_id"] == "node1" and decision["details"]["ratio"] > 2.0
     finally:
         master.terminate()
         master.wait(10)

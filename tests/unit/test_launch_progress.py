@@ -95,3 +95,45 @@ def test_clean_log_has_no_diagnosis_and_traceback_extraction():
            "ZeroDivisionError: division by zero\nafter\n")
     assert last_traceback(log).splitlines()[-1] == "ZeroDivisionError: division by zero"
     assert last_traceback("nothing here") is None
+
+
+def test_straggler_needs_k_consecutive_slow_windows():
+    from stalwart.launch.stragglers import StragglerDetector
+
+    d = StragglerDetector(threshold=1.3, k=3)
+    t = 1000.0
+    assert d.observe("a", 1.0, t) == (False, None)  # no peers yet
+    flags = []
+    for w in range(6):
+        t += 5
+        d.observe("a", 1.0, t)
+        d.observe("b", 1.05, t)
+        slow = 2.0 if w != 2 else 1.0  # one normal window resets the count
+        flags.append(d.observe("c", slow, t)[0])
+    assert flags == [False, False, False, False, False, True]
+    assert d.flagged == {"c"}
+    d.observe("c", 1.0, t + 5)
+    assert d.flagged == set(), "a recovered node is no longer flagged"
+    assert d.observe("b", 1.0, t + 500)[1] is None, "stale peers are ignored"
+
+
+def test_section_timer_separates_compute_and_wait():
+    from stalwart.observe.timers import SectionTimer
+
+    timer = SectionTimer()
+    with timer.section("forward"):
+        time.sleep(0.02)
+    with timer.section("comm", compute=False):
+        time.sleep(0.01)
+    with timer.section("forward"):
+        time.sleep(0.01)
+    out = timer.step_done()
+    assert out["forward"] >= 0.03 and out["comm"] >= 0.01
+    assert out["compute_s"] == out["forward"] and out["wait_s"] == out["comm"]
+    assert timer.step_done() == {"compute_s": 0.0, "wait_s": 0.0}
+
+
+def test_progress_carries_compute_time(tmp_path):
+    w = ProgressWriter(tmp_path, 0)
+    w.report(3, loss=1.0, compute_s=0.25)
+    assert ProgressReader(tmp_path).read(0).compute_s == 0.25

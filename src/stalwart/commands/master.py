@@ -31,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-budget", type=int, default=3, help="restarts allowed for the whole job (default 3)")
     p.add_argument("--node-timeout", type=float, default=30.0,
                    help="seconds without a heartbeat before a node is declared lost (default 30)")
+    p.add_argument("--straggler-threshold", type=float, default=1.3,
+                   help="a node this × slower (compute per step) than the others' median is slow (default 1.3)")
+    p.add_argument("--straggler-windows", type=int, default=3,
+                   help="consecutive slow windows before a node is flagged (default 3)")
     p.add_argument("--ready-file", type=Path,
                    help="write {address, pid} here as JSON once listening (for scripts and tests)")
     p.set_defaults(handler=run)
@@ -38,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, *_: Any) -> int:
     from stalwart.launch.master import Master, load_or_create_token
+    from stalwart.launch.stragglers import StragglerDetector
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"stalwart master: listening on {args.host}, beyond loopback; the job token is the only guard",
@@ -46,7 +51,8 @@ def run(args: argparse.Namespace, *_: Any) -> int:
         raise ValueError(f"--restart-budget must be ≥ 0, got {args.restart_budget}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     token = load_or_create_token(args.db.parent / "token", args.job_token)
-    master = Master(args.db, token, args.host, args.port, args.job_id, args.restart_budget, args.node_timeout)
+    master = Master(args.db, token, args.host, args.port, args.job_id, args.restart_budget, args.node_timeout,
+                    StragglerDetector(args.straggler_threshold, args.straggler_windows))
     master.start()
     if args.ready_file:
         tmp = args.ready_file.with_suffix(".tmp")

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -79,7 +80,7 @@ class StalwartAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, *, master: MasterClient, node_id: str,
                  run_dir: Path, hang_policy: HangPolicy, start_method: str = "spawn",
                  on_failure: Callable[[Incident], dict[str, Any]] | None = None,
-                 heartbeat_s: float = 1.0, shutdown_timeout: int = 5) -> None:
+                 heartbeat_s: float = 1.0, shutdown_timeout: int = 5, window_s: float = 5.0) -> None:
         super().__init__(spec, logs_specs, start_method, shutdown_timeout=shutdown_timeout)
         self.master, self.node_id = master, node_id
         self.run_dir = Path(run_dir)
@@ -88,6 +89,10 @@ class StalwartAgent(LocalElasticAgent):
         self.hang = HangDetector(hang_policy)
         self.on_failure = on_failure
         self.heartbeat_s = heartbeat_s
+        self.window_s = window_s
+        self._window: dict[int, list[float]] = {}  # rank → compute seconds of steps in this window
+        self._window_start = time.monotonic()
+        self._seen_reports: dict[int, int] = {}
         self.incidents: list[Incident] = []
         self._pending: Incident | None = None  # set when detected, completed after the first step
         self._latest: list[Progress] = []
@@ -113,6 +118,7 @@ class StalwartAgent(LocalElasticAgent):
         # Fresh records: a restarted rank must not look alive through its predecessor's record.
         if self.progress_dir.exists():
             shutil.rmtree(self.progress_dir)
+        self._seen_reports.clear()
         self.progress_dir.mkdir(parents=True)
         self.reader.close()
         os.environ[ENV_DIR] = str(self.progress_dir)  # inherited by the workers
@@ -158,6 +164,10 @@ class StalwartAgent(LocalElasticAgent):
         now = time.time()
         progress = self._progress(worker_group)
         self._latest = progress
+        for p in progress:  # collect each new step's compute time for the straggler window
+            if p.reports > self._seen_reports.get(p.rank, 0) and p.compute_s == p.compute_s:
+                self._window.setdefault(p.rank, []).append(p.compute_s)
+            self._seen_reports[p.rank] = p.reports
         self._progressed = self._progressed or any(p.reports > 0 for p in progress)
         self._check_first_step(progress)
         if result.state == WorkerState.HEALTHY:
@@ -261,6 +271,15 @@ class StalwartAgent(LocalElasticAgent):
         if incident.id is not None:
             self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first}))
 
+    def _close_window(self) -> dict[str, float] | None:
+        """Every window_s: the slowest local rank's median compute time per step (None otherwise)."""
+        if time.monotonic() - self._window_start < self.window_s:
+            return None
+        self._window_start = time.monotonic()
+        samples, self._window = self._window, {}
+        medians = [statistics.median(v) for v in samples.values() if v]
+        return {"compute_s": max(medians), "steps": sum(len(v) for v in samples.values())} if medians else None
+
     # -- master ---------------------------------------------------------------------------------
     def _journal(self, call: Callable[[], Any]) -> None:
         try:
@@ -272,10 +291,12 @@ class StalwartAgent(LocalElasticAgent):
         while not self._stop_beats.wait(self.heartbeat_s):
             ranks = [{"rank": p.rank, "step": p.step, "phase": p.phase, "age_s": round(time.time() - p.time, 3),
                       "loss": None if p.loss != p.loss else p.loss} for p in self._latest]
-            state = self._worker_group.state.name
+            body = {"state": self._worker_group.state.name, "ranks": ranks}
+            window = self._close_window()
+            if window is not None:
+                body["window"] = window
             try:
-                self.master.call("POST", "/v1/nodes/heartbeat",
-                                 {"node_id": self.node_id, "progress": {"state": state, "ranks": ranks}},
+                self.master.call("POST", "/v1/nodes/heartbeat", {"node_id": self.node_id, "progress": body},
                                  retry_for_s=0)
             except MasterError as err:
                 if err.status == 404:  # a master that lost its journal: join again

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from stalwart.launch.journal import Journal
+from stalwart.launch.stragglers import StragglerDetector
 
 log = logging.getLogger("stalwart.master")
 MAX_BODY = 1 << 20
@@ -46,7 +47,8 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], requi
 class MasterState:
     """Request handling separated from HTTP plumbing, so it reads as the API it is."""
 
-    def __init__(self, journal: Journal, job_id: str, restart_budget: int, node_timeout_s: float) -> None:
+    def __init__(self, journal: Journal, job_id: str, restart_budget: int, node_timeout_s: float,
+                 stragglers: StragglerDetector | None = None) -> None:
         self.journal = journal
         self.job_id = journal.get("job_id") or job_id
         journal.set("job_id", self.job_id)
@@ -55,6 +57,7 @@ class MasterState:
         journal.set("restart_budget", restart_budget)
         self.node_timeout_s = node_timeout_s
         self._lock = threading.Lock()  # restart decisions: check-and-spend must be atomic
+        self.stragglers = stragglers or StragglerDetector()
         self.started = time.time()  # this master process; heartbeats older than this are not counted
         journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
 
@@ -70,6 +73,12 @@ class MasterState:
                                        _field(body, "info", dict, required=False))
         if not known:
             raise ApiError(HTTPStatus.NOT_FOUND, f"node {node_id!r} has not joined this job")
+        window = (body.get("progress") or {}).get("window")
+        if isinstance(window, dict) and isinstance(window.get("compute_s"), (int, float)):
+            flagged, ratio = self.stragglers.observe(node_id, float(window["compute_s"]))
+            if flagged:
+                self.journal.decide("straggler", f"node {node_id} computes {ratio:.2f}× slower than the "
+                                    f"others for {self.stragglers.k} windows", {"node_id": node_id, "ratio": ratio})
         return {"ok": True}
 
     def open_incident(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -127,6 +136,7 @@ class MasterState:
                 "master_starts": self.journal.get("master_starts"),
                 "restart_budget": self.journal.get("restart_budget"),
                 "restarts_used": self.journal.get("restarts_used", 0),
+                "stragglers": sorted(self.stragglers.flagged),
                 "nodes": nodes, "incidents": self.journal.incidents(), "decisions": self.journal.decisions()}
 
     def sweep(self) -> list[str]:
@@ -239,11 +249,12 @@ class Master:
     """Owns the server thread and the lost-node sweeper; `serve_forever` for the CLI."""
 
     def __init__(self, db: str | Path, token: str, host: str = "127.0.0.1", port: int = 0,
-                 job_id: str = "job", restart_budget: int = 3, node_timeout_s: float = 30.0) -> None:
+                 job_id: str = "job", restart_budget: int = 3, node_timeout_s: float = 30.0,
+                 stragglers: StragglerDetector | None = None) -> None:
         if not token:
             raise ValueError("the master needs a job token")
         self.journal = Journal(db)
-        self.state = MasterState(self.journal, job_id, restart_budget, node_timeout_s)
+        self.state = MasterState(self.journal, job_id, restart_budget, node_timeout_s, stragglers)
         self.server = ThreadingHTTPServer((host, port), _handler(self.state, token))
         self.server.daemon_threads = True
         self._stop = threading.Event()

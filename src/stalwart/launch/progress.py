@@ -25,7 +25,7 @@ from typing import Any
 
 ENV_DIR = "STALWART_PROGRESS_DIR"
 PHASES = ("init", "train", "checkpoint", "eval", "done")
-_RECORD = struct.Struct("<QqdIxxxxdQ")  # seq, step, time, phase, pad, loss, steps_reported
+_RECORD = struct.Struct("<QqdIxxxxdQd")  # seq, step, time, phase, pad, loss, steps_reported, compute_s
 SIZE = 64
 assert _RECORD.size <= SIZE
 
@@ -38,6 +38,7 @@ class Progress:
     phase: str
     loss: float
     reports: int
+    compute_s: float = math.nan  # the step's own work (no communication wait), for straggler detection
 
     def age(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.time
@@ -61,7 +62,7 @@ class ProgressWriter:
             os.close(fd)
         self.rank = rank
         self._seq = 0
-        self._step, self._phase, self._loss, self._reports = -1, 0, math.nan, 0
+        self._step, self._phase, self._loss, self._reports, self._compute = -1, 0, math.nan, 0, math.nan
         self._metrics_path = Path(directory) / f"rank{rank}.metrics.jsonl"
         self._pending: list[str] = []
         self._flushed = time.monotonic()
@@ -71,13 +72,15 @@ class ProgressWriter:
         self._seq += 1  # odd: write in progress
         struct.pack_into("<Q", self._map, 0, self._seq)
         _RECORD.pack_into(self._map, 0, self._seq, self._step, time.time(), self._phase, self._loss,
-                          self._reports)
+                          self._reports, self._compute)
         self._seq += 1  # even: consistent
         struct.pack_into("<Q", self._map, 0, self._seq)
 
-    def report(self, step: int, loss: float | None = None, **metrics: Any) -> None:
+    def report(self, step: int, loss: float | None = None, compute_s: float | None = None,
+               **metrics: Any) -> None:
         self._step, self._reports = step, self._reports + 1
         self._loss = math.nan if loss is None else float(loss)
+        self._compute = math.nan if compute_s is None else float(compute_s)
         if self._phase == 0:
             self._phase = 1  # a report means training has started
         self._publish()
@@ -129,9 +132,9 @@ class ProgressReader:
             data = m[:SIZE]
             after = struct.unpack_from("<Q", m, 0)[0]
             if before == after and before % 2 == 0:
-                _, step, stamp, phase, loss, reports = _RECORD.unpack_from(data)
+                _, step, stamp, phase, loss, reports, compute = _RECORD.unpack_from(data)
                 return Progress(rank, step, stamp, PHASES[phase] if phase < len(PHASES) else "train",
-                                loss, reports)
+                                loss, reports, compute)
         return None
 
     def forget(self, rank: int) -> None:
@@ -160,11 +163,13 @@ def writer() -> ProgressWriter | None:
     return _writer
 
 
-def report(step: int, loss: float | None = None, **metrics: Any) -> None:
-    """Tell the agent that `step` completed (call once per optimizer step, after it)."""
+def report(step: int, loss: float | None = None, compute_s: float | None = None, **metrics: Any) -> None:
+    """Tell the agent that `step` completed (call once per optimizer step, after it). `compute_s`:
+    the step's own work without communication waits (e.g. from `observe.timers.SectionTimer`),
+    which lets the master spot a slow node although synchronous training paces every rank alike."""
     w = writer()
     if w is not None:
-        w.report(step, loss, **metrics)
+        w.report(step, loss, compute_s, **metrics)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from stalwart.launch.agent import StalwartAgent
 from stalwart.launch.client import MasterClient
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.master import Master, load_or_create_token
+from stalwart.launch.stragglers import StragglerDetector
 
 log = logging.getLogger("stalwart.run")
 UNBOUNDED = 1 << 30  # local restart counter: the master's job-wide budget decides
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chaos", default=None, metavar="SPEC",
                    help="fault injection for tests and demos, passed to workers as STALWART_CHAOS "
                         "(e.g. kill:rank=1:step=7)")
+    g.add_argument("--straggler-window", type=float, default=5.0,
+                   help="seconds per window of compute times sent to the master (default 5)")
+    g.add_argument("--straggler-threshold", type=float, default=1.3,
+                   help="in-process master: a node this × slower than the others' median is slow (default 1.3)")
+    g.add_argument("--straggler-windows", type=int, default=3,
+                   help="in-process master: consecutive slow windows before flagging (default 3)")
     g.add_argument("--summary-json", type=Path, default=None,
                    help="write the run's outcome (exit, incidents, restarts) here as JSON")
     return parser
@@ -111,7 +118,8 @@ def run(argv: list[str]) -> int:
     else:
         token = load_or_create_token(run_dir / "token", args.job_token)
         master = Master(run_dir / "journal.sqlite", token, job_id=args.rdzv_id,
-                        restart_budget=args.max_restarts).start()
+                        restart_budget=args.max_restarts,
+                        stragglers=StragglerDetector(args.straggler_threshold, args.straggler_windows)).start()
         address = master.address
     os.environ.update({"STALWART_MASTER": address, "STALWART_JOB_ID": args.rdzv_id,
                        "STALWART_NODE_ID": node_id})
@@ -133,7 +141,7 @@ def run(argv: list[str]) -> int:
         monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
         local_addr=config.local_addr)
     agent = StalwartAgent(spec, logs_specs, master=client, node_id=node_id, run_dir=run_dir,
-                          hang_policy=policy, start_method=config.start_method)
+                          hang_policy=policy, start_method=config.start_method, window_s=args.straggler_window)
     exit_code = 0
     try:
         result = agent.run()
@@ -160,9 +168,11 @@ def _summary(client: MasterClient, node_id: str, exit_code: int, agent: Stalwart
                   "detected": i.detected, "first_step": i.details.get("first_step"),
                   "exitcode": i.details.get("exitcode"), "last_step": i.last_step,
                   "consequential": i.details.get("consequential", False)} for i in agent.incidents]
+    status: dict[str, Any] = {}
     try:
         status = client.call("GET", "/v1/status", retry_for_s=2)
         restarts = status["restarts_used"]
     except OSError:
         restarts = None
-    return {"node_id": node_id, "exit_code": exit_code, "incidents": incidents, "restarts_used": restarts}
+    return {"node_id": node_id, "exit_code": exit_code, "incidents": incidents, "restarts_used": restarts,
+            "stragglers": status.get("stragglers") if restarts is not None else None}

@@ -21,6 +21,8 @@ parser.add_argument("--step-s", type=float, default=0.05)
 parser.add_argument("--fault", choices=["none", "kill", "segv", "exception", "hang", "stop"], default="none")
 parser.add_argument("--rank", type=int, default=1)
 parser.add_argument("--at-step", type=int, default=5)
+parser.add_argument("--slow-rank", type=int, default=-1, help="this rank computes --slow-factor × longer")
+parser.add_argument("--slow-factor", type=float, default=3.0)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -46,9 +48,11 @@ while state["step"] < args.steps:
         else:
             while True:  # an infinite loop that never reaches the collective
                 pass
+    t0 = time.perf_counter()
+    time.sleep(args.step_s * (args.slow_factor if rank == args.slow_rank else 1.0))  # "compute"
+    compute_s = time.perf_counter() - t0
     value = torch.tensor([float(rank + step)])
     dist.all_reduce(value)
-    time.sleep(args.step_s)
     state = {"step": step, "x": state["x"] + value.item()}
     dist.barrier()
     if rank == 0:
@@ -56,7 +60,7 @@ while state["step"] < args.steps:
         tmp.write_text(json.dumps(state))
         os.replace(tmp, state_file)
     dist.barrier()
-    report(step, loss=state["x"])
+    report(step, loss=state["x"], compute_s=compute_s)
 
 if rank == 0:
     (args.out / "result.json").write_text(json.dumps(state))
