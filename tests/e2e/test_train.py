@@ -92,13 +92,19 @@ def test_bad_config_fails_before_spawning(tmp_path):
 
 
 def test_every_command_explains_itself():
+    import argparse
+
+    from stalwart.cli import build_parser
+
     top = stalwart("--help", timeout=60)
     assert top.returncode == 0
-    commands = [line.split()[0] for line in top.stdout.split("positional arguments:")[1].splitlines()[2:]
-                if line.startswith("    ") and line.split()]
-    assert {"train", "data", "demo"} <= set(commands)
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = list(sub.choices)
+    assert {"train", "data", "demo", "run", "master"} <= set(commands)
     for command in commands:
+        assert command in top.stdout
         result = stalwart(command, "--help", timeout=60)
         assert result.returncode == 0 and len(result.stdout) > 200, command
     assert "--section.key" in stalwart("train", "--help").stdout
     assert "--vocab-size" in stalwart("data", "prepare", "--help").stdout
+    assert "--nproc-per-node" in stalwart("run", "--help").stdout and "--hang-timeout" in stalwart("run", "--help").stdout
