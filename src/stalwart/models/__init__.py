@@ -1,7 +1,9 @@
 """Model definitions (plain PyTorch) and the named size registry."""
 
 from stalwart.models.llama import ModelArgs, Transformer, count_params
-from stalwart.models.registry import SPECS, ModelSpec, get_spec, meta_param_count, model_args
+from stalwart.models.moe import MoEArgs, MoETransformer
+from stalwart.models.registry import SPECS, ModelSpec, build_model, get_spec, meta_param_count, model_args, moe_args
 
 __all__ = ["ModelArgs", "Transformer", "count_params", "SPECS", "ModelSpec", "get_spec",
-           "meta_param_count", "model_args"]
+           "meta_param_count", "model_args", "MoEArgs", "MoETransformer", "build_model",
+           "moe_args"]

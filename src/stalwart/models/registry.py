@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from stalwart.models.llama import ModelArgs, Transformer, count_params
+from stalwart.models.moe import MoEArgs, MoETransformer
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class ModelSpec:
     args: ModelArgs
     published_params: float | None = None
     source: str = ""
+    moe: MoEArgs | None = None  # set for mixture-of-experts shapes (the dense fields describe the rest)
 
 
 _GPT = dict(mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True)
@@ -28,6 +30,9 @@ SPECS: dict[str, ModelSpec] = {
     for s in (
         ModelSpec("debug", ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=257,
                                      ffn_hidden=512, max_seq_len=512)),
+        ModelSpec("debug-moe", ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=257,
+                                         ffn_hidden=512, max_seq_len=512),
+                  moe=MoEArgs(num_experts=4, top_k=2, expert_hidden=256, moe_every=1, aux_loss_coef=0.01)),
         ModelSpec("small", ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=257,
                                      ffn_hidden=1536, max_seq_len=1024)),
         ModelSpec("llama2-7b", ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000,
@@ -80,3 +85,14 @@ def meta_param_count(args: ModelArgs) -> int:
     """Exact parameter count without allocating memory (built on the meta device)."""
     with torch.device("meta"):
         return count_params(Transformer(args))
+
+
+def moe_args(name: str) -> MoEArgs | None:
+    """MoE settings of a registry model (None for a dense one)."""
+    return get_spec(name).moe
+
+
+def build_model(name: str, args: ModelArgs) -> Transformer:
+    """The model class that ``name`` needs (dense or MoE), built with ``args`` (not initialised)."""
+    moe = moe_args(name)
+    return MoETransformer(args, moe) if moe is not None else Transformer(args)

@@ -1,0 +1,275 @@
+"""One entry point that composes the parallelisms, in torchtitan's order:
+
+    pipeline split → tensor (+sequence) parallel → expert parallel → activation recompute
+    → data parallel (FSDP2 / HSDP, or DDP with optional gradient compression)
+
+and the step-level helpers whose behaviour depends on the layout (micro-batching, loss parallel,
+pipeline schedule, gradient norm over mixed DTensor meshes, loss averaged over data parallel).
+
+    mesh = build_mesh(layout)
+    pm = parallelize(model, layout, mesh, ParallelOptions(micro_batch=4))
+    optimizer = build_optimizer(pm.module, train_cfg)            # pm.module: original parameter names
+    ids = sampler.next_batch(pm.dp_rank, pm.dp_size)             # data follows the dp axis only
+    loss = pm.forward_backward(*dataset.batch(ids))              # mean loss, same on every rank
+    grad_norm = pm.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from stalwart.models.moe import moe_modules, set_aux_grad_scale
+from stalwart.train.parallel import compress as compress_mod
+from stalwart.train.parallel.expert import apply_expert_parallel, expert_fsdp_divide_factor, expert_modules
+from stalwart.train.parallel.mesh import Coords, Layout, axis, coords
+from stalwart.train.parallel.pipeline import SCHEDULES, PipelineRunner, lm_loss, split_model
+from stalwart.train.parallel.recompute import MODES as RECOMPUTE_MODES
+from stalwart.train.parallel.recompute import apply_recompute
+from stalwart.train.parallel.tensor import apply_tensor_parallel, loss_context
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    micro_batch: int = 1  # sequences per forward/backward (one pipeline micro-batch under PP)
+    schedule: str = "1f1b"  # 1f1b | interleaved_1f1b | gpipe (PP only)
+    virtual_stages: int = 1  # stages per PP rank; > 1 needs interleaved_1f1b
+    layer_split: str | tuple[int, ...] = "even"  # even | lighter_ends | explicit counts per stage
+    recompute: str = "none"  # none | selective | full
+    recompute_every: int = 1  # full recompute on every k-th block only
+    loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (not with PP)
+    reshard_after_forward: bool = True  # FSDP2: True ≈ ZeRO-3, False ≈ ZeRO-2
+    compress: str = "none"  # none | bf16 | fp16 | powersgd (DDP); bf16/fp16 = reduce dtype under FSDP2
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+
+    def check(self, layout: Layout) -> None:
+        if self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be ≥ 1, got {self.micro_batch}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be ≥ 1, got {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
+        if self.schedule == "interleaved_1f1b" and layout.pp > 1 and self.virtual_stages < 2:
+            raise ValueError("schedule='interleaved_1f1b' needs virtual_stages ≥ 2 (stages per rank); "
+                             "use '1f1b' for one stage per rank")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        compress_mod.check_mode(self.compress, layout.uses_ddp)
+        if self.compress != "none" and layout.dp == 1:
+            raise ValueError(f"compress={self.compress!r} compresses data-parallel gradients but dp = 1")
+
+
+class ParallelModel:
+    """The parallelised model on this rank plus the step logic its layout needs."""
+
+    def __init__(self, module: nn.Module, parts: list[nn.Module], layout: Layout, mesh: DeviceMesh,
+                 options: ParallelOptions, device: torch.device, loss_parallel: bool,
+                 pipeline: PipelineRunner | None, hook_state: Any = None) -> None:
+        self.module = module  # optimizer + checkpoint view (original FQNs; DDP wrapper under DDP)
+        self.parts = parts  # what runs forward on this rank (one unless PP)
+        self.layout, self.mesh, self.options, self.device = layout, mesh, options, device
+        self.loss_parallel = loss_parallel
+        self.pipeline = pipeline
+        self.hook_state = hook_state
+        self.coords: Coords = coords(mesh)
+
+    # -- where this rank is ---------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.coords.dp_size
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for p in self.parts:
+            p.train(mode)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def micro_batches(self, local_batch: int) -> int:
+        mb = self.options.micro_batch
+        if local_batch % mb:
+            raise ValueError(f"the batch per data-parallel rank ({local_batch}) is not divisible by "
+                             f"micro_batch={mb}")
+        return local_batch // mb
+
+    @contextlib.contextmanager
+    def gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Skip gradient reduction on all but the last micro-batch (non-PP layouts)."""
+        model = self.parts[0]
+        if isinstance(model, DDP) and not enabled:
+            with model.no_sync():
+                yield
+            return
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+        yield
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         autocast: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
+        """Forward and backward over this dp rank's share of the global batch, split into
+        micro-batches; gradients end up as the mean over the whole global batch. Returns the mean
+        loss over the global batch (0-dim fp32), the same on every rank."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        n = self.micro_batches(inputs.shape[0])
+        amp = autocast or contextlib.nullcontext
+        if self.pipeline is not None:
+            set_aux_grad_scale(self.module, 1.0)  # the schedule divides gradients by n itself
+            with amp():
+                loss = self.pipeline.step(inputs, targets, n)
+        else:
+            set_aux_grad_scale(self.module, 1.0 / n)
+            model, mb = self.parts[0], self.options.micro_batch
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for i in range(n):
+                x, y = inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb]
+                with self.gradient_sync(i == n - 1), loss_context(self.loss_parallel):
+                    with amp():
+                        logits = model(x)
+                        loss = lm_loss(logits, y) / n
+                    loss.backward()
+                value = loss.detach()
+                total += value.full_tensor() if isinstance(value, DTensor) else value
+            loss = total
+        if self.dp_size > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=axis(self.mesh, "dp").get_group())
+            loss /= self.dp_size
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over all ranks and stages (clipped when max_norm > 0)."""
+        return clip_grad_norm_(list(self.module.parameters()), max_norm,
+                               self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
+
+    def aux_loss(self) -> float:
+        """Mean MoE load-balancing loss of the last micro-batch on this rank (0 for dense models)."""
+        values = [float(m.last_aux_loss) for m in moe_modules(self.module) if m.last_aux_loss is not None]
+        return sum(values) / len(values) if values else 0.0
+
+
+# -- gradient norm over mixed meshes ----------------------------------------------------------------
+def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Like ``torch.nn.utils.clip_grad_norm_`` but for a mix of plain tensors and DTensors on
+    different meshes (TP, FSDP, EP) and for parameters split across pipeline stages. Squared norms
+    of local shards are summed over the mesh axes each gradient is sharded on (never over axes it
+    is replicated on), then over pipeline stages."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    by_mesh: dict[Any, list[DTensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            by_mesh.setdefault(g.device_mesh, []).append(g)
+    if plain:
+        sq += torch.nn.utils.get_total_norm(plain, 2.0, foreach=True).float() ** 2
+    for mesh, group in by_mesh.items():
+        by_dims: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for g in group:
+            if any(p.is_partial() for p in g.placements):  # not expected after backward; be exact
+                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+            dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())  # Shard, _StridedShard
+            by_dims.setdefault(dims, []).append(g.to_local())
+        for dims, local in by_dims.items():
+            part = torch.nn.utils.get_total_norm(local, 2.0, foreach=True).float() ** 2
+            for d in dims:
+                dist.all_reduce(part, group=mesh.get_group(d))
+            sq += part
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if plain:
+            torch._foreach_mul_(plain, coef.to(plain[0].dtype))
+        for mesh, group in by_mesh.items():
+            local = DTensor.from_local(coef.to(group[0].dtype), mesh, [Replicate()] * mesh.ndim)
+            torch._foreach_mul_(group, local)
+    return total
+
+
+# -- composition ------------------------------------------------------------------------------------
+def _dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    return axis(mesh, "dp_replicate", "dp_shard") if layout.dp_replicate > 1 else axis(mesh, "dp_shard")
+
+
+def _expert_dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    return (mesh["dp_replicate", "dp_shard_mod_ep"] if layout.dp_replicate > 1
+            else mesh["dp_shard_mod_ep"])
+
+
+def _apply_fsdp(part: nn.Module, mesh: DeviceMesh, layout: Layout, options: ParallelOptions) -> None:
+    dtype = compress_mod.fsdp_reduce_dtype(options.compress)
+    mp = MixedPrecisionPolicy(reduce_dtype=dtype) if dtype is not None else MixedPrecisionPolicy()
+    dp_mesh = _dp_mesh(mesh, layout)
+    kwargs = dict(reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
+    for block in part.layers.values():
+        if layout.ep > 1:
+            for experts in expert_modules(block):
+                fully_shard(experts, mesh=_expert_dp_mesh(mesh, layout), **kwargs)
+                experts.set_gradient_divide_factor(expert_fsdp_divide_factor(layout.dp_replicate,
+                                                                             layout.dp_shard))
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    fully_shard(part, mesh=dp_mesh, **kwargs)
+
+
+def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, options: ParallelOptions = ParallelOptions(),
+                device: torch.device | None = None) -> ParallelModel:
+    """Parallelise an initialised ``Transformer``/``MoETransformer`` (same weights on every rank) in
+    place for ``layout`` over ``mesh`` (from ``build_mesh``)."""
+    moe = getattr(model, "moe_args", None)
+    layout.check_model(model.args, moe, options.virtual_stages if layout.pp > 1 else 1)
+    options.check(layout)
+    device = device or next(model.parameters()).device
+    model = model.to(device)
+    c = coords(mesh)
+    pipeline = None
+    if layout.pp > 1:
+        ids, parts = split_model(model, c.pp_rank, layout.pp, options.virtual_stages, options.layer_split)
+        parts_m: list[nn.Module] = list(parts)
+    else:
+        ids, parts_m = [0], [model]
+    use_lp = False
+    if layout.tp > 1:
+        for part in parts_m:
+            use_lp = apply_tensor_parallel(part, mesh["tp"], options.loss_parallel and layout.pp == 1) or use_lp
+    if layout.ep > 1:
+        for part in parts_m:
+            apply_expert_parallel(part, mesh["ep"])
+    for part in parts_m:
+        apply_recompute(part.layers, options.recompute, options.recompute_every)
+    hook_state = None
+    if layout.uses_ddp:
+        ddp = DDP(model, process_group=mesh["dp_replicate"].get_group(),
+                  device_ids=[device.index] if device.type == "cuda" else None)
+        hook_state = compress_mod.register(ddp, options.compress, powersgd_rank=options.powersgd_rank,
+                                           powersgd_start_iter=options.powersgd_start_iter)
+        parts_m, module = [ddp], ddp
+    else:
+        if layout.dp > 1:
+            for part in parts_m:
+                _apply_fsdp(part, mesh, layout, options)
+        module = model
+    if layout.pp > 1:
+        pipeline = PipelineRunner(parts_m, ids, layout.pp * options.virtual_stages, mesh["pp"], device,
+                                  options.schedule)
+    return ParallelModel(module, parts_m, layout, mesh, options, device, use_lp, pipeline, hook_state)
