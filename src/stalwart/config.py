@@ -69,11 +69,39 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = False  # flash checkpoints (memory snapshots + persistence); see docs/checkpoint.md
+    dir: str = ""  # local path or fsspec URL (s3://bucket/prefix); "" = <train.out_dir>/checkpoints
+    memory_every: int = 1  # shared-memory snapshot every N steps
+    persist_every_steps: int = 50  # persist to `dir` every N steps (0 = off); a multiple of memory_every
+    persist_every_s: float = 0.0  # also persist the newest snapshot every S seconds (0 = off)
+    keep_last: int = 3  # committed checkpoints to keep
+    keep_every: int = 0  # also keep every step divisible by this (0 = none)
+    shm_dir: str = "/dev/shm"  # tmpfs for the snapshots (needs 2 x the state size free)
+    keeper_idle_s: float = 120.0  # the keeper exits after this long without live workers
+    resume: bool = True  # restore at start (false: start over, superseding what is in `dir`)
+
+    def validate(self) -> None:
+        for key in ("memory_every", "keep_last"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"checkpoint.{key} must be ≥ 1, got {getattr(self, key)}")
+        for key in ("persist_every_steps", "persist_every_s", "keep_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"checkpoint.{key} must be ≥ 0 (0 = off), got {getattr(self, key)}")
+        if self.persist_every_steps % self.memory_every:
+            raise ValueError(f"checkpoint.persist_every_steps={self.persist_every_steps} must be a multiple of "
+                             f"checkpoint.memory_every={self.memory_every} (only snapshotted steps can be persisted)")
+        if self.keeper_idle_s <= 0:
+            raise ValueError(f"checkpoint.keeper_idle_s must be positive, got {self.keeper_idle_s}")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -94,6 +122,7 @@ class Config:
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
             raise ValueError(f"need 0 < train.lr and 0 ≤ train.min_lr ≤ train.lr (got {t.lr}, {t.min_lr})")
         grad_accum(t.global_batch, t.micro_batch, world_size)
+        self.checkpoint.validate()
 
 
 def grad_accum(global_batch: int, micro_batch: int, dp_world: int) -> int:

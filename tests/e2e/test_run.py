@@ -37,6 +37,7 @@ def test_job_survives_fault_with_exact_result(tmp_path, fault, kind):
     if kind == "hang":
         assert incident["detected"] - incident["fault"] >= 3.0  # not before the timeout
         assert "Python stacks of rank 1" in proc.stderr
+        assert "faulty.py" in proc.stderr.split("Python stacks of rank 1")[1], "py-spy shows where it hangs"
     else:
         assert incident["ranks"] == [1], "the failed rank, not the peer the agent stopped"
     # The incident is journaled by the master with every timestamp of the recovery.

@@ -61,7 +61,10 @@ class ProgressWriter:
         finally:
             os.close(fd)
         self.rank = rank
-        self._seq = 0
+        # Continue the sequence of a previous writer of this record (a restarted worker): starting
+        # over at 0 would let a reader see the same even number before and after a torn copy.
+        previous = struct.unpack_from("<Q", self._map, 0)[0]
+        self._seq = previous + (previous % 2)
         self._step, self._phase, self._loss, self._reports, self._compute = -1, 0, math.nan, 0, math.nan
         self._metrics_path = Path(directory) / f"rank{rank}.metrics.jsonl"
         self._pending: list[str] = []

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from stalwart import chaos
 from stalwart.config import Config, grad_accum
 from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.dist import DistEnv
@@ -90,6 +91,24 @@ class Trainer:
         self.step = 0
         self.flops_per_token = flops_per_token(self.n_params, self.model_args.n_layers,
                                                self.model_args.dim, cfg.data.seq_len)
+        # Everything a resume needs besides `step` (which restore returns).
+        self.state = {"model": self.model, "optim": self.optimizer, "scheduler": self.scheduler,
+                      "sampler": self.sampler}
+        self.ckpt = self._build_checkpointer()
+        if self.ckpt is not None:
+            self.step = self.ckpt.restore(self.state) if cfg.checkpoint.resume else self.ckpt.discard_snapshots()
+
+    def _build_checkpointer(self) -> Any:
+        c, out = self.cfg.checkpoint, Path(self.cfg.train.out_dir)
+        if not c.enabled:
+            return None
+        from stalwart.checkpoint import Checkpointer
+
+        out.mkdir(parents=True, exist_ok=True)
+        return Checkpointer(c.dir or str(out / "checkpoints"), memory_every=c.memory_every,
+                            persist_every_steps=c.persist_every_steps, persist_every_s=c.persist_every_s,
+                            keep_last=c.keep_last, keep_every=c.keep_every, shm_root=c.shm_dir,
+                            keeper_idle_s=c.keeper_idle_s, keeper_log=out / "keeper.log")
 
     # -- one optimizer step --------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -133,7 +152,10 @@ class Trainer:
             while self.step < t.steps:
                 t0 = time.perf_counter()
                 result = self.train_step()
+                if self.ckpt is not None:  # after the optimizer step; the copy overlaps the next step
+                    self.ckpt.save(self.step, self.state, persist=True if self.step == t.steps else None)
                 dt = time.perf_counter() - t0
+                self._chaos()
                 step_times.append(dt)
                 tps = tokens_per_step / dt
                 mfu = (self.flops_per_token * tps / (t.peak_flops * self.env.world_size)
@@ -144,10 +166,18 @@ class Trainer:
                 if writer:
                     writer.write(record)
                 display.update(record)
+            if self.ckpt is not None:
+                self.ckpt.wait(persist=True)  # the final state is durable before we report success
+        except BaseException:
+            if self.ckpt is not None:
+                self.ckpt.close(success=False)  # snapshots stay for a restart
+            raise
         finally:
             display.close()
             if writer:
                 writer.close()
+        if self.ckpt is not None:
+            self.ckpt.close(success=True)
         wall = time.perf_counter() - start
         final_hash = self.weights_hash()
         summary = {
@@ -158,8 +188,10 @@ class Trainer:
             "median_step_time_s": statistics.median(step_times) if step_times else None,
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
             "wall_s": wall, "samples_consumed": self.sampler.consumed, "final_hash": final_hash,
-            "metrics": str(out / "metrics.jsonl"),
+            "optim_hash": self.optimizer_hash(), "metrics": str(out / "metrics.jsonl"),
         }
+        if self.ckpt is not None:
+            summary["checkpoint"] = self.checkpoint_report()
         if main:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
@@ -167,3 +199,25 @@ class Trainer:
     def weights_hash(self) -> str:
         """Hash of the full (unsharded) model weights; a collective under FSDP2."""
         return state_dict_hash(get_model_state_dict(self.model))
+
+    def optimizer_hash(self) -> str | None:
+        """Hash of the full optimizer state (None before the first step); a collective under FSDP2."""
+        if not self.optimizer.state:
+            return None
+        return state_dict_hash(get_optimizer_state_dict(self.model, self.optimizer))
+
+    def checkpoint_report(self) -> dict[str, Any]:
+        info, w = self.ckpt.last_restore, self.ckpt.writer.stats
+        return {"restored_from": info.source if info else "disabled", "restore_step": info.step if info else 0,
+                "restore_s": info.seconds if info else 0.0, "restore_detail": info.detail if info else "",
+                "restore_skipped": info.skipped if info else [], "snapshots": w["snapshots"],
+                "snapshots_skipped": w["skipped"], "hook_wait_s": w["wait_s"], "save_call_s": self.ckpt.stats["save_s"],
+                "persist_requests": self.ckpt.stats["persist_requests"], "dir": self.ckpt.storage.url}
+
+    def _chaos(self) -> None:
+        """STALWART_CHAOS faults at point "step" fire here, after this step's snapshot completed."""
+        fault = chaos.due("step", step=self.step, rank=self.env.rank)
+        if fault is not None:
+            if self.ckpt is not None:
+                self.ckpt.wait()
+            fault.fire()

@@ -1,0 +1,124 @@
+"""Parse ``STALWART_CHAOS`` and fire faults at named points, each at most once per marker directory.
+
+Grammar: ``ACTION[:key=value]...`` and several faults joined by ``;``.
+
+actions  ``kill`` (SIGKILL the calling process), ``exit`` (``os._exit(code)``), ``raise``
+         (``RuntimeError``), ``delay`` (sleep ``seconds``; fires every time unless ``once=1``)
+keys     ``at`` point name (default ``step``), ``rank`` and ``step`` (omitted = any), ``code`` exit
+         code (default 1), ``seconds`` for delay, ``once`` (default 1 except for delay)
+
+"Once" must hold across process restarts — a restarted worker has the same environment and must not
+die again at the same step — so a fault that fires first creates a marker file in
+``STALWART_CHAOS_DIR`` (default: ``<tmp>/stalwart-chaos``); a fault whose marker exists never fires.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_SPEC = "STALWART_CHAOS"
+ENV_DIR = "STALWART_CHAOS_DIR"
+ACTIONS = ("kill", "exit", "raise", "delay")
+KEYS = ("at", "rank", "step", "code", "seconds", "once")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    at: str = "step"
+    rank: int | None = None
+    step: int | None = None
+    code: int = 1
+    seconds: float = 0.0
+    once: bool = True
+    text: str = ""
+
+    def matches(self, point: str, step: int | None, rank: int | None) -> bool:
+        return (self.at == point and (self.rank is None or self.rank == rank)
+                and (self.step is None or self.step == step))
+
+    @property
+    def marker(self) -> Path:
+        root = Path(os.environ.get(ENV_DIR) or Path(tempfile.gettempdir()) / "stalwart-chaos")
+        return root / (hashlib.sha1(self.text.encode()).hexdigest()[:16] + ".fired")
+
+    def claim(self) -> bool:
+        """True if this fault may fire now; for once-faults, atomically records that it fired."""
+        if not self.once:
+            return True
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{self.text}\npid={os.getpid()} time={time.time():.3f}\n")
+        return True
+
+    def fire(self) -> None:
+        print(f"stalwart chaos: firing {self.text!r} in pid {os.getpid()}", file=sys.stderr, flush=True)
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # the signal is delivered asynchronously; never return into user code
+        elif self.action == "exit":
+            os._exit(self.code)
+        elif self.action == "raise":
+            raise RuntimeError(f"chaos fault {self.text!r}")
+        elif self.action == "delay":
+            time.sleep(self.seconds)
+
+
+def parse(spec: str) -> list[Fault]:
+    """``"kill:rank=1:step=7;delay:seconds=1:at=persist"`` → faults; ValueError names the bad part."""
+    faults = []
+    for text in (part.strip() for part in spec.split(";")):
+        if not text:
+            continue
+        action, *pairs = text.split(":")
+        if action not in ACTIONS:
+            raise ValueError(f"{ENV_SPEC}: unknown action {action!r} in {text!r}; use one of {', '.join(ACTIONS)}")
+        kw: dict[str, object] = {"once": action != "delay"}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or key not in KEYS:
+                raise ValueError(f"{ENV_SPEC}: bad item {pair!r} in {text!r}; expected key=value with key in "
+                                 f"{', '.join(KEYS)}")
+            try:
+                kw[key] = (value if key == "at" else float(value) if key == "seconds"
+                           else value.lower() in ("1", "true", "yes") if key == "once" else int(value))
+            except ValueError:
+                raise ValueError(f"{ENV_SPEC}: {key} expects a number in {text!r}, got {value!r}") from None
+        faults.append(Fault(action, text=text, **kw))  # type: ignore[arg-type]
+    return faults
+
+
+_cache: tuple[str, list[Fault]] | None = None
+
+
+def reset_cache() -> None:
+    global _cache
+    _cache = None
+
+
+def due(point: str, step: int | None = None, rank: int | None = None) -> Fault | None:
+    """The fault to fire now at ``point`` (claimed, so it will not fire again), or None.
+
+    Cheap when ``STALWART_CHAOS`` is unset: one dict lookup.
+    """
+    global _cache
+    spec = os.environ.get(ENV_SPEC, "")
+    if not spec:
+        return None
+    if _cache is None or _cache[0] != spec:
+        _cache = (spec, parse(spec))
+    for fault in _cache[1]:
+        if fault.matches(point, step, rank) and fault.claim():
+            return fault
+    return None

@@ -1,0 +1,241 @@
+"""The public API: three calls in a training loop.
+
+    ckpt = Checkpointer("runs/x/checkpoints", persist_every_steps=50)
+    state = {"model": model, "optim": optimizer, "sampler": sampler, "scheduler": scheduler}
+    start = ckpt.restore(state)            # memory snapshot → committed checkpoint → fresh (0)
+    for step in range(start + 1, steps + 1):
+        train_step()
+        ckpt.save(step, state)             # memory snapshot, copied in the background
+    ckpt.wait(persist=True); ckpt.close()
+
+``save`` takes a memory snapshot every ``memory_every`` steps and marks every
+``persist_every_steps``-th one (or ``persist=True``) for the keeper to write to storage; the keeper
+also persists the newest snapshot every ``persist_every_s`` seconds. The copy overlaps the next
+forward/backward; an optimizer pre-step hook waits for it, so no parameter changes mid-copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from stalwart.checkpoint.keeper import attach, keeper_alive, spawn_keeper
+from stalwart.checkpoint.restore import RestoreInfo, restore_state
+from stalwart.checkpoint.snapshot import JobPaths, SnapshotWriter, atomic_write, complete_slots, read_json
+from stalwart.checkpoint.state import TrainingState
+from stalwart.checkpoint.storage import Storage
+
+log = logging.getLogger("stalwart.checkpoint")
+
+
+def _setup_logging(rank: int) -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[stalwart.ckpt rank {rank}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:  # respect a level the application chose
+            log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def job_dir_for(storage_url: str, shm_root: str | Path = "/dev/shm", job_id: str | None = None) -> Path:
+    """The shared-memory directory of a job: one per storage location (or per explicit job id)."""
+    key = job_id or os.environ.get("STALWART_JOB_ID") or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
+    return Path(shm_root) / "stalwart" / key
+
+
+class Checkpointer:
+    """Flash checkpoints of a dict of Stateful things; see the module docstring."""
+
+    def __init__(self, dir: str, *, memory_every: int = 1, persist_every_steps: int = 0,
+                 persist_every_s: float = 0.0, keep_last: int = 3, keep_every: int = 0,
+                 shm_root: str = "/dev/shm", job_id: str | None = None, keeper: bool = True,
+                 keeper_idle_s: float = 120.0, keeper_log: str | Path | None = None,
+                 storage_options: dict[str, Any] | None = None, process_group: Any = None,
+                 rng: bool = True, persist_timeout_s: float = 600.0) -> None:
+        for key, value, low in (("memory_every", memory_every, 1), ("persist_every_steps", persist_every_steps, 0),
+                                ("persist_every_s", persist_every_s, 0), ("keep_last", keep_last, 1),
+                                ("keep_every", keep_every, 0), ("keeper_idle_s", keeper_idle_s, 1e-3)):
+            if value < low:
+                raise ValueError(f"checkpoint {key}={value} must be ≥ {low}")
+        if persist_every_steps and persist_every_steps % memory_every:
+            raise ValueError(f"checkpoint persist_every_steps={persist_every_steps} must be a multiple of "
+                             f"memory_every={memory_every}: only snapshotted steps can be persisted")
+        if not Path(shm_root).is_dir():
+            raise ValueError(f"checkpoint shm_dir {shm_root!r} is not a directory; use a tmpfs such as /dev/shm")
+        self.group = process_group
+        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if dist.is_initialized() else 0
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) if dist.is_initialized() else 1
+        if keeper and local_world != self.world:
+            raise ValueError(f"the standalone keeper persists one node's ranks; this job spans nodes "
+                             f"({self.world} ranks, {local_world} local). Use keeper=False (memory-only) until "
+                             "`stalwart run` provides per-node agents")
+        _setup_logging(self.rank)
+        self.storage = Storage(dir, storage_options)
+        self.memory_every, self.persist_every_steps = memory_every, persist_every_steps
+        self.persist_every_s, self.use_keeper = persist_every_s, keeper
+        self.keeper_log, self.persist_timeout_s, self.rng = keeper_log, persist_timeout_s, rng
+        self.paths = JobPaths(job_dir_for(self.storage.url, shm_root, job_id))
+        self._job_lock = attach(self.paths)  # the keeper never removes files while we hold it
+        self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
+        self.paths.closed(self.rank).unlink(missing_ok=True)
+        atomic_write(self.paths.owner(self.rank), json.dumps({
+            "pid": os.getpid(), "rank": self.rank, "world_size": self.world, "host": socket.gethostname(),
+            "time": time.time()}).encode())
+        self._keeper_proc: Any = None
+        self._keeper_checked = 0.0
+        if self.local_rank == 0:
+            atomic_write(self.paths.job, json.dumps({
+                "storage": self.storage.url, "storage_options": self.storage.options, "world_size": self.world,
+                "policy": {"persist_every_steps": persist_every_steps, "persist_every_s": persist_every_s,
+                           "keep_last": keep_last, "keep_every": keep_every, "idle_s": keeper_idle_s}},
+            ).encode())
+            os.chmod(self.paths.job, 0o600)  # storage options may carry credentials
+            if not keeper and (persist_every_steps or persist_every_s):
+                raise ValueError("persisting needs the keeper process; set keeper=True or both persist "
+                                 "intervals to 0 (memory-only)")
+            if not keeper:
+                log.warning("memory-only checkpoints (no keeper): snapshots survive a worker crash but not "
+                            "a node loss, and nothing is written to %s", self.storage.url)
+        self.writer = SnapshotWriter(self.paths, self.rank, self.world)
+        self._bound: tuple[tuple[int, ...], TrainingState] | None = None
+        self._hooked: set[int] = set()
+        self._hooks: list[Any] = []
+        self.pending_persist: int | None = None
+        self.last_restore: RestoreInfo | None = None
+        self.stats = {"saves": 0, "persist_requests": 0, "save_s": 0.0}
+
+    # -- public API ----------------------------------------------------------------------------
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load the newest usable state into ``state``'s objects; returns the step to resume after
+        (0 for a fresh start). Collective: every rank must call it."""
+        tstate = self._bind(state)
+        info = restore_state(tstate, self.paths, self.storage, self.rank, self.world, self.group)
+        self.last_restore = info
+        if self.rank == 0:
+            how = {"memory": "memory snapshot", "storage": "storage", "fresh": "nothing (fresh start)"}[info.source]
+            log.info("restored from %s at step %d in %.3f s: %s", how, info.step, info.seconds, info.detail)
+            for s in info.skipped:
+                log.warning("restore skipped %s", s)
+        return info.step
+
+    def discard_snapshots(self) -> int:
+        """Start over: forget this rank's memory snapshots (they belong to an earlier trajectory and
+        must never be paired with new ones). Returns 0, the step to start after."""
+        for s in complete_slots(self.paths, self.rank):
+            self.paths.slot(self.rank, s.slot, "json").unlink(missing_ok=True)
+        if self.rank == 0:
+            log.warning("not resuming (resume disabled): starting at step 0; checkpoints written from now on "
+                        "supersede those in %s", self.storage.url)
+        self.last_restore = RestoreInfo("fresh", 0, 0.0, "resume disabled")
+        return 0
+
+    def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> bool:
+        """Snapshot ``state`` after optimizer step ``step`` if the policy says so (or ``persist=True``);
+        returns True if a snapshot was started. Call it after ``optimizer.step()``."""
+        t0 = time.perf_counter()
+        if persist is None:
+            persist = bool(self.persist_every_steps) and step % self.persist_every_steps == 0
+        if not persist and step % self.memory_every:
+            return False
+        tstate = self._bind(state)
+        for opt in tstate.optimizers:
+            if id(opt) not in self._hooked:
+                self._hooked.add(id(opt))
+                self._hooks.append(opt.register_step_pre_hook(self._before_optimizer_step))
+        started = self.writer.start(step, tstate.capture(), persist)
+        if started and persist:
+            self.pending_persist = step
+            self.stats["persist_requests"] += 1
+        self.stats["saves"] += started
+        self.stats["save_s"] += time.perf_counter() - t0
+        if self.local_rank == 0 and self.use_keeper:
+            self._ensure_keeper()  # started at the first save, so it does not slow the restore down
+        return started
+
+    def wait(self, persist: bool = False) -> None:
+        """Wait for the in-flight snapshot; with ``persist=True`` also until the keeper committed the
+        last step requested for persistence (raises RuntimeError if it reports a failure)."""
+        self.writer.wait()
+        if persist and self.pending_persist is not None and self.use_keeper:
+            self._wait_persisted(self.pending_persist)
+
+    def close(self, success: bool = True) -> None:
+        """Finish the in-flight snapshot and remove the hooks. ``success=True`` tells the keeper this
+        rank is done; when all are, it removes the snapshots (storage then holds the final state)."""
+        try:
+            self.writer.close()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            if success:
+                atomic_write(self.paths.closed(self.rank), json.dumps({"pid": os.getpid()}).encode())
+                if not self.use_keeper:  # memory-only: nobody else cleans up; the last rank out does
+                    shutil.rmtree(self.paths.rank_dir(self.rank), ignore_errors=True)
+                    if not self.paths.ranks():
+                        shutil.rmtree(self.paths.root, ignore_errors=True)
+            if self._job_lock >= 0:
+                os.close(self._job_lock)
+                self._job_lock = -1
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(success=exc_type is None)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _bind(self, state: dict[str, Any]) -> TrainingState:
+        key = (id(state), *(id(v) for v in state.values()))
+        if self._bound is None or self._bound[0] != key:
+            self._bound = (key, TrainingState(state, self.rank, self.rng))
+        return self._bound[1]
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self.writer.wait_copied()
+
+    def _ensure_keeper(self) -> None:
+        now = time.monotonic()
+        if now - self._keeper_checked < 1.0:
+            return
+        first, self._keeper_checked = self._keeper_checked == 0.0, now
+        if self._keeper_proc is not None and self._keeper_proc.poll() is None:
+            return  # ours is running (maybe still importing torch before it takes the lock)
+        if not keeper_alive(self.paths):
+            if not first:
+                log.warning("keeper for %s is not running; starting a new one", self.paths.root)
+            self._keeper_proc = spawn_keeper(self.paths, self.keeper_log)
+
+    def _wait_persisted(self, step: int) -> None:
+        t0, spawned = time.monotonic(), 0
+        while time.monotonic() - t0 < self.persist_timeout_s:
+            status = read_json(self.paths.keeper_status) or {}
+            if int(status.get("last_committed", -1)) >= step:
+                self.pending_persist = None
+                return
+            for e in status.get("events", []):
+                if e.get("step") == step and e.get("kind") in ("failed", "skipped"):
+                    raise RuntimeError(f"the keeper could not persist step {step}: {e['detail']}")
+            if self.local_rank == 0:
+                before = self._keeper_proc
+                self._ensure_keeper()
+                spawned += self._keeper_proc is not before
+                if spawned > 3:
+                    raise RuntimeError(f"the keeper keeps exiting before persisting step {step}; see "
+                                       f"{self.keeper_log or self.paths.root / 'keeper.log'}")
+            time.sleep(0.02)
+        raise RuntimeError(f"step {step} was not persisted within {self.persist_timeout_s} s; see the keeper "
+                           f"log ({self.keeper_log or self.paths.root / 'keeper.log'})")

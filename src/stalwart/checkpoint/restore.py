@@ -1,0 +1,214 @@
+"""Pick and load the state to resume from, in order: a memory snapshot that every rank holds for the
+same step at the same world size → the newest committed checkpoint whose checksums verify → a fresh
+start. Every rank takes the same decision (one all-gather per question), and every skipped
+candidate is named in a warning.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.planner import ReadItem
+
+from stalwart.checkpoint.snapshot import JobPaths, SlotInfo, SnapshotView, complete_slots
+from stalwart.checkpoint.state import RNG_KEY, TrainingState, local_tensor, set_path
+from stalwart.checkpoint.storage import Storage, step_name
+
+log = logging.getLogger("stalwart.checkpoint")
+
+
+@dataclass
+class RestoreInfo:
+    source: str  # "memory" | "storage" | "fresh"
+    step: int
+    seconds: float
+    detail: str
+    skipped: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- safe DCP reading ------------------------------------------------------------------------------
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but non-tensor items are unpickled with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def storage_reader(storage: Storage, step: int) -> Any:
+    """A DCP reader for one checkpoint whose ``.metadata`` goes through the restricted unpickler."""
+    if storage.local:
+        reader = FileSystemReader(storage.checkpoint_id(step))
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(storage.checkpoint_id(step), **storage.options)
+
+    def read_metadata(*args: Any, **kwargs: Any) -> Any:
+        md = storage.read_metadata(step)
+        if getattr(md, "storage_meta", None) is not None:
+            md.storage_meta.load_id = reader.load_id
+        return md
+
+    reader.read_metadata = read_metadata  # type: ignore[method-assign]
+    return reader
+
+
+def load_checkpoint(storage: Storage, step: int, nested: dict[str, Any], group: Any = None) -> None:
+    """Fill ``nested`` (a state dict of existing tensors) from a committed checkpoint, in place."""
+    single = not dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(nested, storage_reader=storage_reader(storage, step), planner=SafeLoadPlanner(),
+                 process_group=None if single else group, no_dist=single)
+
+
+# -- collectives that also work without torch.distributed ------------------------------------------
+def _gather(obj: Any, group: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+# -- restore --------------------------------------------------------------------------------------
+def _layout_problem(view: SnapshotView, flat: dict[str, Any]) -> str | None:
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    if set(tensors) != set(view.entries) or set(flat) - set(tensors) != set(view.objects):
+        diff = sorted(set(flat) ^ (set(view.entries) | set(view.objects)))[:5]
+        return f"snapshot keys differ from this run's state (e.g. {diff})"
+    for key, t in tensors.items():
+        e, local = view.entries[key], local_tensor(t)
+        if list(local.shape) != e["shape"] or str(local.dtype).removeprefix("torch.") != e["dtype"]:
+            return f"{key}: snapshot has {e['dtype']}{e['shape']}, this run {local.dtype}{list(local.shape)}"
+    return None
+
+
+def _from_memory(paths: JobPaths, slot: SlotInfo, tstate: TrainingState, group: Any) -> str | None:
+    """Load this rank's slot if every rank can; returns the reason when any rank cannot."""
+    nested = tstate.state_dict(for_load=True)
+    flat, mappings = flatten_state_dict(nested)
+    view = None
+    try:
+        view = SnapshotView(paths, slot)
+        problem = _layout_problem(view, flat)
+    except (BlockingIOError, OSError, ValueError, RuntimeError) as err:
+        problem = f"cannot open: {err}"
+    problems = _gather(problem, group)
+    if any(problems):
+        if view is not None:
+            view.close()
+        return "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+    assert view is not None
+    with view, torch.no_grad():
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                view.read_into(key, local_tensor(value))
+            else:
+                set_path(nested, mappings[key], view.objects[key])
+    tstate.load(nested)
+    return None
+
+
+def _prune_missing(nested: dict[str, Any], present: set[str], rank: int) -> list[str]:
+    """Drop leaves the checkpoint lacks (e.g. RNG of a rank that did not exist when it was saved)."""
+    flat, mappings = flatten_state_dict(nested)
+    missing = [k for k in flat if k not in present]
+    rng_prefix = f"{RNG_KEY}.rank{rank}."
+    if any(k.startswith(rng_prefix) for k in missing):
+        nested.get(RNG_KEY, {}).pop(f"rank{rank}", None)
+    for key in missing:
+        if not key.startswith(rng_prefix):
+            path = mappings[key]
+            node: Any = nested
+            for part in path[:-1]:
+                node = node[part]
+            if isinstance(node, dict):
+                node.pop(path[-1], None)
+    return missing
+
+
+def _verify(storage: Storage, step: int, rank: int, world: int, group: Any) -> list[str]:
+    manifest = storage.manifest(step)
+    if manifest is None:
+        return [f"{step_name(step)}: manifest vanished"]
+    files = sorted(manifest["files"])[rank::world]
+    return [p for ps in _gather(storage.verify(step, files), group) for p in ps]
+
+
+def restore_state(tstate: TrainingState, paths: JobPaths | None, storage: Storage | None, rank: int,
+                  world: int, group: Any = None) -> RestoreInfo:
+    t0 = time.perf_counter()
+    skipped: list[str] = []
+    mine: dict[int, SlotInfo] = {}
+    for s in complete_slots(paths, rank) if paths else []:
+        if s.header.get("world_size") == world:
+            mine.setdefault(s.step, s)
+    common = set.intersection(*(set(steps) for steps in _gather(sorted(mine), group)))
+    committed = _gather(storage.committed() if storage and rank == 0 else [], group)[0]
+    mem_step = max(common) if common else None
+    if paths and not common and any(_gather(bool(mine), group)):
+        skipped.append("memory: no snapshot step held by all ranks at this world size")
+
+    tried_memory = mem_step is not None and (not committed or mem_step >= committed[0])
+    if tried_memory:
+        assert paths is not None and mem_step is not None
+        problem = _from_memory(paths, mine[mem_step], tstate, group)
+        if problem is None:
+            _invalidate_after(paths, rank, mem_step)
+            return RestoreInfo("memory", mem_step, time.perf_counter() - t0,
+                               f"shared-memory snapshot of step {mem_step} held by all {world} ranks", skipped)
+        skipped.append(f"memory step {mem_step}: {problem}")
+        log.warning("memory snapshot of step %d not usable: %s", mem_step, problem)
+
+    for step in committed:
+        assert storage is not None
+        problems = _verify(storage, step, rank, world, group)
+        if problems:
+            skipped.append(f"storage {step_name(step)}: {'; '.join(problems)}")
+            log.warning("checkpoint %s skipped: %s", storage.path(step_name(step)), "; ".join(problems))
+            continue
+        nested = tstate.state_dict(for_load=True)
+        missing = _prune_missing(nested, set(storage.read_metadata(step).state_dict_metadata), rank)
+        if missing:
+            log.warning("rank %d: checkpoint %s lacks %d keys of this run (kept as initialised): %s",
+                        rank, step_name(step), len(missing), ", ".join(missing[:5]))
+        load_checkpoint(storage, step, nested, group)
+        tstate.load(nested)
+        if paths:
+            _invalidate_after(paths, rank, step)
+        return RestoreInfo("storage", step, time.perf_counter() - t0,
+                           f"committed checkpoint {storage.path(step_name(step))}", skipped)
+    if paths:
+        _invalidate_after(paths, rank, -1)
+    if tried_memory:  # its template initialised the optimizers (a zero-lr step): undo for a true fresh start
+        for opt in tstate.optimizers:
+            opt.state.clear()
+    detail = "no checkpoint found" if not skipped else "no usable checkpoint"
+    return RestoreInfo("fresh", 0, time.perf_counter() - t0, detail, skipped)
+
+
+def _invalidate_after(paths: JobPaths, rank: int, step: int) -> None:
+    """Forget this rank's snapshots beyond the resumed step: they belong to another trajectory and
+    must never be paired with another rank's snapshot of the same step later."""
+    for s in complete_slots(paths, rank):
+        if s.step > step:
+            paths.slot(rank, s.slot, "json").unlink(missing_ok=True)

@@ -1,0 +1,462 @@
+"""Tier 1: double-buffered memory snapshots in file-backed shared memory.
+
+Layout under ``<shm_root>/stalwart/<job key>/rank<r>/``: two slots, each ``slot<i>.bin`` (tensor
+bytes), ``slot<i>.obj`` (non-tensor leaves, ``torch.save``) and ``slot<i>.json`` (header: generation,
+step, world size, entry table). Files in /dev/shm outlive the worker, so a SIGKILLed worker loses
+nothing already written.
+
+Crash consistency: a header exists only for a complete slot. The writer deletes the header of the
+slot it is about to overwrite, copies, then publishes the header by atomic rename; a crash mid-copy
+leaves that slot without a header and the other slot, complete, untouched.
+
+Reader/writer exclusion uses ``flock`` on ``slot<i>.bin`` (released by the kernel when a process
+dies): the writer takes the slot exclusively without waiting and, if the keeper is persisting it
+(shared lock), writes the other slot instead — training never waits for persistence.
+
+The copy runs on a background thread (CPU) or a side CUDA stream into pinned shm (GPU); the
+optimizer pre-step hook calls :meth:`SnapshotWriter.wait_copied`, so parameters are never mutated
+while being copied.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from stalwart import chaos
+from stalwart.checkpoint.state import Captured, local_tensor
+
+log = logging.getLogger("stalwart.checkpoint")
+FORMAT = 1
+ALIGN = 64
+SLOTS = (0, 1)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in snapshot header")
+    return dtype
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie (a SIGKILLed worker stays a zombie until reaped)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class JobPaths:
+    """Where one job's snapshots and keeper files live in shared memory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.root / f"rank{rank}"
+
+    def slot(self, rank: int, slot: int, suffix: str) -> Path:
+        return self.rank_dir(rank) / f"slot{slot}.{suffix}"
+
+    def owner(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "owner.json"
+
+    def closed(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "closed.json"
+
+    @property
+    def job(self) -> Path:
+        return self.root / "job.json"
+
+    @property
+    def job_lock(self) -> Path:
+        """Workers hold it shared while attached; the keeper removes files only if it gets it exclusively."""
+        return self.root / "job.lock"
+
+    @property
+    def keeper_lock(self) -> Path:
+        return self.root / "keeper.lock"
+
+    @property
+    def keeper_status(self) -> Path:
+        return self.root / "keeper.json"
+
+    def ranks(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return sorted(int(p.name[4:]) for p in self.root.glob("rank*") if p.name[4:].isdigit())
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    rank: int
+    slot: int
+    header: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.header["step"])
+
+    @property
+    def generation(self) -> int:
+        return int(self.header["generation"])
+
+
+_headers: dict[Path, tuple[tuple[int, int, int], dict[str, Any] | None]] = {}
+
+
+def read_header(path: Path) -> dict[str, Any] | None:
+    """A slot header, parsed again only when the file changed (the keeper polls them constantly).
+    Headers are replaced by rename, so (inode, mtime, size) identifies a version."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        _headers.pop(path, None)
+        return None
+    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    cached = _headers.get(path)
+    if cached is None or cached[0] != key:
+        cached = (key, read_json(path))
+        _headers[path] = cached
+    return cached[1]
+
+
+def complete_slots(paths: JobPaths, rank: int) -> list[SlotInfo]:
+    """This rank's complete snapshots, newest first."""
+    found = []
+    for slot in SLOTS:
+        header = read_header(paths.slot(rank, slot, "json"))
+        if header and header.get("format") == FORMAT and header.get("rank") == rank:
+            found.append(SlotInfo(rank, slot, header))
+    return sorted(found, key=lambda s: s.generation, reverse=True)
+
+
+def entry_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
+    """A tensor over exactly this entry's bytes (its own storage, so ``torch.save`` writes only it)."""
+    dtype, shape, nbytes = _dtype(entry["dtype"]), entry["shape"], entry["nbytes"]
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=entry["offset"])
+    return raw.view(dtype).view(shape)
+
+
+class SnapshotView:
+    """A complete slot opened for reading under a shared lock (keeper persist, restore)."""
+
+    def __init__(self, paths: JobPaths, info: SlotInfo) -> None:
+        self.info = info
+        self._fd = os.open(paths.slot(info.rank, info.slot, "bin"), os.O_RDONLY)
+        self._map: mmap.mmap | None = None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise
+        header = read_json(paths.slot(info.rank, info.slot, "json"))
+        if not header or header.get("generation") != info.generation:
+            self.close()
+            raise BlockingIOError(f"rank {info.rank} slot {info.slot} changed before it was pinned")
+        self._size = int(header["data_bytes"])
+        obj_path = paths.slot(info.rank, info.slot, "obj")
+        blob = obj_path.read_bytes()
+        if zlib.crc32(blob) != header["objects_crc32"]:
+            self.close()
+            raise ValueError(f"rank {info.rank} slot {info.slot}: objects file does not match its header")
+        import io
+
+        self.objects: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=True)
+        self.entries: dict[str, dict[str, Any]] = {e["key"]: e for e in header["entries"]}
+        self.mappings = {k: tuple(v) for k, v in header["mappings"].items()}
+
+    @property
+    def step(self) -> int:
+        return self.info.step
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A zero-copy view of one entry (maps the slot on first use)."""
+        if self._map is None and self._size:
+            self._map = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_COPY)  # private: never written
+        return entry_tensor(self._map, self.entries[key])
+
+    def read_into(self, key: str, dst: torch.Tensor) -> None:
+        """Copy one entry into ``dst``: a single ``preadv`` for contiguous CPU tensors (no page
+        faults on a mapping, no unmap), a mapped view otherwise."""
+        e = self.entries[key]
+        if dst.is_cuda or not dst.is_contiguous() or str(dst.dtype).removeprefix("torch.") != e["dtype"]:
+            dst.copy_(self.tensor(key))
+            return
+        buf = memoryview(dst.reshape(-1).view(torch.uint8).numpy()) if e["nbytes"] else memoryview(b"")
+        done = 0
+        while done < e["nbytes"]:
+            n = os.preadv(self._fd, [buf[done:]], e["offset"] + done)
+            if n <= 0:
+                raise OSError(f"short read of {key} from rank {self.info.rank} slot {self.info.slot}")
+            done += n
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # tensors still reference it; the GC unmaps it later
+                pass
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)  # also releases the flock
+            self._fd = -1
+
+    def __enter__(self) -> SnapshotView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def plan_layout(captured: Captured) -> tuple[list[dict[str, Any]], int]:
+    """Entry table for the tensors: where each lives in the slot and which DCP chunk it is."""
+    plan = create_default_local_save_plan(captured.tensors, True)
+    chunks = {item.index.fqn: item for item in plan.items if item.type != WriteItemType.BYTE_IO}
+    entries, offset = [], 0
+    for key, t in captured.tensors.items():
+        local = local_tensor(t)
+        item = chunks[key]
+        assert item.tensor_data is not None and item.tensor_data.chunk is not None
+        nbytes = local.numel() * local.element_size()
+        entries.append({
+            "key": key, "dtype": str(local.dtype).removeprefix("torch."), "shape": list(local.shape),
+            "offset": offset, "nbytes": nbytes, "item": item.type.name,
+            "chunk_offsets": list(item.tensor_data.chunk.offsets), "global_shape": list(item.tensor_data.size),
+        })
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return entries, offset
+
+
+def _signature(captured: Captured) -> tuple:
+    return tuple((k, t.dtype, tuple(t.shape), tuple(local_tensor(t).shape)) for k, t in captured.tensors.items())
+
+
+def shm_free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class _Slot:
+    """One slot's data file, kept open and mapped by the writer for the life of the process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.size = 0
+        self.map: mmap.mmap | None = None
+        self.pinned = False
+
+    def try_lock(self) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def ensure(self, size: int) -> None:
+        """Grow to ``size`` bytes (caller holds the exclusive lock). ``posix_fallocate`` reserves the
+        tmpfs pages now, so a full /dev/shm fails here with ENOSPC instead of SIGBUS mid-copy."""
+        current = os.fstat(self.fd).st_size
+        if self.map is not None and self.size >= size:
+            return
+        if current < size:
+            os.posix_fallocate(self.fd, 0, size)
+        self.size = max(size, current)
+        # MAP_POPULATE maps every page now, so no copy pays page faults later.
+        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.pinned = False
+
+    def pin_for_cuda(self) -> None:
+        """Page-lock the mapping so device-to-host copies can be asynchronous (CUDA only)."""
+        if self.pinned or self.map is None:
+            return
+        import ctypes
+
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
+        self.pinned = int(err) == 0
+        if not self.pinned:
+            log.warning("cudaHostRegister of %s failed (%s); snapshot copies will be synchronous", self.path, err)
+
+
+class SnapshotWriter:
+    """Writes this rank's snapshots, alternating slots; one copy in flight at a time."""
+
+    def __init__(self, paths: JobPaths, rank: int, world_size: int) -> None:
+        self.paths, self.rank, self.world_size = paths, rank, world_size
+        paths.rank_dir(rank).mkdir(parents=True, exist_ok=True)
+        self.slots = [_Slot(paths.slot(rank, i, "bin")) for i in SLOTS]
+        existing = complete_slots(paths, rank)
+        self.generation = existing[0].generation if existing else 0
+        self.latest_slot: int | None = existing[0].slot if existing else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
+        self._future: Future[None] | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._cuda_event: Any = None
+        self._layout: tuple[tuple, list[dict[str, Any]], int] | None = None
+        self.stats = {"snapshots": 0, "skipped": 0, "wait_s": 0.0, "copy_s": 0.0, "last_step": None}
+
+    # -- main thread -----------------------------------------------------------------------------
+    def start(self, step: int, captured: Captured, persist: bool) -> bool:
+        """Begin the snapshot of ``step``; returns False if it was skipped (both slots busy)."""
+        self.wait()
+        sig = _signature(captured)
+        if self._layout is None or self._layout[0] != sig:
+            entries, size = plan_layout(captured)
+            self._check_space(size)
+            self._layout = (sig, entries, size)
+            for slot in self.slots:  # reserve and map both slots now: a one-time cost at the first save
+                if slot.try_lock():
+                    try:
+                        slot.ensure(size)
+                    finally:
+                        slot.unlock()
+        _, entries, size = self._layout
+        slot = self._acquire()
+        if slot is None:
+            self.stats["skipped"] += 1
+            log.warning("rank %d: memory snapshot of step %d skipped: both slots are busy (the keeper is "
+                        "persisting one); the previous snapshot stays valid", self.rank, step)
+            return False
+        self.paths.slot(self.rank, slot, "json").unlink(missing_ok=True)  # slot invalid from here on
+        self.slots[slot].ensure(size)
+        self._copied.clear()
+        self._cuda_event = None
+        cuda = [e for e in entries if captured.tensors[e["key"]].is_cuda]
+        if cuda:
+            self._issue_cuda_copies(slot, cuda, captured)
+        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, bool(cuda))
+        return True
+
+    def wait_copied(self) -> None:
+        """Block until no tensor is still being read (the optimizer pre-step hook)."""
+        if not self._copied.is_set():
+            t0 = time.perf_counter()
+            self._copied.wait()
+            self.stats["wait_s"] += time.perf_counter() - t0
+        if self._cuda_event is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_event)  # GPU-side wait, host continues
+        self._raise_if_failed()
+
+    def wait(self) -> None:
+        """Block until the in-flight snapshot is complete (header published)."""
+        if self._future is not None:
+            t0 = time.perf_counter()
+            self._future.result()
+            self.stats["wait_s"] += time.perf_counter() - t0
+            self._future = None
+
+    def _raise_if_failed(self) -> None:
+        if self._future is not None and self._future.done() and self._future.exception() is not None:
+            self.wait()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _check_space(self, size: int) -> None:
+        have = sum(os.fstat(s.fd).st_size for s in self.slots)
+        need = 2 * size - have
+        free = shm_free_bytes(self.paths.root)
+        if need > free:
+            raise ValueError(
+                f"memory snapshots need {2 * size / 2**20:.1f} MiB in {self.paths.root} (two slots of "
+                f"{size / 2**20:.1f} MiB) but only {free / 2**20:.1f} MiB are free; enlarge /dev/shm (Docker: "
+                "--shm-size), point checkpoint.shm_dir at a larger tmpfs, or disable checkpointing")
+
+    def _acquire(self) -> int | None:
+        order = [i for i in SLOTS if i != self.latest_slot] + ([self.latest_slot] if self.latest_slot is not None else [])
+        for i in order:
+            if self.slots[i].try_lock():
+                return i
+        return None
+
+    def _issue_cuda_copies(self, slot: int, entries: list[dict[str, Any]], captured: Captured) -> None:
+        s = self.slots[slot]
+        s.pin_for_cuda()
+        stream = getattr(self, "_stream", None) or torch.cuda.Stream()
+        self._stream = stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for e in entries:
+                entry_tensor(s.map, e).copy_(local_tensor(captured.tensors[e["key"]]), non_blocking=s.pinned)
+            self._cuda_event = torch.cuda.Event()
+            self._cuda_event.record(stream)
+
+    # -- background thread -----------------------------------------------------------------------
+    def _run(self, step: int, slot: int, entries: list[dict[str, Any]], size: int, captured: Captured,
+             persist: bool, cuda: bool) -> None:
+        s = self.slots[slot]
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                half = len(entries) // 2
+                for i, e in enumerate(entries):
+                    if i == half and (fault := chaos.due("copy", step=step, rank=self.rank)):
+                        fault.fire()
+                    src = captured.tensors[e["key"]]
+                    if not src.is_cuda:
+                        entry_tensor(s.map, e).copy_(local_tensor(src))
+            self._copied.set()
+            if cuda:
+                self._cuda_event.synchronize()
+            self.stats["copy_s"] += time.perf_counter() - t0
+            import io
+
+            buf = io.BytesIO()
+            torch.save(captured.objects, buf)
+            blob = buf.getvalue()
+            atomic_write(self.paths.slot(self.rank, slot, "obj"), blob)
+            self.generation += 1
+            header = {
+                "format": FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
+                "generation": self.generation, "persist": persist, "time": time.time(), "data_bytes": size,
+                "objects_crc32": zlib.crc32(blob), "entries": entries,
+                "mappings": {k: list(v) for k, v in captured.mappings.items()},
+            }
+            atomic_write(self.paths.slot(self.rank, slot, "json"), json.dumps(header).encode())
+            self.latest_slot = slot
+            self.stats["snapshots"] += 1
+            self.stats["last_step"] = step
+        finally:
+            self._copied.set()
+            s.unlock()

@@ -1,0 +1,170 @@
+"""`stalwart ckpt`: inspect, verify and export the checkpoints in a directory (local or fsspec URL)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from stalwart.commands.common import emit
+
+EPILOG = """\
+examples:
+  stalwart ckpt ls runs/debug/checkpoints
+  stalwart ckpt show runs/debug/checkpoints --step 120
+  stalwart ckpt verify runs/debug/checkpoints            # exit 1 naming each bad shard
+  stalwart ckpt export runs/debug/checkpoints --format safetensors --out model.safetensors
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="list, show, verify and export checkpoints",
+                       description="Work with stalwart checkpoints (DCP format, one step-NNNNNNNN directory "
+                                   "per checkpoint, a `latest` pointer). DIR is a path or an fsspec URL.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, help_ in (("ls", "list checkpoints: step, state (committed / torn), size, world size"),
+                        ("show", "manifest and contents of one checkpoint"),
+                        ("verify", "check every file's size and CRC32 against the manifest"),
+                        ("export", "write the full, unsharded model weights for evaluation or HF tools")):
+        a = actions.add_parser(name, help=help_, description=help_)
+        a.add_argument("dir", metavar="DIR")
+        a.add_argument("--json", action="store_true", help="print one JSON object")
+        if name != "ls":
+            a.add_argument("--step", type=int, help="checkpoint step (default: latest" +
+                           (", or all checkpoints for verify)" if name == "verify" else ")"))
+        if name == "export":
+            a.add_argument("--format", choices=("torch", "safetensors"), default="safetensors")
+            a.add_argument("--out", required=True, help="output file")
+            a.add_argument("--prefix", default="model", help="state key to export (default: model)")
+        a.set_defaults(handler=run)
+
+
+def _storage(url: str) -> Any:
+    from stalwart.checkpoint.storage import Storage
+
+    storage = Storage(url)
+    if not storage.fs.exists(storage.root):
+        raise ValueError(f"checkpoint directory {url} does not exist")
+    return storage
+
+
+def _pick(storage: Any, step: int | None) -> int:
+    if step is not None:
+        if step not in storage.steps():
+            raise ValueError(f"no checkpoint for step {step} in {storage.url}; `stalwart ckpt ls` lists them")
+        return step
+    committed = storage.committed()
+    if not committed:
+        raise ValueError(f"no committed checkpoint in {storage.url}")
+    return committed[0]
+
+
+def run(args: argparse.Namespace, *_: Any) -> int:
+    return {"ls": _ls, "show": _show, "verify": _verify, "export": _export}[args.action](args)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    storage = _storage(args.dir)
+    storage.refresh()
+    latest, committed = storage.latest(), set(storage.committed())
+    rows = []
+    for step in reversed(storage.steps()):
+        m = storage.manifest(step) or {}
+        state = "committed" if step in committed else ("torn" if not m else "uncommitted")
+        rows.append({"step": step, "state": state, "latest": step == latest, "bytes": m.get("bytes"),
+                     "world_size": m.get("world_size"), "source": m.get("source"), "created": m.get("created")})
+    if args.json:
+        print(json.dumps({"dir": storage.url, "latest": latest, "checkpoints": rows}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"checkpoints in {storage.url}")
+    for col in ("step", "state", "size", "ranks", "source", "created"):
+        table.add_column(col)
+    for r in rows:
+        size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
+        created = time.strftime("%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-"
+        table.add_row(str(r["step"]) + (" (latest)" if r["latest"] else ""), r["state"], size,
+                      str(r["world_size"] or "-"), r["source"] or "-", created)
+    Console().print(table)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    storage = _storage(args.dir)
+    step = _pick(storage, args.step)
+    manifest = storage.manifest(step)
+    md = storage.read_metadata(step)
+    groups: dict[str, dict[str, int]] = {}
+    for key, m in md.state_dict_metadata.items():
+        g = groups.setdefault(key.split(".", 1)[0], {"tensors": 0, "bytes": 0, "objects": 0})
+        if isinstance(m, TensorStorageMetadata):
+            g["tensors"] += 1
+            g["bytes"] += m.size.numel() * m.properties.dtype.itemsize
+        else:
+            g["objects"] += 1
+    result = {"dir": storage.url, "step": step, "path": storage.checkpoint_id(step),
+              "committed": manifest is not None and step in storage.committed(),
+              "world_size": (manifest or {}).get("world_size"), "source": (manifest or {}).get("source"),
+              "files": len((manifest or {}).get("files", {})), "bytes": (manifest or {}).get("bytes"),
+              "keys": len(md.state_dict_metadata), "groups": groups}
+    emit(result, args.json, f"checkpoint step {step}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    storage = _storage(args.dir)
+    storage.refresh()
+    steps = [args.step] if args.step is not None else list(reversed(storage.steps()))
+    if not steps:
+        raise ValueError(f"no checkpoints in {storage.url}")
+    report = {}
+    for step in steps:
+        report[step] = storage.verify(step)
+    bad = {s: p for s, p in report.items() if p}
+    if args.json:
+        print(json.dumps({"dir": storage.url, "ok": not bad, "checked": steps,
+                          "problems": {str(s): p for s, p in bad.items()}}))
+    else:
+        for step, problems in report.items():
+            print(f"step {step}: " + ("ok" if not problems else "FAILED"))
+            for p in problems:
+                print(f"  {p}")
+    return 1 if bad else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from stalwart.checkpoint.restore import load_checkpoint
+
+    storage = _storage(args.dir)
+    step = _pick(storage, args.step)
+    problems = storage.verify(step)
+    if problems:
+        raise ValueError(f"checkpoint step {step} failed verification: {'; '.join(problems)}")
+    prefix = args.prefix.rstrip(".") + "."
+    md = storage.read_metadata(step)
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    if not state:
+        raise ValueError(f"checkpoint step {step} has no tensors under {args.prefix!r}")
+    t0 = time.perf_counter()
+    load_checkpoint(storage, step, state)
+    weights = {k[len(prefix):]: v.contiguous() for k, v in state.items()}
+    if args.format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(weights, args.out, metadata={"format": "pt", "stalwart_step": str(step), "source": storage.url})
+    else:
+        torch.save(weights, args.out)
+    result = {"out": args.out, "format": args.format, "step": step, "tensors": len(weights),
+              "params": sum(v.numel() for v in weights.values()), "seconds": time.perf_counter() - t0}
+    emit(result, args.json, "export")
+    return 0

@@ -1,0 +1,160 @@
+"""Flash checkpoints with the real trainer: separate processes, gloo, SIGKILLed workers and keepers.
+
+Proves bitwise resume (DDP and FSDP2, 2 ranks) after a worker is killed mid-snapshot or after a
+snapshot, the keeper's replacement after it is killed mid-persist, and FSDP2 checkpoints restored on
+1 and 3 ranks and by plain ``torch.distributed.checkpoint.load``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+STEPS = 8
+COMMON = ("--data.seq_len=32", f"--train.steps={STEPS}", "--train.warmup_steps=2", "--train.global_batch=12",
+          "--train.micro_batch=2", "--checkpoint.enabled=true", "--checkpoint.persist_every_steps=4",
+          "--checkpoint.keeper_idle_s=30")
+
+
+@pytest.fixture(scope="module")
+def shm_root():
+    """A private /dev/shm root for this module's jobs; keepers started under it are killed after."""
+    root = Path("/dev/shm") / f"stalwart-e2e-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    for status in root.glob("stalwart/*/keeper.json"):
+        pid = json.loads(status.read_text()).get("pid")
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, TypeError, ValueError):
+            pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def train(out: Path, data: Path, shm: Path, *extra: str, chaos: str = "", expect_ok: bool = True,
+          nproc: int = 2) -> dict | subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "stalwart", "train", f"--nproc={nproc}", "--config", "configs/debug.toml",
+           f"--data.dir={data}", *COMMON, f"--train.out_dir={out}", f"--checkpoint.shm_dir={shm}", "--json", *extra]
+    env = dict(os.environ, STALWART_CHAOS=chaos, STALWART_CHAOS_DIR=str(out / "chaos"))
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # TorchElastic workers run in their own sessions: kill them by pid
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+            child.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"training timed out:\n{stderr[-4000:]}") from None
+    with open(out / "train.log", "a") as log:  # kept for post-mortems
+        log.write(stderr)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    if not expect_ok:
+        return result
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = path.read_text() if path.exists() else ""
+        if text in content:
+            return content
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} did not appear in {path} within {timeout} s:\n{content[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def ddp_ref(stdlib_data, shm_root, tmp_path_factory):
+    """Uninterrupted DDP run. Its keeper is SIGKILLed during its first persist: training must not
+    notice (the hash is the reference for the resume test) and a new keeper must take over."""
+    out = tmp_path_factory.mktemp("ddp-ref")
+    return out, train(out, stdlib_data, shm_root, "--checkpoint.persist_every_steps=2", chaos="kill:at=persist")
+
+
+@pytest.fixture(scope="module")
+def fsdp_ref(stdlib_data, shm_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp-ref")
+    return out, train(out, stdlib_data, shm_root, "--parallel.dp_mode=fsdp")
+
+
+def test_ddp_kill_during_snapshot_copy_resumes_bitwise(stdlib_data, shm_root, tmp_path, ddp_ref):
+    _, ref = ddp_ref
+    killed = train(tmp_path, stdlib_data, shm_root, chaos="kill:rank=1:step=5:at=copy", expect_ok=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    # The keeper (which outlives the workers) saves on failure the newest step both ranks hold.
+    log = wait_for_text(tmp_path / "keeper.log", "save-on-failure step 4")
+    assert "worker-died" in log
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000004"
+
+    resumed = train(tmp_path, stdlib_data, shm_root)
+    ck = resumed["checkpoint"]
+    assert (ck["restored_from"], ck["restore_step"]) == ("memory", 4), ck
+    assert resumed["final_hash"] == ref["final_hash"] and resumed["optim_hash"] == ref["optim_hash"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == f"step-{STEPS:08d}"
+
+
+def test_keeper_killed_mid_persist_is_replaced_and_latest_never_moves_to_a_torn_step(ddp_ref):
+    out, ref = ddp_ref
+    log = (out / "keeper.log").read_text()
+    assert "stalwart chaos: firing 'kill:at=persist'" in log
+    before, after = log.split("stalwart chaos: firing", 1)
+    committed_before = re.findall(r"committed step (\d+)", before)
+    latest_seen = re.search(r"latest committed: (\w+)", after).group(1)  # the next keeper's view
+    assert latest_seen == (committed_before[-1] if committed_before else "none")
+    assert re.search(r"removed-torn step \d+", after)
+    assert f"committed step {STEPS}" in after
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{STEPS:08d}"
+    assert ref["checkpoint"]["snapshots"] == STEPS and ref["checkpoint"]["snapshots_skipped"] == 0
+
+
+def test_fsdp_kill_after_snapshot_restores_from_memory_bitwise(stdlib_data, shm_root, tmp_path, fsdp_ref):
+    # Two launches rather than torchrun --max-restarts: restarted gloo workers sometimes hang in
+    # connectFullMesh on this stack (see DESIGN.md pitfalls); the restore path is the same.
+    _, ref = fsdp_ref
+    killed = train(tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp", chaos="kill:rank=1:step=5",
+                   expect_ok=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    wait_for_text(tmp_path / "keeper.log", "save-on-failure step 5")
+    summary = train(tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp")
+    ck = summary["checkpoint"]
+    assert (ck["restored_from"], ck["restore_step"]) == ("memory", 5), ck
+    assert summary["final_hash"] == ref["final_hash"] and summary["optim_hash"] == ref["optim_hash"]
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_fsdp_checkpoint_restores_on_other_world_sizes(stdlib_data, shm_root, tmp_path, fsdp_ref, nproc):
+    src, ref = fsdp_ref
+    shutil.copytree(src / "checkpoints", tmp_path / "checkpoints")
+    summary = train(tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp", nproc=nproc)
+    ck = summary["checkpoint"]
+    assert (ck["restored_from"], ck["restore_step"], summary["world_size"]) == ("storage", STEPS, nproc), ck
+    assert summary["final_hash"] == ref["final_hash"] and summary["optim_hash"] == ref["optim_hash"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_plain_dcp_load_reads_an_fsdp_checkpoint(fsdp_ref):
+    import torch.distributed.checkpoint as dcp
+
+    from stalwart.models import Transformer, model_args
+    from stalwart.utils import state_dict_hash
+
+    src, ref = fsdp_ref
+    model = Transformer(model_args("debug", vocab_size=257, max_seq_len=32))  # the byte corpus: 257 ids
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(src / "checkpoints" / f"step-{STEPS:08d}"))
+    model.load_state_dict(state["model"])
+    assert state_dict_hash(model.state_dict()) == ref["final_hash"]

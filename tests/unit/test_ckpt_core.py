@@ -1,0 +1,204 @@
+"""Flash checkpoint building blocks in one process: chaos specs, state capture/apply, shm slots,
+the optimizer pre-step hook, and the /dev/shm space check."""
+
+from __future__ import annotations
+
+import copy
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from stalwart import chaos
+from stalwart.checkpoint.snapshot import JobPaths, SnapshotView, SnapshotWriter, complete_slots
+from stalwart.checkpoint.state import TrainingState
+from stalwart.config import load_config
+from stalwart.utils import state_dict_hash
+
+
+@pytest.fixture
+def shm(tmp_path):
+    """A job directory in /dev/shm (the real tmpfs), removed afterwards."""
+    root = Path("/dev/shm") / f"stalwart-test-{uuid.uuid4().hex[:8]}"
+    yield JobPaths(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    return model, opt, sched
+
+
+def step(model, opt, sched=None) -> None:
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if sched:
+        sched.step()
+
+
+# -- chaos --------------------------------------------------------------------------------------------
+def test_chaos_parse_and_errors():
+    kill, delay = chaos.parse("kill:rank=1:step=7:at=copy; delay:seconds=0.5:at=persist")
+    assert (kill.action, kill.rank, kill.step, kill.at, kill.once) == ("kill", 1, 7, "copy", True)
+    assert (delay.action, delay.seconds, delay.at, delay.once) == ("delay", 0.5, "persist", False)
+    assert kill.matches("copy", 7, 1) and not kill.matches("copy", 7, 0) and not kill.matches("step", 7, 1)
+    with pytest.raises(ValueError, match="unknown action 'explode'"):
+        chaos.parse("explode:rank=1")
+    with pytest.raises(ValueError, match="key=value"):
+        chaos.parse("kill:when=3")
+    with pytest.raises(ValueError, match="step expects a number"):
+        chaos.parse("kill:step=x")
+
+
+def test_chaos_fires_once_across_processes(monkeypatch, tmp_path):
+    monkeypatch.setenv(chaos.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(chaos.ENV_SPEC, "raise:rank=0:step=3")
+    chaos.reset_cache()
+    assert chaos.due("step", step=2, rank=0) is None
+    assert chaos.due("step", step=3, rank=1) is None
+    fault = chaos.due("step", step=3, rank=0)
+    assert fault is not None and fault.marker.exists()  # a restarted process sees the marker
+    with pytest.raises(RuntimeError, match="chaos fault"):
+        fault.fire()
+    chaos.reset_cache()
+    assert chaos.due("step", step=3, rank=0) is None
+    monkeypatch.delenv(chaos.ENV_SPEC)
+    assert chaos.due("step", step=3, rank=0) is None
+
+
+# -- state ------------------------------------------------------------------------------------------------
+def test_state_roundtrip_restores_model_optimizer_scheduler_rng_and_extras():
+    model, opt, sched = tiny()
+    extras = {"tokens": 7}
+    for _ in range(2):
+        step(model, opt, sched)
+    ts = TrainingState({"model": model, "optim": opt, "scheduler": sched, "extra": extras}, rank=0)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    saved = copy.deepcopy(ts.state_dict())  # what a checkpoint holds
+    expect = (random.random(), np.random.rand(), torch.rand(1).item())
+    ref_model, ref_opt = state_dict_hash(model.state_dict()), state_dict_hash(opt.state_dict())
+    step(model, opt, sched)  # move everything on
+    extras["tokens"] = 99
+    ts.load(saved)
+    assert state_dict_hash(model.state_dict()) == ref_model and state_dict_hash(opt.state_dict()) == ref_opt
+    assert sched.last_epoch == 2 and extras == {"tokens": 7}
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
+
+
+def test_state_rejects_mistakes():
+    model, opt, _ = tiny()
+    with pytest.raises(ValueError, match="non-empty dict"):
+        TrainingState({}, 0)
+    with pytest.raises(ValueError, match="reserved"):
+        TrainingState({"rng": {}}, 0)
+    with pytest.raises(ValueError, match="is a int"):
+        TrainingState({"model": model, "steps": 3}, 0)
+    with pytest.raises(ValueError, match="no nn.Module"):
+        TrainingState({"optim": opt}, 0)
+
+
+def test_capture_before_first_step_leaves_optimizer_untouched():
+    model, opt, _ = tiny()
+    before = state_dict_hash(model.state_dict())
+    captured = TrainingState({"model": model, "optim": opt}, 0).capture()
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    assert state_dict_hash(model.state_dict()) == before
+    assert not any(k.startswith("optim.state") for k in captured.tensors)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple of checkpoint.memory_every"):
+        load_config(None, {"checkpoint.memory_every": "3", "checkpoint.persist_every_steps": "5"}).validate()
+    with pytest.raises(ValueError, match="checkpoint.keep_last must be ≥ 1"):
+        load_config(None, {"checkpoint.keep_last": "0"}).validate()
+    with pytest.raises(ValueError, match="unknown config key 'checkpoint.every'"):
+        load_config(None, {"checkpoint.every": "3"})
+
+
+# -- snapshots ------------------------------------------------------------------------------------------
+def test_double_buffer_alternates_slots_and_generations(shm):
+    model, opt, _ = tiny()
+    ts = TrainingState({"model": model, "optim": opt}, 0)
+    w = SnapshotWriter(shm, 0, 1)
+    hashes = {}
+    for s in (1, 2, 3):
+        step(model, opt)
+        hashes[s] = state_dict_hash(model.state_dict())
+        assert w.start(s, ts.capture(), persist=s == 3)
+        w.wait()
+    slots = complete_slots(shm, 0)
+    assert [x.step for x in slots] == [3, 2] and slots[0].generation == slots[1].generation + 1
+    assert slots[0].header["persist"] and not slots[1].header["persist"]
+    with SnapshotView(shm, slots[1]) as view:  # the older slot is intact and complete
+        assert view.step == 2
+        fresh, _, _ = tiny(seed=1)
+        fresh.load_state_dict({k[len("model."):]: view.tensor(k) for k in view.entries if k.startswith("model.")})
+        assert state_dict_hash(fresh.state_dict()) == hashes[2]
+    w.close()
+
+
+def test_pinned_slot_is_not_overwritten_and_both_busy_skips(shm):
+    model, opt, _ = tiny()
+    ts = TrainingState({"model": model, "optim": opt}, 0)
+    w = SnapshotWriter(shm, 0, 1)
+    for s in (1, 2):
+        step(model, opt)
+        w.start(s, ts.capture(), False)
+        w.wait()
+    older = complete_slots(shm, 0)[1]
+    with SnapshotView(shm, older):  # the keeper persists step 1: its slot must survive
+        for s in (3, 4):
+            step(model, opt)
+            assert w.start(s, ts.capture(), False)
+            w.wait()
+        assert sorted(x.step for x in complete_slots(shm, 0)) == [1, 4]
+        with SnapshotView(shm, complete_slots(shm, 0)[0]):
+            assert not w.start(5, ts.capture(), False)  # both pinned: skipped, training goes on
+    assert w.stats["skipped"] == 1
+    w.close()
+
+
+def test_pre_step_hook_keeps_snapshot_consistent(shm, monkeypatch, tmp_path):
+    """A copy slowed down mid-way must still capture the parameters of the step it was taken at."""
+    monkeypatch.setenv(chaos.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(chaos.ENV_SPEC, "delay:seconds=0.5:at=copy")
+    chaos.reset_cache()
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ts = TrainingState({"model": model, "optim": opt}, 0, rng=False)
+    w = SnapshotWriter(shm, 0, 1)
+    hook = opt.register_step_pre_hook(lambda *_: w.wait_copied())
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    at_save = state_dict_hash(model.state_dict())
+    w.start(1, ts.capture(), False)
+    opt.step()  # mutates every parameter; the hook holds it until the copy is done
+    assert state_dict_hash(model.state_dict()) != at_save
+    w.wait()
+    with SnapshotView(shm, complete_slots(shm, 0)[0]) as view:
+        snap = {k[len("model."):]: view.tensor(k).clone() for k in view.entries if k.startswith("model.")}
+    assert state_dict_hash(snap) == at_save
+    assert w.stats["wait_s"] > 0
+    hook.remove()
+    w.close()
+
+
+def test_shm_space_is_checked_up_front(shm, monkeypatch):
+    import stalwart.checkpoint.snapshot as snapshot
+
+    monkeypatch.setattr(snapshot, "shm_free_bytes", lambda path: 1024)
+    model, opt, _ = tiny()
+    step(model, opt)
+    w = SnapshotWriter(shm, 0, 1)
+    with pytest.raises(ValueError, match=r"need .* MiB in .* only 0.0 MiB are free; enlarge /dev/shm"):
+        w.start(1, TrainingState({"model": model, "optim": opt}, 0).capture(), False)
+    w.close()
