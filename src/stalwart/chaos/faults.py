@@ -2,8 +2,10 @@
 
 Grammar: ``ACTION[:key=value]...`` and several faults joined by ``;``.
 
-actions  ``kill`` (SIGKILL the calling process), ``exit`` (``os._exit(code)``), ``raise``
-         (``RuntimeError``), ``delay`` (sleep ``seconds``; fires every time unless ``once=1``)
+actions  ``kill`` (SIGKILL the calling process), ``segv`` (SIGSEGV), ``exit`` (``os._exit(code)``),
+         ``raise`` (``RuntimeError``), ``hang`` (spin forever, never reaching the next collective),
+         ``stop`` (SIGSTOP: a frozen process), ``delay`` (sleep ``seconds``; fires every time unless
+         ``once=1``)
 keys     ``at`` point name (default ``step``), ``rank`` and ``step`` (omitted = any), ``code`` exit
          code (default 1), ``seconds`` for delay, ``once`` (default 1 except for delay)
 
@@ -25,7 +27,7 @@ from pathlib import Path
 
 ENV_SPEC = "STALWART_CHAOS"
 ENV_DIR = "STALWART_CHAOS_DIR"
-ACTIONS = ("kill", "exit", "raise", "delay")
+ACTIONS = ("kill", "segv", "exit", "raise", "hang", "stop", "delay")
 KEYS = ("at", "rank", "step", "code", "seconds", "once")
 
 
@@ -64,9 +66,16 @@ class Fault:
 
     def fire(self) -> None:
         print(f"stalwart chaos: firing {self.text!r} in pid {os.getpid()}", file=sys.stderr, flush=True)
-        if self.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        progress_dir = os.environ.get("STALWART_PROGRESS_DIR")
+        if progress_dir and self.action != "delay":  # the agent reads when the fault began (exact MTTR)
+            Path(progress_dir, f"rank{os.environ.get('RANK', '0')}.fault").write_text(repr(time.time()))
+        if self.action in ("kill", "segv", "stop"):
+            sig = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "stop": signal.SIGSTOP}[self.action]
+            os.kill(os.getpid(), sig)
             time.sleep(60)  # the signal is delivered asynchronously; never return into user code
+        elif self.action == "hang":
+            while True:
+                pass
         elif self.action == "exit":
             os._exit(self.code)
         elif self.action == "raise":

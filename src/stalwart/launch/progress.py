@@ -187,3 +187,10 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         w.set_phase("train")
+
+
+def finished() -> None:
+    """This rank will report no more steps (teardown may take a while without being a hang)."""
+    w = writer()
+    if w is not None:
+        w.set_phase("done")

@@ -14,7 +14,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic import rendezvous
@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import _get_addr_and_port
 
-from stalwart.launch.agent import StalwartAgent
+from stalwart.launch.agent import Incident, StalwartAgent
 from stalwart.launch.client import MasterClient
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.master import Master, load_or_create_token
@@ -141,7 +141,8 @@ def run(argv: list[str]) -> int:
         monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
         local_addr=config.local_addr)
     agent = StalwartAgent(spec, logs_specs, master=client, node_id=node_id, run_dir=run_dir,
-                          hang_policy=policy, start_method=config.start_method, window_s=args.straggler_window)
+                          hang_policy=policy, start_method=config.start_method, window_s=args.straggler_window,
+                          on_failure=_save_on_failure(args.rdzv_id))
     exit_code = 0
     try:
         result = agent.run()
@@ -161,6 +162,22 @@ def run(argv: list[str]) -> int:
         if master is not None:
             master.stop()
     return exit_code
+
+
+def _save_on_failure(job_id: str) -> Callable[[Incident], dict[str, Any]]:
+    """The agent's hook: persist the newest snapshot all ranks agree on before workers restart
+    (flash checkpoints of this job live under /dev/shm/stalwart/JOB_ID, see stalwart.checkpoint)."""
+
+    def hook(incident: Incident) -> dict[str, Any]:
+        from stalwart.checkpoint.checkpointer import job_dir_for
+        from stalwart.checkpoint.keeper import save_on_failure
+
+        job_dir = job_dir_for("", job_id=job_id)
+        if not (job_dir / "job.json").exists():
+            return {"persisted": False, "detail": "no flash checkpoints in this job"}
+        return save_on_failure(job_dir, quiet=True)
+
+    return hook
 
 
 def _summary(client: MasterClient, node_id: str, exit_code: int, agent: StalwartAgent) -> dict[str, Any]:

@@ -23,12 +23,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+import stalwart
 from stalwart import chaos
 from stalwart.config import Config, grad_accum
 from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.dist import DistEnv
 from stalwart.models import ModelArgs, Transformer, count_params, model_args
 from stalwart.observe.progress import MetricsWriter, ProgressDisplay
+from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallelize import apply_data_parallel, grad_norm_clip, gradient_sync
@@ -89,6 +91,7 @@ class Trainer:
         self.sampler = GlobalSampler(len(self.dataset), cfg.train.global_batch, cfg.data.seed,
                                      cfg.data.shuffle)
         self.step = 0
+        self.timer = SectionTimer(env.device)
         self.flops_per_token = flops_per_token(self.n_params, self.model_args.n_layers,
                                                self.model_args.dim, cfg.data.seq_len)
         # Everything a resume needs besides `step` (which restore returns).
@@ -121,17 +124,20 @@ class Trainer:
         """Forward/backward over this rank's micro-batches of the next global batch, then update."""
         self.model.train()
         ids = self.sampler.next_batch(self.env.rank, self.env.world_size)
-        loss_sum = torch.zeros((), device=self.env.device)
+        loss_sum, timer = torch.zeros((), device=self.env.device), self.timer
         for i, chunk in enumerate(np.split(ids, self.accum)):
-            inputs, targets = (t.to(self.env.device) for t in self.dataset.batch(chunk))
-            with gradient_sync(self.model, enabled=i == self.accum - 1), self._autocast():
+            with timer.section("data"):
+                inputs, targets = (t.to(self.env.device) for t in self.dataset.batch(chunk))
+            with timer.section("forward"), gradient_sync(self.model, enabled=i == self.accum - 1), self._autocast():
                 logits = self.model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / self.accum
-            loss.backward()
+            with timer.section("backward", compute=False):  # holds the overlapped gradient all-reduce waits
+                loss.backward()
             loss_sum += loss.detach()
         grad_norm = grad_norm_clip(self.model, self.cfg.train.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        with timer.section("optimizer"):
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -155,6 +161,8 @@ class Trainer:
                 if self.ckpt is not None:  # after the optimizer step; the copy overlaps the next step
                     self.ckpt.save(self.step, self.state, persist=True if self.step == t.steps else None)
                 dt = time.perf_counter() - t0
+                sections = self.timer.step_done()
+                stalwart.report(self.step, loss=result.loss, compute_s=sections["compute_s"])  # to the agent
                 self._chaos()
                 step_times.append(dt)
                 tps = tokens_per_step / dt
@@ -166,6 +174,7 @@ class Trainer:
                 if writer:
                     writer.write(record)
                 display.update(record)
+            stalwart.finished()  # teardown below (final persist, hashes) is not a hang
             if self.ckpt is not None:
                 self.ckpt.wait(persist=True)  # the final state is durable before we report success
         except BaseException:
