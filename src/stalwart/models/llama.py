@@ -164,6 +164,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only LM: tokens (batch, seq) → logits (batch, seq, vocab)."""
 
+    # Parameters that write into the residual stream get the smaller init (GPT-2).
+    residual_suffixes: tuple[str, ...] = ("wo.weight", "w2.weight")
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -189,9 +192,10 @@ class Transformer(nn.Module):
             if p.device.type == "meta":
                 continue
             if p.ndim == 1:  # norm weights and biases
-                value = torch.ones_like(p, device="cpu") if name.endswith("norm.weight") else torch.zeros_like(p, device="cpu")
+                value = (torch.ones(p.shape, dtype=p.dtype) if name.endswith("norm.weight")
+                         else torch.zeros(p.shape, dtype=p.dtype))
             else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                std = residual_std if name.endswith(self.residual_suffixes) else 0.02
                 value = torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=gen)
             with torch.no_grad():
                 p.copy_(value)

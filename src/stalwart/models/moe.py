@@ -16,7 +16,6 @@ same mean over micro-batches whatever the layout. The last value is kept in ``la
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -137,34 +136,14 @@ class MoETransformer(Transformer):
     """The dense decoder with MoE feed-forward blocks (same FQNs elsewhere, so the same TP/PP/FSDP
     code applies). ``feed_forward`` of a MoE block has ``router`` and ``experts``."""
 
+    residual_suffixes = (*Transformer.residual_suffixes, "experts.w2")  # init as the dense model otherwise
+
     def __init__(self, args: ModelArgs, moe: MoEArgs) -> None:
         super().__init__(args)
         self.moe_args = moe
         for i, block in self.layers.items():
             if moe.is_moe_layer(int(i)):
                 block.feed_forward = MoEFeedForward(args, moe)
-
-    def init_weights(self, seed: int | None = None) -> None:
-        """As the dense model: N(0, 0.02), residual projections (wo, w2, experts' w2) scaled by
-        1/sqrt(2·layers), norms at 1. Deterministic in the parameter order, whatever the layout."""
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(0 if seed is None else seed)
-        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
-        for name, p in self.named_parameters():
-            if p.device.type == "meta":
-                continue
-            if p.ndim == 1:
-                value = (torch.ones(p.shape, dtype=p.dtype) if name.endswith("norm.weight")
-                         else torch.zeros(p.shape, dtype=p.dtype))
-            else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
-                value = torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=gen)
-            with torch.no_grad():
-                p.copy_(value)
-        if self.args.pos == "rope" and self.rope.device.type != "meta":
-            from stalwart.models.llama import rope_tables
-
-            self.rope.copy_(rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
 
 
 def moe_modules(model: nn.Module) -> list[MoEFeedForward]:
