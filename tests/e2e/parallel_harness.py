@@ -176,6 +176,9 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
     result = {"layout": layout.as_dict(), "describe": layout.describe(), "why": why, "world_size": env.world_size,
               "losses": losses, "grad_norms": norms, "step_times": times,
               "ranks_agree": all(g == losses for g in gathered), "uses_ddp": layout.uses_ddp}
+    # Let every rank's outstanding pipeline sends complete before gloo's threads are torn down
+    # (destroying the group with unfinished P2P work aborts: "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return result
 
