@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes when run without a launcher (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per simulated node (default 1)")
-    p.add_argument("--matmul-size", type=int, default=256, help="square matrix size for the burn-in (default 256)")
-    p.add_argument("--iters", type=int, default=8, help="burn-in repetitions; the fastest counts (default 8)")
+    p.add_argument("--matmul-size", type=int, default=512, help="square matrix size for the burn-in (default 512)")
+    p.add_argument("--iters", type=int, default=24, help="burn-in repetitions; the fastest counts (default 24)")
     p.add_argument("--collective-mb", type=float, default=1.0, help="all-reduce payload in MiB (default 1)")
     p.add_argument("--slow-factor", type=float, default=2.0,
                    help="burn-in: a node slower than this × the median node is a straggler (default 2.0; "

@@ -51,10 +51,10 @@ class Fault:
 
 @dataclass
 class CheckConfig:
-    matmul_size: int = 256
-    iters: int = 8
+    matmul_size: int = 512
+    iters: int = 24  # the fastest counts: spread over ~0.1 s so one descheduling cannot cover them all
     collective_elems: int = 1 << 18  # 1 MiB of float32
-    collective_iters: int = 5
+    collective_iters: int = 10
     slow_factor: float = 2.0  # burn-in: × the median node (one-shot timings on a shared host vary 1.4×)
     collective_slow_factor: float = 2.0  # pairs: × the fastest pair (timings of a shared link are noisier)
     seed: int = 1234
