@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,12 +43,21 @@ def start_master(db: Path, port: int, *extra: str) -> tuple[subprocess.Popen, st
     return proc, json.loads(ready.read_text())["address"]
 
 
+@contextlib.contextmanager
+def running_master(db: Path, *extra: str, port: int = 0) -> Iterator[str]:
+    """A master process for the duration of the block; yields its address."""
+    proc, address = start_master(db, port, *extra)
+    try:
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 @pytest.fixture
 def master(tmp_path):
-    proc, address = start_master(tmp_path / "journal.sqlite", 0, "--restart-budget", "2")
-    yield address
-    proc.terminate()
-    proc.wait(10)
+    with running_master(tmp_path / "journal.sqlite", "--restart-budget", "2") as address:
+        yield address
 
 
 def raw(address: str, method: str, path: str, token: str | None, body: bytes | None = None) -> int:
@@ -152,8 +163,7 @@ def test_killed_master_restarts_and_resumes_the_job(tmp_path):
 
 
 def test_silent_node_is_declared_lost(tmp_path):
-    proc, address = start_master(tmp_path / "j.sqlite", 0, "--node-timeout", "1")
-    try:
+    with running_master(tmp_path / "j.sqlite", "--node-timeout", "1") as address:
         client = MasterClient(address, TOKEN)
         client.join("node-0", "h", 1)
         client.join("node-1", "h", 1)
@@ -167,18 +177,11 @@ def test_silent_node_is_declared_lost(tmp_path):
         assert states == {"node-0": "alive", "node-1": "lost"}
         assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node-1"
                    for d in client.status()["decisions"])
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_master_binds_loopback_by_default(tmp_path):
-    proc, address = start_master(tmp_path / "j.sqlite", 0)
-    try:
+    with running_master(tmp_path / "j.sqlite") as address:
         assert address.startswith("http://127.0.0.1:")
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_agents_of_one_failure_share_one_restart(master):

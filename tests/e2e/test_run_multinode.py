@@ -14,7 +14,7 @@ import pytest
 
 from stalwart.launch.client import MasterClient
 
-from .test_master import TOKEN, free_port, start_master
+from .test_master import TOKEN, free_port, running_master, start_master
 from .test_run import EXPECTED_X, SCRIPT
 
 pytestmark = pytest.mark.e2e
@@ -43,8 +43,7 @@ def finish(procs: list[subprocess.Popen], timeout: float = 180) -> None:
 
 
 def test_two_nodes_recover_from_a_killed_worker_with_one_restart(tmp_path):
-    master, address = start_master(tmp_path / "journal.sqlite", 0, "--restart-budget", "2")
-    try:
+    with running_master(tmp_path / "journal.sqlite", "--restart-budget", "2") as address:
         finish(start_agents(tmp_path, address, 2, 1, "--fault", "kill"))
         assert json.loads((tmp_path / "job" / "result.json").read_text())["x"] == EXPECTED_X
         status = MasterClient(address, TOKEN).status()
@@ -53,9 +52,6 @@ def test_two_nodes_recover_from_a_killed_worker_with_one_restart(tmp_path):
         causes = [i for s in summaries for i in s["incidents"] if not i["consequential"]]
         assert [(i["kind"], i["ranks"]) for i in causes] == [("sigkill", [1])]
         assert {n["node_id"] for n in status["nodes"]} == {"node0", "node1"}
-    finally:
-        master.terminate()
-        master.wait(10)
 
 
 def test_killed_master_does_not_disturb_training(tmp_path):
@@ -87,8 +83,7 @@ def test_killed_master_does_not_disturb_training(tmp_path):
 
 
 def test_slow_node_is_flagged_as_straggler(tmp_path):
-    master, address = start_master(tmp_path / "journal.sqlite", 0, "--straggler-windows", "3")
-    try:
+    with running_master(tmp_path / "journal.sqlite", "--straggler-windows", "3") as address:
         agents = start_agents(tmp_path, address, 2, 1, "--steps", "60", "--step-s", "0.05",
                               "--slow-rank", "1", "--slow-factor", "3")
         # 1-second windows so three of them pass well within the run.
@@ -97,6 +92,3 @@ def test_slow_node_is_flagged_as_straggler(tmp_path):
         assert status["stragglers"] == ["node1"], status["stragglers"]
         [decision] = [d for d in status["decisions"] if d["action"] == "straggler"]
         assert decision["details"]["node_id"] == "node1" and decision["details"]["ratio"] > 2.0
-    finally:
-        master.terminate()
-        master.wait(10)
