@@ -49,5 +49,7 @@ def test_fault_recovers_to_bitwise_identical_weights(stdlib_data, tmp_path, refe
     assert incident["fault"] <= incident["detected"] <= incident["first_step"]
     # Restarted at the same placement: the workers reload the step-6 memory snapshot.
     assert summary["checkpoint"]["restored_from"] == "memory" and summary["checkpoint"]["restore_step"] == 6
+    logged = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert set(logged) == set(range(1, STEPS + 1)), "the resumed run appends to the metrics log"
     [row] = Journal(tmp_path / "run" / "journal.sqlite").incidents()
     assert row["details"].get("save_on_failure", {}).get("step") == 6

@@ -149,7 +149,8 @@ class Trainer:
         t = self.cfg.train
         out = Path(t.out_dir)
         main = self.env.is_main
-        writer = MetricsWriter(out / "metrics.jsonl") if main else None
+        # A resumed run appends: steps redone after a restart appear again (the later record wins).
+        writer = MetricsWriter(out / "metrics.jsonl", append=self.step > 0) if main else None
         display = ProgressDisplay(t.steps, self.step, t.log_every, enabled=main and progress)
         tokens_per_step = t.global_batch * self.cfg.data.seq_len
         step_times: list[float] = []
