@@ -7,7 +7,7 @@ Runs inside every worker of a job (one world over all nodes). A "node" is a bloc
    reference computed from the same seed (catches wrong numbers and NaN, not only crashes); timed.
 2. Round 1 pairs neighbouring nodes (0-1, 2-3, ...) for an all-reduce of a known payload; a pair fails
    if the sum is wrong, and its nodes are suspects if it is `collective_slow_factor` × slower than the
-   fastest pair.
+   median correct pair.
 3. Round 2 pairs every suspect with a healthy node (slowest suspect with fastest healthy), so a single
    bad node is isolated even when its round-1 partner looked bad too; a suspect is slow if its
    round-2 pair is still `collective_slow_factor` × slower than the typical (median) pair.
@@ -56,7 +56,7 @@ class CheckConfig:
     collective_elems: int = 1 << 18  # 1 MiB of float32
     collective_iters: int = 10
     slow_factor: float = 2.0  # burn-in: × the median node (one-shot timings on a shared host vary 1.4×)
-    collective_slow_factor: float = 2.0  # pairs: × the fastest pair (timings of a shared link are noisier)
+    collective_slow_factor: float = 2.0  # pairs: × the median pair (timings of a shared link are noisier)
     seed: int = 1234
     fault: Fault | None = None
     serial: bool = False  # nodes share one host (simulated): time one node at a time, fairly
@@ -210,7 +210,10 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
     pair_of = {n: pair for pair in round1 for n in pair}
     pair_ok = {pair: all(bool(rows1[n][:, 0].min() > 0) for n in pair) for pair in round1}
     pair_s = {pair: max(float(rows1[n][:, 1].max()) for n in pair) for pair in round1}
-    fastest = min(pair_s.values())  # the reference a pair is slow against
+    # The reference a pair is slow against: the median correct pair (a corrupting pair's timing
+    # says nothing, and the fastest pair alone makes ordinary jitter look like slowness).
+    correct = [pair_s[p] for p in round1 if pair_ok[p]]
+    reference = statistics.median(correct) if correct else min(pair_s.values())
     suspects = []
     for n in range(nodes):
         r, pair = reports[n], pair_of.get(n)
@@ -218,7 +221,7 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
             suspects.append(n)
             continue
         r.round1_pair, r.round1_ok, r.round1_s = list(pair), pair_ok[pair], pair_s[pair]
-        if not pair_ok[pair] or pair_s[pair] > cfg.collective_slow_factor * fastest:
+        if not pair_ok[pair] or pair_s[pair] > cfg.collective_slow_factor * reference:
             suspects.append(n)
     healthy = [n for n in range(nodes) if n not in suspects and reports[n].matmul_ok]
 
@@ -229,7 +232,7 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
     # shrugs off the one slow pair and the host's noise (pairs on a shared 2-core box vary 3×).
     typical = statistics.median([pair_s[p] for p in round1 if not set(p) & set(suspects)] +
                                 [max(float(rows2[a][:, 1].max()), float(rows2[b][:, 1].max())) for a, b in round2]
-                                or [fastest])
+                                or [reference])
     for suspect, partner in round2:
         r = reports[suspect]
         r.round2_pair = [suspect, partner]
