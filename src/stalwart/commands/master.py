@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from stalwart.launch import stragglers
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -31,10 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-budget", type=int, default=3, help="restarts allowed for the whole job (default 3)")
     p.add_argument("--node-timeout", type=float, default=30.0,
                    help="seconds without a heartbeat before a node is declared lost (default 30)")
-    p.add_argument("--straggler-threshold", type=float, default=1.3,
-                   help="a node this × slower (compute per step) than the others' median is slow (default 1.3)")
-    p.add_argument("--straggler-windows", type=int, default=3,
-                   help="consecutive slow windows before a node is flagged (default 3)")
+    stragglers.add_arguments(p)
     p.add_argument("--ready-file", type=Path,
                    help="write {address, pid} here as JSON once listening (for scripts and tests)")
     p.set_defaults(handler=run)
@@ -42,7 +41,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, *_: Any) -> int:
     from stalwart.launch.master import Master, load_or_create_token
-    from stalwart.launch.stragglers import StragglerDetector
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"stalwart master: listening on {args.host}, beyond loopback; the job token is the only guard",
@@ -52,7 +50,7 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     token = load_or_create_token(args.db.parent / "token", args.job_token)
     master = Master(args.db, token, args.host, args.port, args.job_id, args.restart_budget, args.node_timeout,
-                    StragglerDetector(args.straggler_threshold, args.straggler_windows))
+                    stragglers.from_args(args))
     master.start()
     if args.ready_file:
         tmp = args.ready_file.with_suffix(".tmp")

@@ -25,9 +25,12 @@ from typing import Any
 
 ENV_DIR = "STALWART_PROGRESS_DIR"
 PHASES = ("init", "train", "checkpoint", "eval", "done")
-_RECORD = struct.Struct("<QqdIxxxxdQd")  # seq, step, time, phase, pad, loss, steps_reported, compute_s
+# The sequence number (offset 0) is written on its own: struct.pack_into zero-fills its target first,
+# so packing it together with the body would briefly show seq = 0 (even) to a reader mid-write.
+_SEQ = struct.Struct("<Q")
+_BODY = struct.Struct("<qdIxxxxdQd")  # step, time, phase, pad, loss, steps_reported, compute_s
 SIZE = 64
-assert _RECORD.size <= SIZE
+assert _SEQ.size + _BODY.size <= SIZE
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class ProgressWriter:
         self.rank = rank
         # Continue the sequence of a previous writer of this record (a restarted worker): starting
         # over at 0 would let a reader see the same even number before and after a torn copy.
-        previous = struct.unpack_from("<Q", self._map, 0)[0]
+        previous = _SEQ.unpack_from(self._map, 0)[0]
         self._seq = previous + (previous % 2)
         self._step, self._phase, self._loss, self._reports, self._compute = -1, 0, math.nan, 0, math.nan
         self._metrics_path = Path(directory) / f"rank{rank}.metrics.jsonl"
@@ -73,11 +76,11 @@ class ProgressWriter:
 
     def _publish(self) -> None:
         self._seq += 1  # odd: write in progress
-        struct.pack_into("<Q", self._map, 0, self._seq)
-        _RECORD.pack_into(self._map, 0, self._seq, self._step, time.time(), self._phase, self._loss,
-                          self._reports, self._compute)
+        _SEQ.pack_into(self._map, 0, self._seq)
+        _BODY.pack_into(self._map, _SEQ.size, self._step, time.time(), self._phase, self._loss,
+                        self._reports, self._compute)
         self._seq += 1  # even: consistent
-        struct.pack_into("<Q", self._map, 0, self._seq)
+        _SEQ.pack_into(self._map, 0, self._seq)
 
     def report(self, step: int, loss: float | None = None, compute_s: float | None = None,
                **metrics: Any) -> None:
@@ -131,11 +134,11 @@ class ProgressReader:
         if m is None:
             return None
         for _ in range(1000):
-            before = struct.unpack_from("<Q", m, 0)[0]
+            before = _SEQ.unpack_from(m, 0)[0]
             data = m[:SIZE]
-            after = struct.unpack_from("<Q", m, 0)[0]
+            after = _SEQ.unpack_from(m, 0)[0]
             if before == after and before % 2 == 0:
-                _, step, stamp, phase, loss, reports, compute = _RECORD.unpack_from(data)
+                step, stamp, phase, loss, reports, compute = _BODY.unpack_from(data, _SEQ.size)
                 return Progress(rank, step, stamp, PHASES[phase] if phase < len(PHASES) else "train",
                                 loss, reports, compute)
         return None

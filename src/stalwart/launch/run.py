@@ -28,7 +28,7 @@ from stalwart.launch.agent import Incident, StalwartAgent
 from stalwart.launch.client import MasterClient
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.master import Master, load_or_create_token
-from stalwart.launch.stragglers import StragglerDetector
+from stalwart.launch import stragglers
 
 log = logging.getLogger("stalwart.run")
 UNBOUNDED = 1 << 30  # local restart counter: the master's job-wide budget decides
@@ -62,10 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. kill:rank=1:step=7)")
     g.add_argument("--straggler-window", type=float, default=5.0,
                    help="seconds per window of compute times sent to the master (default 5)")
-    g.add_argument("--straggler-threshold", type=float, default=1.3,
-                   help="in-process master: a node this × slower than the others' median is slow (default 1.3)")
-    g.add_argument("--straggler-windows", type=int, default=3,
-                   help="in-process master: consecutive slow windows before flagging (default 3)")
+    stragglers.add_arguments(g)
     g.add_argument("--summary-json", type=Path, default=None,
                    help="write the run's outcome (exit, incidents, restarts) here as JSON")
     return parser
@@ -119,7 +116,7 @@ def run(argv: list[str]) -> int:
         token = load_or_create_token(run_dir / "token", args.job_token)
         master = Master(run_dir / "journal.sqlite", token, job_id=args.rdzv_id,
                         restart_budget=args.max_restarts,
-                        stragglers=StragglerDetector(args.straggler_threshold, args.straggler_windows)).start()
+                        stragglers=stragglers.from_args(args)).start()
         address = master.address
     os.environ.update({"STALWART_MASTER": address, "STALWART_JOB_ID": args.rdzv_id,
                        "STALWART_NODE_ID": node_id})
