@@ -3,11 +3,18 @@
 Grammar: ``ACTION[:key=value]...`` and several faults joined by ``;``.
 
 actions  ``kill`` (SIGKILL the calling process), ``segv`` (SIGSEGV), ``exit`` (``os._exit(code)``),
-         ``raise`` (``RuntimeError``), ``hang`` (spin forever, never reaching the next collective),
-         ``stop`` (SIGSTOP: a frozen process), ``delay`` (sleep ``seconds``; fires every time unless
-         ``once=1``)
-keys     ``at`` point name (default ``step``), ``rank`` and ``step`` (omitted = any), ``code`` exit
-         code (default 1), ``seconds`` for delay, ``once`` (default 1 except for delay)
+         ``raise``/``exception`` (``RuntimeError``), ``hang`` (spin forever, never reaching the next
+         collective), ``stop`` (SIGSTOP: a frozen process), ``delay``/``slow`` (sleep ``seconds``;
+         fires every time unless ``once=1``); ``nan`` and ``spike`` are *numeric* faults that the
+         trainer applies itself at point ``loss``: it multiplies the step's loss by ``Fault.scale``
+         (NaN, or ``factor``, default 1000) before backward, poisoning loss and gradients.
+keys     ``at`` point name (default ``step``; ``loss`` for nan/spike), ``rank`` and ``step`` (omitted =
+         any), ``code`` exit code (default 1), ``seconds`` for delay, ``factor`` for spike, ``once``
+         (default 1 except for delay)
+
+Specs come from ``STALWART_CHAOS`` and, for faults injected into a running job (``stalwart chaos``),
+from the file named by ``STALWART_CHAOS_FILE`` (one spec per line; re-read when it changes, so a
+worker pays one ``stat`` per check).
 
 "Once" must hold across process restarts — a restarted worker has the same environment and must not
 die again at the same step — so a fault that fires first creates a marker file in
@@ -17,6 +24,7 @@ die again at the same step — so a fault that fires first creates a marker file
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import signal
 import sys
@@ -27,8 +35,11 @@ from pathlib import Path
 
 ENV_SPEC = "STALWART_CHAOS"
 ENV_DIR = "STALWART_CHAOS_DIR"
-ACTIONS = ("kill", "segv", "exit", "raise", "hang", "stop", "delay")
-KEYS = ("at", "rank", "step", "code", "seconds", "once")
+ENV_FILE = "STALWART_CHAOS_FILE"
+ACTIONS = ("kill", "segv", "exit", "raise", "exception", "hang", "stop", "delay", "slow", "nan", "spike")
+ALIASES = {"exception": "raise", "slow": "delay"}
+NUMERIC = ("nan", "spike")  # applied by the trainer to the loss, not by fire()
+KEYS = ("at", "rank", "step", "code", "seconds", "factor", "once")
 
 
 @dataclass(frozen=True)
@@ -39,8 +50,15 @@ class Fault:
     step: int | None = None
     code: int = 1
     seconds: float = 0.0
+    factor: float = 1000.0
     once: bool = True
     text: str = ""
+
+    @property
+    def scale(self) -> float:
+        """What a numeric fault multiplies the loss by."""
+        assert self.action in NUMERIC, self.action
+        return math.nan if self.action == "nan" else self.factor
 
     def matches(self, point: str, step: int | None, rank: int | None) -> bool:
         return (self.at == point and (self.rank is None or self.rank == rank)
@@ -65,6 +83,7 @@ class Fault:
         return True
 
     def fire(self) -> None:
+        assert self.action not in NUMERIC, "numeric faults are applied by the caller (Fault.scale)"
         print(f"stalwart chaos: firing {self.text!r} in pid {os.getpid()}", file=sys.stderr, flush=True)
         progress_dir = os.environ.get("STALWART_PROGRESS_DIR")
         if progress_dir and self.action != "delay":  # the agent reads when the fault began (exact MTTR)
@@ -93,14 +112,16 @@ def parse(spec: str) -> list[Fault]:
         action, *pairs = text.split(":")
         if action not in ACTIONS:
             raise ValueError(f"{ENV_SPEC}: unknown action {action!r} in {text!r}; use one of {', '.join(ACTIONS)}")
-        kw: dict[str, object] = {"once": action != "delay"}
+        action = ALIASES.get(action, action)
+        kw: dict[str, object] = {"once": action != "delay", "at": "loss" if action in NUMERIC else "step"}
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep or key not in KEYS:
                 raise ValueError(f"{ENV_SPEC}: bad item {pair!r} in {text!r}; expected key=value with key in "
                                  f"{', '.join(KEYS)}")
             try:
-                kw[key] = (value if key == "at" else float(value) if key == "seconds"
+                kw[key] = (value if key == "at"
+                           else float(value) if key in ("seconds", "factor")
                            else value.lower() in ("1", "true", "yes") if key == "once" else int(value))
             except ValueError:
                 raise ValueError(f"{ENV_SPEC}: {key} expects a number in {text!r}, got {value!r}") from None
@@ -109,25 +130,45 @@ def parse(spec: str) -> list[Fault]:
 
 
 _cache: tuple[str, list[Fault]] | None = None
+_file_cache: tuple[str, int, list[Fault]] | None = None  # (path, mtime_ns, faults)
 
 
 def reset_cache() -> None:
-    global _cache
-    _cache = None
+    global _cache, _file_cache
+    _cache = _file_cache = None
+
+
+def _file_faults() -> list[Fault]:
+    """Faults from ``STALWART_CHAOS_FILE``; a bad line is reported once and skipped, never fatal."""
+    global _file_cache
+    path = os.environ.get(ENV_FILE, "")
+    if not path:
+        return []
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return []
+    if _file_cache is None or _file_cache[:2] != (path, mtime):
+        faults = []
+        for line in Path(path).read_text().splitlines():
+            try:
+                faults += parse(line)
+            except ValueError as e:
+                print(f"stalwart chaos: ignoring {path}: {e}", file=sys.stderr, flush=True)
+        _file_cache = (path, mtime, faults)
+    return _file_cache[2]
 
 
 def due(point: str, step: int | None = None, rank: int | None = None) -> Fault | None:
     """The fault to fire now at ``point`` (claimed, so it will not fire again), or None.
 
-    Cheap when ``STALWART_CHAOS`` is unset: one dict lookup.
+    Cheap when neither ``STALWART_CHAOS`` nor ``STALWART_CHAOS_FILE`` is set: two dict lookups.
     """
     global _cache
     spec = os.environ.get(ENV_SPEC, "")
-    if not spec:
-        return None
-    if _cache is None or _cache[0] != spec:
+    if spec and (_cache is None or _cache[0] != spec):
         _cache = (spec, parse(spec))
-    for fault in _cache[1]:
+    for fault in (_cache[1] if spec and _cache else []) + _file_faults():
         if fault.matches(point, step, rank) and fault.claim():
             return fault
     return None
