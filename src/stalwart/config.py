@@ -37,6 +37,9 @@ class DataConfig:
     seq_len: int = 128
     seed: int = 1234  # sampler order
     shuffle: bool = True
+    # Stream positions never served, "START:STOP,..." (half-open). Reproduces a guard rollback's skip:
+    # summary.json guard.skip_samples of the rolled-back run is the value to copy here.
+    skip_samples: str = ""
 
 
 @dataclass
@@ -96,12 +99,66 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    """Training-health guard (docs/guard.md): judge each step before the update, roll back on a bad one."""
+
+    enabled: bool = False  # needs checkpoint.enabled (a rollback restores a checkpoint)
+    window: int = 50  # healthy steps in the median/MAD baseline
+    warmup_steps: int = 20  # steps that only feed the baseline (spikes are not judged; NaN always is)
+    loss_k: float = 6.0  # loss spike: loss > median + loss_k · MAD
+    grad_k: float = 10.0  # gradient-norm spike: norm > median + grad_k · MAD (0 = do not judge norms)
+    rollback_steps: int = 100  # restore the newest checkpoint at least this many steps before the bad one
+    skip_batches: int = 200  # global batches skipped from the restored position
+    max_rollbacks: int = 3  # more than this within `per_steps` steps stops the run
+    per_steps: int = 1000
+    sdc_check: bool = True  # on NaN/Inf, run the matmul burn-in on every rank (silent data corruption)
+
+    def validate(self, ckpt: CheckpointConfig) -> None:
+        if not self.enabled:
+            return
+        for key in ("window", "rollback_steps", "max_rollbacks", "per_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"guard.{key} must be ≥ 1, got {getattr(self, key)}")
+        if self.window < 5:
+            raise ValueError(f"guard.window must be ≥ 5 steps (a median needs a few), got {self.window}")
+        for key in ("warmup_steps", "skip_batches"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"guard.{key} must be ≥ 0, got {getattr(self, key)}")
+        if self.loss_k <= 0 or self.grad_k < 0:
+            raise ValueError(f"guard.loss_k must be > 0 and guard.grad_k ≥ 0 (got {self.loss_k}, {self.grad_k})")
+        if not ckpt.enabled:
+            raise ValueError("guard.enabled needs checkpoint.enabled=true: a rollback restores a checkpoint "
+                             "(set --checkpoint.enabled=true, or --guard.enabled=false)")
+        problem = rollback_reach_problem(self.rollback_steps, ckpt)
+        if problem:
+            raise ValueError(problem)
+
+
+def rollback_reach_problem(rollback_steps: int, ckpt: CheckpointConfig) -> str | None:
+    """Why the checkpoint policy cannot always offer a state ≥ `rollback_steps` before a bad step,
+    or None. Memory keeps the two newest snapshots (the older is memory_every + 1 steps back at
+    least); storage keeps the newest keep_last of every persist_every_steps-th step."""
+    r, m, p = rollback_steps, ckpt.memory_every, ckpt.persist_every_steps
+    if r <= m + 1:
+        return None
+    if p and ckpt.keep_last >= -(-(r - 1) // p) + 1:
+        return None
+    need = -(-(r - 1) // p) + 1 if p else None
+    fix = (f"checkpoint.keep_last ≥ {need} (now {ckpt.keep_last})" if p else
+           "checkpoint.persist_every_steps > 0 with enough checkpoint.keep_last")
+    return (f"guard.rollback_steps={r} needs a checkpoint at least {r} steps before any step, but memory "
+            f"snapshots reach back only checkpoint.memory_every + 1 = {m + 1} steps; set {fix}, or "
+            f"guard.rollback_steps ≤ {m + 1}")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,6 +180,10 @@ class Config:
             raise ValueError(f"need 0 < train.lr and 0 ≤ train.min_lr ≤ train.lr (got {t.lr}, {t.min_lr})")
         grad_accum(t.global_batch, t.micro_batch, world_size)
         self.checkpoint.validate()
+        from stalwart.data.sampler import parse_skip_ranges
+
+        parse_skip_ranges(d.skip_samples)
+        self.guard.validate(self.checkpoint)
 
 
 def grad_accum(global_batch: int, micro_batch: int, dp_world: int) -> int:

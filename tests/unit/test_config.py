@@ -72,3 +72,30 @@ def test_parse_overrides_forms():
         parse_overrides(["--train.steps"])
     with pytest.raises(ValueError, match="unexpected argument"):
         parse_overrides(["steps"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"guard.enabled": "true"}, "guard.enabled needs checkpoint.enabled=true"),
+    ({"checkpoint.keep_last": "2"}, r"rollback_steps=100 .* set checkpoint.keep_last ≥ 3 \(now 2\)"),
+    ({"checkpoint.persist_every_steps": "0"}, r"reach back only checkpoint.memory_every \+ 1 = 2 steps"),
+    ({"guard.window": "3"}, "guard.window must be ≥ 5"),
+    ({"guard.max_rollbacks": "0"}, "guard.max_rollbacks must be ≥ 1"),
+    ({"guard.loss_k": "0"}, "guard.loss_k must be > 0"),
+    ({"data.skip_samples": "10:5"}, "bad range '10:5'"),
+])
+def test_guard_settings_must_make_a_rollback_possible(overrides, match):
+    base = {"guard.enabled": "true", "checkpoint.enabled": "true"}
+    if "guard.enabled" in overrides:
+        base = {}
+    cfg = load_config(None, {**base, **overrides})
+    with pytest.raises(ValueError, match=match):
+        cfg.validate(1)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # defaults: persist every 50, keep 3, roll back 100
+    {"checkpoint.persist_every_steps": "0", "guard.rollback_steps": "2"},  # memory-only: the older slot
+    {"checkpoint.persist_every_steps": "10", "checkpoint.keep_last": "11", "guard.rollback_steps": "100"},
+])
+def test_guard_settings_that_can_roll_back_validate(overrides):
+    load_config(None, {"guard.enabled": "true", "checkpoint.enabled": "true", **overrides}).validate(1)

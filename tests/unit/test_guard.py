@@ -59,13 +59,21 @@ def test_state_roundtrip_and_settings_validation():
 
 def test_rollback_budget_stops_with_a_report():
     budget = RollbackBudget(max_rollbacks=2, per_steps=100)
-    budget.spend(Verdict("loss_spike", 50, 9.0, 3.0), 40, (640, 800))
-    budget.spend(Verdict("nan", 120, math.nan, math.nan), 110, (1760, 1920))
-    budget.spend(Verdict("loss_spike", 300, 9.0, 3.0), 290, (4640, 4800))  # old ones aged out
-    budget.spend(Verdict("grad_spike", 330, 80.0, 5.0), 320, (5120, 5280))
+
+    def roll(verdict, back, skipped):
+        budget.check(verdict)  # raises before anything is restored
+        return budget.spend(verdict, back, skipped)
+
+    roll(Verdict("loss_spike", 50, 9.0, 3.0), 40, (640, 800))
+    roll(Verdict("nan", 120, math.nan, math.nan), 110, (1760, 1920))
+    roll(Verdict("loss_spike", 300, 9.0, 3.0), 290, (4640, 4800))  # old ones aged out
+    entry = roll(Verdict("grad_spike", 330, 80.0, 5.0), 320, (5120, 5280))
+    assert entry == {"step": 330, "kind": "grad_spike", "value": 80.0, "threshold": 5.0, "rolled_back_to": 320,
+                     "skipped_samples": [5120, 5280]}
     with pytest.raises(RollbackLimitExceeded) as err:
-        budget.spend(Verdict("loss_spike", 350, 9.0, 3.0), 340, (5440, 5600))
+        roll(Verdict("loss_spike", 350, 9.0, 3.0), 340, (5440, 5600))
     message = str(err.value)
     assert "3 rollbacks within 100 steps" in message
     assert "step 300: loss_spike → back to 290, skipped samples 4640..4800" in message
-    assert "step 350: loss_spike" in message and "step 50:" in message
+    assert "step 350: loss_spike (not rolled back)" in message and "step 50:" in message
+    assert len(budget.history) == 4, "the refused rollback is not recorded"

@@ -6,7 +6,7 @@ import pytest
 
 from stalwart.health.log_rules import diagnose, last_traceback
 from stalwart.launch.hang import HangDetector, HangPolicy
-from stalwart.launch.progress import Progress, ProgressReader, ProgressWriter
+from stalwart.launch.progress import Progress, ProgressReader, ProgressWriter, incident
 
 
 def _hammer(directory, n):
@@ -82,6 +82,12 @@ def test_hang_allowance_follows_phase_and_learned_step_time():
     ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)", "shape_error", "user",
      (False, True)),
     ("step 100: loss is nan", "nan", "user", (True, True)),
+    ("stalwart.train.guard.RollbackLimitExceeded: 3 rollbacks within 1000 steps (limit 2)", "rollback_limit",
+     "user", (False, False)),
+    ("stalwart.train.guard.RollbackUnavailable: non-finite loss at step 1: cannot roll back", "rollback_limit",
+     "user", (False, False)),
+    ("stalwart.train.guard.SilentDataCorruption: non-finite loss at step 5; rank(s) [1] failed", "sdc",
+     "hardware", (True, True)),
 ])
 def test_log_rules_classify(log, kind, cls, retry):
     d = diagnose("some normal output\n" + log + "\nmore output")
@@ -137,3 +143,23 @@ def test_progress_carries_compute_time(tmp_path):
     w = ProgressWriter(tmp_path, 0)
     w.report(3, loss=1.0, compute_s=0.25)
     assert ProgressReader(tmp_path).read(0).compute_s == 0.25
+
+
+def test_incident_appends_one_json_line_per_call_for_the_agent(tmp_path, monkeypatch):
+    import json
+
+    import stalwart
+
+    monkeypatch.delenv("STALWART_PROGRESS_DIR", raising=False)
+    assert stalwart.incident("rollback", step=3) is False
+    monkeypatch.setenv("STALWART_PROGRESS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    assert stalwart.incident is incident
+    assert incident("rollback", step=12, verdict="nan", value=float("nan"), skipped_samples=[32, 48])
+    assert incident("sdc", "hardware", step=12, evict=True, rank=2)
+    lines = (tmp_path / "rank2.incidents.jsonl").read_text().splitlines()
+    first, second = (json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) for line in lines)
+    assert set(first) == {"time", "rank", "kind", "class", "step", "detail"}
+    assert (first["rank"], first["kind"], first["class"], first["step"]) == (2, "rollback", "training", 12)
+    assert first["detail"] == {"verdict": "nan", "value": "nan", "skipped_samples": [32, 48]}
+    assert (second["kind"], second["class"], second["detail"]) == ("sdc", "hardware", {"evict": True, "rank": 2})

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.data import GlobalSampler
+from stalwart.data.sampler import parse_skip_ranges
 
 
 def _run(num_samples, global_batch, seed, segments):
@@ -83,3 +84,44 @@ def test_state_mismatch_is_explained():
         GlobalSampler(10, 4).skip(-1)
     with pytest.raises(ValueError, match="outside world"):
         GlobalSampler(10, 4).rank_slice(2, 2)
+
+
+def _stream(sampler, steps):
+    return [sampler.next_batch(0, 1).tolist() for _ in range(steps)]
+
+
+def test_configured_skip_range_equals_a_rollback_skip():
+    configured = GlobalSampler(50, 4, seed=3, skip=[(8, 16)])
+    rolled = GlobalSampler(50, 4, seed=3)
+    head = _stream(rolled, 2)
+    assert rolled.skip(2) == (8, 16)
+    assert head + _stream(rolled, 10) == _stream(configured, 12)
+    plain = GlobalSampler(50, 4, seed=3).samples_at(0, 56).tolist()
+    assert sum(_stream(GlobalSampler(50, 4, seed=3, skip=[(8, 16)]), 12), []) == plain[:8] + plain[16:]
+    ranks = [GlobalSampler(50, 4, seed=3, skip=[(6, 10)]) for _ in range(3)]  # ranks' slices of a batch
+    for batch in _stream(GlobalSampler(50, 4, seed=3, skip=[(6, 10)]), 5):
+        assert np.concatenate([s.next_batch(r, 3) for r, s in enumerate(ranks)]).tolist() == batch
+
+
+def test_unaligned_ranges_are_never_served_and_skips_accumulate_across_loads():
+    s = GlobalSampler(100, 4, shuffle=False, skip=[(6, 10), (12, 13)])
+    assert [b.tolist() for b in (s.next_batch(0, 1), s.next_batch(0, 1))] == [[0, 1, 2, 3], [4, 5, 10, 11]]
+    assert s.next_batch(0, 1).tolist() == [13, 14, 15, 16]
+    before = GlobalSampler(100, 4, shuffle=False).state_dict()  # a checkpoint taken before a skip
+    t = GlobalSampler(100, 4, shuffle=False)
+    assert t.skip(1) == (0, 4)
+    t.load_state_dict(before)  # a rollback to that checkpoint keeps the skip ...
+    assert t.consumed == 0 and t.skip_ranges == [(0, 4)]
+    assert t.skip(1) == (0, 8)  # ... and a further skip extends past it
+    assert t.next_batch(0, 1).tolist() == [8, 9, 10, 11]
+    u = GlobalSampler(100, 4, shuffle=False)
+    u.load_state_dict(t.state_dict())  # a restart restores them from the checkpoint
+    assert u.skip_ranges == [(0, 8)] and t.state_dict()["skip"] == "0:8"
+
+
+def test_parse_skip_ranges():
+    assert parse_skip_ranges("") == []
+    assert parse_skip_ranges("32:48, 8:16,40:64") == [(8, 16), (32, 64)]
+    for bad in ("5", "a:b", "4:4", "-1:3"):
+        with pytest.raises(ValueError, match="START:STOP"):
+            parse_skip_ranges(bad)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -29,8 +30,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint.keeper import attach, keeper_alive, spawn_keeper
-from stalwart.checkpoint.restore import RestoreInfo, restore_state
+from stalwart.checkpoint.keeper import _persist_lock, attach, keeper_alive, spawn_keeper
+from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.snapshot import JobPaths, SnapshotWriter, atomic_write, complete_slots, read_json
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
@@ -48,9 +49,15 @@ def _setup_logging(rank: int) -> None:
         log.propagate = False
 
 
-def job_dir_for(storage_url: str, shm_root: str | Path = "/dev/shm", job_id: str | None = None) -> Path:
-    """The shared-memory directory of a job: one per storage location (or per explicit job id)."""
+def job_dir_for(storage_url: str, shm_root: str | Path = "/dev/shm", job_id: str | None = None,
+                node_id: str | None = None) -> Path:
+    """The shared-memory directory of a job on this node: one per storage location (or explicit job
+    id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
+    keep apart what separate hosts would."""
     key = job_id or os.environ.get("STALWART_JOB_ID") or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
+    node = node_id or os.environ.get("STALWART_NODE_ID")
+    if node:
+        key += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", node)
     return Path(shm_root) / "stalwart" / key
 
 
@@ -78,10 +85,9 @@ class Checkpointer:
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if dist.is_initialized() else 0
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) if dist.is_initialized() else 1
-        if keeper and local_world != self.world:
-            raise ValueError(f"the standalone keeper persists one node's ranks; this job spans nodes "
-                             f"({self.world} ranks, {local_world} local). Use keeper=False (memory-only) until "
-                             "`stalwart run` provides per-node agents")
+        # Ranks on a node are contiguous (TorchElastic assigns them so); each node's keeper persists its own.
+        first = self.rank - self.local_rank
+        self.node_ranks = list(range(first, first + local_world))
         _setup_logging(self.rank)
         self.storage = Storage(dir, storage_options)
         self.memory_every, self.persist_every_steps = memory_every, persist_every_steps
@@ -99,6 +105,7 @@ class Checkpointer:
         if self.local_rank == 0:
             atomic_write(self.paths.job, json.dumps({
                 "storage": self.storage.url, "storage_options": self.storage.options, "world_size": self.world,
+                "ranks": self.node_ranks,
                 "policy": {"persist_every_steps": persist_every_steps, "persist_every_s": persist_every_s,
                            "keep_last": keep_last, "keep_every": keep_every, "idle_s": keeper_idle_s}},
             ).encode())
@@ -130,6 +137,60 @@ class Checkpointer:
             for s in info.skipped:
                 log.warning("restore skipped %s", s)
         return info.step
+
+    def rollback(self, state: dict[str, Any], at_most: int, before: int) -> RestoreInfo:
+        """Load the newest checkpoint at step ≤ ``at_most`` (memory or storage) into ``state`` — or,
+        when there is none yet, the oldest one before ``before`` (``info.detail`` says so) — for a
+        training-health rollback. Snapshots and committed checkpoints newer than the restored step
+        belong to the abandoned trajectory and are deleted, so no later restore can resume it.
+        Raises LookupError when nothing can be restored. Collective: every rank must call it."""
+        self.writer.wait()
+        if self.pending_persist is not None and self.use_keeper:
+            try:  # let the keeper finish what was requested: it may be the step we need
+                self._wait_persisted(self.pending_persist)
+            except RuntimeError as err:
+                log.warning("rollback: %s; choosing among committed checkpoints", err)
+        memory, committed = candidates(self.paths, self.storage, self.rank, self.world, self.group)
+        steps = sorted({*memory, *committed} - {s for s in committed if s >= before})
+        eligible = [s for s in steps if s <= at_most]
+        target = eligible[-1] if eligible else (steps[0] if steps and steps[0] < before else None)
+        held = f"memory holds {memory or 'nothing'}, storage {committed or 'nothing'}"
+        if target is None:
+            raise LookupError(f"no checkpoint before step {before} to roll back to ({held})")
+        info = restore_state(self._bind(state), self.paths, self.storage, self.rank, self.world, self.group,
+                             max_step=target)
+        if info.source == "fresh":
+            raise LookupError(f"no usable checkpoint ≤ step {target} ({held}): {'; '.join(info.skipped)}")
+        if not eligible:
+            info.detail += f" (the oldest held: none is at or before step {at_most} yet)"
+        if self.pending_persist is not None and self.pending_persist > info.step:
+            self.pending_persist = None
+        held_now = complete_slots(self.paths, self.rank)  # only steps ≤ info.step are left
+        if held_now:  # the next snapshot must overwrite the invalidated slot, not the one restored
+            self.writer.latest_slot = held_now[0].slot
+        self._forget_storage_after(info.step)
+        return info
+
+    def _forget_storage_after(self, step: int) -> None:
+        """Delete committed checkpoints newer than ``step`` (under the keeper's persist lock, so no
+        persist is half-way) and move ``latest`` back."""
+        if self.rank == 0:
+            fd = _persist_lock(self.paths)
+            try:
+                self.storage.refresh()
+                newer = [s for s in self.storage.steps() if s > step]
+                for s in newer:
+                    self.storage.remove(s)
+                kept = self.storage.committed()
+                if newer and kept:
+                    self.storage.set_latest(kept[0])
+                if newer:
+                    log.warning("rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer,
+                                self.storage.url)
+            finally:
+                os.close(fd)
+        if dist.is_initialized():
+            dist.barrier(self.group)
 
     def discard_snapshots(self) -> int:
         """Start over: forget this rank's memory snapshots (they belong to an earlier trajectory and

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.checkpoint import multinode
 from stalwart.checkpoint.persist import retention, write_checkpoint
 from stalwart.checkpoint.snapshot import JobPaths, SnapshotView, atomic_write, complete_slots, pid_alive, read_json
 from stalwart.checkpoint.storage import Storage, step_name
@@ -45,14 +46,23 @@ def _persist_lock(paths: JobPaths) -> int:
 
 
 def job_world(paths: JobPaths) -> int | None:
-    owner = read_json(paths.owner(0))
-    return int(owner["world_size"]) if owner else None
+    for r in paths.ranks():
+        owner = read_json(paths.owner(r))
+        if owner:
+            return int(owner["world_size"])
+    return None
 
 
-def snapshot_steps(paths: JobPaths, world: int) -> dict[int, dict[int, dict[str, Any]]]:
-    """rank → {step: header} of complete snapshots taken at this world size."""
+def node_ranks(paths: JobPaths, world: int) -> list[int]:
+    """The ranks whose snapshots this node holds (all of them on a single-node job)."""
+    ranks = (read_json(paths.job) or {}).get("ranks")
+    return [int(r) for r in ranks] if ranks else list(range(world))
+
+
+def snapshot_steps(paths: JobPaths, world: int, ranks: list[int] | None = None) -> dict[int, dict[int, dict[str, Any]]]:
+    """rank → {step: header} of complete snapshots taken at this world size (this node's ranks)."""
     out = {}
-    for r in range(world):
+    for r in ranks if ranks is not None else range(world):
         out[r] = {}
         for s in complete_slots(paths, r):
             if s.header.get("world_size") == world:
@@ -64,20 +74,39 @@ def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:
     return set.intersection(*(set(v) for v in steps.values())) if steps else set()
 
 
-def persist_step(paths: JobPaths, storage: Storage, step: int, world: int, source: str) -> dict[str, Any]:
-    """Pin rank 0..world-1's snapshots of ``step`` and write them as one committed checkpoint.
-    Raises LookupError/BlockingIOError when a snapshot is gone or being overwritten."""
+def persist_step(paths: JobPaths, storage: Storage, step: int, world: int, source: str,
+                 ranks: list[int] | None = None, ask_others: bool = False) -> dict[str, Any]:
+    """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
+    checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
+    ``ask_others`` for a step they would not pick by themselves). Returns the manifest, with
+    ``already: True`` when a committed checkpoint covers the step (the keeper and the agent's
+    save-on-failure may race for it). Raises LookupError/BlockingIOError when a snapshot is gone."""
+    ranks = list(range(world)) if ranks is None else ranks
     fd = _persist_lock(paths)
-    views: list[SnapshotView] = []
+    views: dict[int, SnapshotView] = {}
     try:
-        for r in range(world):
+        done = storage.committed()  # decided under the lock: never rewrite what another persist committed
+        if done and done[0] >= step:
+            return {**(storage.manifest(done[0]) or {}), "already": True, "commit_s": 0.0}
+        for r in ranks:
             info = next((s for s in complete_slots(paths, r) if s.step == step), None)
             if info is None:
                 raise LookupError(f"rank {r} no longer holds a snapshot of step {step}")
-            views.append(SnapshotView(paths, info))
-        return write_checkpoint(storage, step, views, source)
+            views[r] = SnapshotView(paths, info)
+        if len(ranks) == world:
+            return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
+        if ask_others:
+            multinode.request(storage, step)
+        return multinode.persist(storage, step, views, world, source, coordinator=0 in ranks)
+    except (LookupError, BlockingIOError) as err:
+        if len(ranks) < world and not isinstance(err, multinode.MissingSnapshot):  # nobody should wait for us
+            if 0 in ranks:
+                multinode.abort(storage, step, str(err))
+            else:
+                multinode.answer_missing(storage, step, ranks, str(err))
+        raise
     finally:
-        for v in views:
+        for v in views.values():
             v.close()
         os.close(fd)
 
@@ -103,18 +132,29 @@ def save_on_failure(job_dir: str | Path, storage_url: str | None = None,
 
     if not world:
         return outcome(False, None, f"no snapshots under {paths.root}")
-    steps = snapshot_steps(paths, world)
+    ranks = node_ranks(paths, world)
+    if 0 not in ranks:
+        return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
+    steps = snapshot_steps(paths, world, ranks)
     common = agreed(steps)
     if not common:
         held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
         return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
-    step = max(common)
     committed = storage.committed()
-    if committed and committed[0] >= step:
-        return outcome(False, step, f"step {step} is already covered by committed {step_name(committed[0])}")
-    manifest = persist_step(paths, storage, step, world, "save-on-failure")
-    return outcome(True, step, f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
-                               f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}")
+    # Across nodes the newest step here may be missing elsewhere (a rank died mid-copy): try older ones.
+    for step in sorted(common, reverse=True):
+        if committed and committed[0] >= step:
+            return outcome(False, step, f"step {step} is already covered by committed {step_name(committed[0])}")
+        try:
+            manifest = persist_step(paths, storage, step, world, "save-on-failure", ranks, ask_others=True)
+        except multinode.MissingSnapshot as err:
+            log.warning("save-on-failure: %s; trying an older step", err)
+            continue
+        if manifest.get("already"):
+            return outcome(False, step, f"step {step} is already covered by committed step {manifest.get('step')}")
+        return outcome(True, step, f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
+                                   f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}")
+    return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
 
 
 # -- the keeper loop --------------------------------------------------------------------------------
@@ -132,6 +172,10 @@ class Keeper:
         self.given_up: set[int] = set()
         self.events: list[dict[str, Any]] = []
         self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time(), "last_committed": self.last_persisted}
+        # Multi-node: this node's ranks; only the keeper on rank 0's node decides, commits and tidies.
+        ranks = self.job.get("ranks")
+        self.coordinator = not ranks or 0 in ranks
+        self.request_checked = 0.0
 
     def event(self, kind: str, step: int | None, detail: str, level: int = logging.INFO) -> None:
         log.log(level, "%s%s: %s", kind, f" step {step}" if step is not None else "", detail)
@@ -158,13 +202,14 @@ class Keeper:
                 log.info("job directory %s removed; exiting", self.paths.root)
                 return 0
             world = job_world(self.paths)
-            owners = {r: read_json(self.paths.owner(r)) for r in range(world or 0)}
+            ranks = node_ranks(self.paths, world) if world else []
+            owners = {r: read_json(self.paths.owner(r)) for r in ranks}
             if world and all(self._closed(r, o) for r, o in owners.items()):
                 if self._finish(world, "all ranks closed the checkpointer: job complete"):
                     return 0
             if world:
                 self._check_failures(world, owners)
-                self._maybe_persist(world)
+                self._maybe_persist(world, ranks)
             attached = workers_attached(self.paths)
             idle_since = None if attached else (idle_since or time.monotonic())
             idle_s = float(self.policy("idle_s", 120.0))
@@ -198,8 +243,8 @@ class Keeper:
                 self._retention()
             self.event("save-on-failure", result["step"], result["detail"])
 
-    def _maybe_persist(self, world: int) -> None:
-        steps = snapshot_steps(self.paths, world)
+    def _maybe_persist(self, world: int, ranks: list[int]) -> None:
+        steps = snapshot_steps(self.paths, world, ranks)
         common = agreed(steps)
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
@@ -207,10 +252,15 @@ class Keeper:
         if target <= self.last_persisted or target in self.given_up:
             target = -1
             newest = max(common, default=-1)
-            if every_s > 0 and time.monotonic() - self.last_persist_time >= every_s and newest > self.last_persisted:
+            if (self.coordinator and every_s > 0 and time.monotonic() - self.last_persist_time >= every_s
+                    and newest > self.last_persisted):
                 target = newest
+        if target < 0 and not self.coordinator:
+            target = self._requested(world, ranks, common)
         if target < 0:
             return
+        if not self.coordinator:
+            every = 0  # the coordinator reports coalesced steps
         due = [s for s in range(max(1, self.last_persisted + 1), target) if every > 0 and s % every == 0]
         if due:
             self.event("coalesced", target, f"persist of step(s) {due} was due while the previous persist "
@@ -218,7 +268,8 @@ class Keeper:
                        logging.WARNING)
         self.last_persist_time = time.monotonic()
         try:
-            manifest = persist_step(self.paths, self.storage, target, world, "keeper")
+            manifest = persist_step(self.paths, self.storage, target, world, "keeper", ranks,
+                                    ask_others=self.coordinator and target not in flagged)
         except (LookupError, BlockingIOError) as err:
             self.given_up.add(target)
             self.event("skipped", target, f"{err}: training outpaced persistence; the next due step will be "
@@ -229,19 +280,43 @@ class Keeper:
             self.event("failed", target, f"persist failed: {err!r}", logging.ERROR)
             return
         self.last_persisted = target
+        if manifest.get("already"):
+            self.event("already-committed", target, f"committed step {manifest.get('step')} covers it")
+            return
         mib = manifest["bytes"] / 2**20
         self.event("committed", target, f"{mib:.1f} MiB in {manifest['commit_s']:.2f} s "
                                         f"({mib / max(manifest['commit_s'], 1e-9):.0f} MiB/s) → "
                                         f"{self.storage.path(step_name(target))}")
         self._retention()
 
+    def _requested(self, world: int, ranks: list[int], common: set[int]) -> int:
+        """A step the coordinator asked for (save-on-failure, time-based) that we still hold, else -1;
+        answers "missing" for one we no longer hold so the coordinator need not wait."""
+        now = time.monotonic()
+        if now - self.request_checked < 0.2:
+            return -1
+        self.request_checked = now
+        self.storage.refresh()
+        step = multinode.requested_step(self.storage)
+        if step is None or step <= self.last_persisted or step in self.given_up:
+            return -1
+        if step in common:
+            return step
+        self.given_up.add(step)
+        multinode.answer_missing(self.storage, step, ranks, f"this node holds steps {sorted(common)}")
+        return -1
+
     def _retention(self) -> None:
+        if not self.coordinator:
+            return
         removed = retention(self.storage, int(self.policy("keep_last", 3)), int(self.policy("keep_every", 0)))
         if removed:
             log.info("retention removed step(s) %s", removed)
 
     def _tidy_storage(self) -> None:
         """Torn step directories (a persist that died) are never resumed from; remove them."""
+        if not self.coordinator:
+            return  # the coordinator may be committing one right now
         fd = _persist_lock(self.paths)
         try:
             latest = self.storage.latest()
@@ -251,6 +326,8 @@ class Keeper:
                     self.storage.remove(s)
                     self.event("removed-torn", s, f"{step_name(s)} had no manifest (a persist died mid-write; "
                                                   f"latest is {latest})", logging.WARNING)
+            if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
+                multinode.clear_stage(self.storage, below=latest + 1)
         finally:
             os.close(fd)
 
@@ -264,7 +341,8 @@ class Keeper:
             os.close(lock)
             return False
         try:
-            newest = max(agreed(snapshot_steps(self.paths, world)), default=-1) if world else -1
+            ranks = node_ranks(self.paths, world) if world else []
+            newest = max(agreed(snapshot_steps(self.paths, world, ranks)), default=-1) if world else -1
             self.storage.refresh()
             latest = self.storage.latest() or -1
             if newest > latest:

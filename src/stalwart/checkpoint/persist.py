@@ -121,7 +121,7 @@ def _writer(storage: Storage, step: int, sums: dict[str, dict[str, int]], hook: 
 
 
 @contextmanager
-def _torch_save_without_crc() -> Generator[None, None, None]:
+def torch_save_without_crc() -> Generator[None, None, None]:
     """DCP frames each tensor with ``torch.save``, whose zip writer computes its own CRC32 (~4 GB/s).
     The manifest already holds a CRC32 of every file, so the second one is skipped while we write."""
     import torch.serialization as ser
@@ -134,6 +134,81 @@ def _torch_save_without_crc() -> Generator[None, None, None]:
         ser.set_crc32_options(before)
 
 
+class PlanOnlyView:
+    """What planning needs of a rank whose snapshot lives on another node: its entry table, object
+    keys and flattening mappings (see :func:`plan_table`), without the tensor data."""
+
+    def __init__(self, table: dict[str, Any]) -> None:
+        self.entries = {e["key"]: e for e in table["entries"]}
+        self.objects = dict.fromkeys(table["objects"])
+        self.mappings = {k: tuple(v) for k, v in table["mappings"].items()}
+
+
+def plan_table(view: SnapshotView) -> dict[str, Any]:
+    """The JSON-able part of a snapshot that the coordinator plans from."""
+    return {"entries": list(view.entries.values()), "objects": list(view.objects),
+            "mappings": {k: list(v) for k, v in view.mappings.items()}}
+
+
+def global_plan(storage: Storage, step: int, views: list[Any]) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
+    """DCP's coordinator step for every rank at once (``views[r]`` real or plan-only): local plans,
+    de-duplication of replicated items, metadata and each rank's file prefix."""
+    planners = [_SnapshotPlanner(v) for v in views]
+    local_plans = []
+    for rank, planner in enumerate(planners):
+        planner.set_up_planner(is_coordinator=rank == 0)
+        local_plans.append(planner.create_local_plan())
+    plans, metadata = planners[0].create_global_plan(local_plans)
+    writer = _writer(storage, step, {}, lambda _: None)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    return planners, writer.prepare_global_plan(plans), metadata
+
+
+def write_rank(storage: Storage, step: int, rank: int, planner: _SnapshotPlanner, plan: SavePlan,
+               sums: dict[str, dict[str, int]], hook: Callable[[str], None]) -> list[Any]:
+    """Write one rank's share of the global plan (its shard files, fsynced) → DCP write results.
+    Call it inside :func:`torch_save_without_crc` (process-global, so entered once around all threads)."""
+    writer = _writer(storage, step, sums, hook)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    writer.prepare_local_plan(plan)  # creates the step directory
+    return writer.write_data(planner.finish_plan(plan), planner).wait()
+
+
+def commit(storage: Storage, step: int, metadata: Any, results: list[list[Any]], sums: dict[str, dict[str, int]],
+           world: int, source: str, snapshot_time: float, t0: float, extra: dict[str, Any] | None = None
+           ) -> dict[str, Any]:
+    """After every rank's shards are durable: ``.metadata`` → manifest with CRCs → ``latest``."""
+    writer = _writer(storage, step, {}, lambda _: None)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    writer.finish(metadata, results)
+    nbytes = sum(s["size"] for s in sums.values())
+    size, crc = file_crc32(storage.fs, storage.path(step_name(step), METADATA))
+    sums[METADATA] = {"size": size, "crc32": crc}
+    if storage.local:
+        fsync_dir(storage.path(step_name(step)))
+    manifest = {
+        "format": FORMAT, "step": step, "world_size": world, "created": time.time(), "source": source,
+        "bytes": nbytes, "files": dict(sorted(sums.items())), "write_s": round(time.perf_counter() - t0, 4),
+        "snapshot_time": snapshot_time, **(extra or {}),
+    }
+    storage.write_atomic(json_bytes(manifest), step_name(step), MANIFEST)
+    storage.set_latest(step)
+    manifest["commit_s"] = time.perf_counter() - t0
+    return manifest
+
+
+def chaos_hook(step: int) -> Callable[[str], None]:
+    """Fires a ``persist`` chaos fault after the first shard file: a torn checkpoint."""
+    fired: list[str] = []
+
+    def hook(name: str) -> None:
+        if not fired and name.endswith(".distcp"):
+            fired.append(name)
+            if fault := chaos.due("persist", step=step):
+                fault.fire()
+    return hook
+
+
 def write_checkpoint(storage: Storage, step: int, views: list[SnapshotView], source: str,
                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write and commit the snapshots of all ranks (``views[r]`` is rank r's) for ``step``."""
@@ -142,49 +217,20 @@ def write_checkpoint(storage: Storage, step: int, views: list[SnapshotView], sou
     t0 = time.perf_counter()
     storage.remove(step)  # a torn leftover of an earlier attempt at this step
     sums: dict[str, dict[str, int]] = {}
-    fired: list[str] = []
-
-    def chaos_hook(name: str) -> None:  # a persist killed after its first shard: a torn checkpoint
-        if not fired and name.endswith(".distcp"):
-            fired.append(name)
-            if fault := chaos.due("persist", step=step):
-                fault.fire()
-
-    planners = [_SnapshotPlanner(v) for v in views]
-    writers = [_writer(storage, step, sums, chaos_hook) for _ in views]
-    local_plans = []
-    for rank, (planner, writer) in enumerate(zip(planners, writers)):
-        planner.set_up_planner(is_coordinator=rank == 0)
-        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-        local_plans.append(writer.prepare_local_plan(planner.create_local_plan()))
-    global_plans, metadata = planners[0].create_global_plan(local_plans)
-    global_plans = writers[0].prepare_global_plan(global_plans)
+    hook = chaos_hook(step)
+    planners, plans, metadata = global_plan(storage, step, views)
 
     def write(rank: int) -> list[Any]:
-        plan = planners[rank].finish_plan(global_plans[rank])
-        return writers[rank].write_data(plan, planners[rank]).wait()
+        return write_rank(storage, step, rank, planners[rank], plans[rank], sums, hook)
 
-    with _torch_save_without_crc():
+    with torch_save_without_crc():
         if len(views) == 1:
             results = [write(0)]
         else:
             with ThreadPoolExecutor(min(4, len(views))) as pool:
                 results = list(pool.map(write, range(len(views))))
-    writers[0].finish(metadata, results)
-    nbytes = sum(s["size"] for s in sums.values())
-    size, crc = file_crc32(storage.fs, storage.path(step_name(step), METADATA))
-    sums[METADATA] = {"size": size, "crc32": crc}
-    if storage.local:
-        fsync_dir(storage.path(step_name(step)))
-    manifest = {
-        "format": FORMAT, "step": step, "world_size": len(views), "created": time.time(), "source": source,
-        "bytes": nbytes, "files": dict(sorted(sums.items())), "write_s": round(time.perf_counter() - t0, 4),
-        "snapshot_time": max(v.info.header["time"] for v in views), **(extra or {}),
-    }
-    storage.write_atomic(json_bytes(manifest), step_name(step), MANIFEST)
-    storage.set_latest(step)
-    manifest["commit_s"] = time.perf_counter() - t0
-    return manifest
+    return commit(storage, step, metadata, results, sums, len(views), source,
+                  max(v.info.header["time"] for v in views), t0, extra)
 
 
 def json_bytes(obj: Any) -> bytes:

@@ -154,16 +154,32 @@ def _verify(storage: Storage, step: int, rank: int, world: int, group: Any) -> l
     return [p for ps in _gather(storage.verify(step, files), group) for p in ps]
 
 
-def restore_state(tstate: TrainingState, paths: JobPaths | None, storage: Storage | None, rank: int,
-                  world: int, group: Any = None) -> RestoreInfo:
-    t0 = time.perf_counter()
-    skipped: list[str] = []
+def _my_slots(paths: JobPaths | None, rank: int, world: int, max_step: int | None) -> dict[int, SlotInfo]:
     mine: dict[int, SlotInfo] = {}
     for s in complete_slots(paths, rank) if paths else []:
-        if s.header.get("world_size") == world:
+        if s.header.get("world_size") == world and (max_step is None or s.step <= max_step):
             mine.setdefault(s.step, s)
+    return mine
+
+
+def candidates(paths: JobPaths | None, storage: Storage | None, rank: int, world: int,
+               group: Any = None) -> tuple[list[int], list[int]]:
+    """(memory steps every rank holds, committed steps), both newest first; the same on every rank."""
+    mine = _my_slots(paths, rank, world, None)
     common = set.intersection(*(set(steps) for steps in _gather(sorted(mine), group)))
     committed = _gather(storage.committed() if storage and rank == 0 else [], group)[0]
+    return sorted(common, reverse=True), committed
+
+
+def restore_state(tstate: TrainingState, paths: JobPaths | None, storage: Storage | None, rank: int,
+                  world: int, group: Any = None, max_step: int | None = None) -> RestoreInfo:
+    """Restore the newest usable state (at most ``max_step`` if given: a rollback)."""
+    t0 = time.perf_counter()
+    skipped: list[str] = []
+    mine = _my_slots(paths, rank, world, max_step)
+    common = set.intersection(*(set(steps) for steps in _gather(sorted(mine), group)))
+    committed = _gather(storage.committed() if storage and rank == 0 else [], group)[0]
+    committed = [s for s in committed if max_step is None or s <= max_step]
     mem_step = max(common) if common else None
     if paths and not common and any(_gather(bool(mine), group)):
         skipped.append("memory: no snapshot step held by all ranks at this world size")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +81,20 @@ def _train_worker(cfg) -> dict[str, Any] | None:
 
     env = init_distributed(cfg.parallel.backend)
     try:
-        summary = Trainer(cfg, env).fit()
-    finally:
+        trainer = Trainer(cfg, env)
+    except BaseException:
         shutdown()
+        raise
+    try:
+        summary = trainer.fit()
+    except Exception:
+        # A failed worker leaves at once: interpreter teardown with torch loaded, and a process group
+        # whose peers wait in a collective, take seconds, which an agent would first see as a hang.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    shutdown()
     return summary if env.is_main else None
 
 

@@ -30,12 +30,16 @@ def _r(kind: str, cls: str, pattern: str, fatal: str = NEVER) -> Rule:
 
 
 RULES: tuple[Rule, ...] = (
+    # The training guard's verdicts (stalwart.train.guard): a wrong burn-in is the hardware's fault
+    # (retry elsewhere); a rollback budget spent or no checkpoint to roll back to needs a person.
+    _r("sdc", HARDWARE, r"\bSilentDataCorruption\b"),
     _r("gpu_xid", HARDWARE, r"\bNVRM: Xid\b|\bXid \(PCI:"),
     _r("ecc", HARDWARE, r"uncorrectable ECC|ECC error|double bit ECC"),
     _r("gpu_lost", HARDWARE, r"GPU has fallen off the bus|unable to determine the device handle"),
     _r("nvlink", HARDWARE, r"NVLink (?:error|fatal)"),
     _r("cuda_error", HARDWARE, r"CUDA error: (?:an illegal memory access|unspecified launch failure|"
                                r"device-side assert)"),
+    _r("rollback_limit", USER, r"\b(?:RollbackLimitExceeded|RollbackUnavailable)\b", fatal=ALWAYS),
     _r("oom", USER, r"CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: can't allocate memory",
        fatal=BEFORE_PROGRESS),
     _r("nccl", SYSTEM, r"NCCL (?:WARN|error)|ncclSystemError|ncclInternalError|ProcessGroupNCCL.*[Tt]imeout"),

@@ -6,6 +6,10 @@ system call, let alone a network round trip. The node agent reads every rank's r
 heartbeats and when it checks for hangs. Extra metrics go to a per-rank JSONL file, flushed at most
 once a second, for the agent to forward in batches.
 
+Incidents (a rollback, a hardware fault found by the worker itself) are rare and must not be lost:
+`stalwart.incident(...)` appends one JSON line to ``rank<r>.incidents.jsonl`` at once, and the agent
+forwards them to the job journal.
+
 Without a stalwart agent (no ``STALWART_PROGRESS_DIR``) every call is a cheap no-op.
 """
 
@@ -197,3 +201,32 @@ def finished() -> None:
     w = writer()
     if w is not None:
         w.set_phase("done")
+
+
+def _strict(value: Any) -> Any:
+    """Non-finite floats as "nan"/"inf" strings: strict JSON for any reader."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def incident(kind: str, cls: str = "training", step: int | None = None, **detail: Any) -> bool:
+    """Journal an incident the worker detected itself (``kind`` e.g. rollback, rollback_limit, sdc;
+    ``cls`` training | hardware | ...). Appends ``{"time", "rank", "kind", "class", "step", "detail"}``
+    as one line to ``$STALWART_PROGRESS_DIR/rank<RANK>.incidents.jsonl`` for the agent to forward;
+    returns False (and writes nothing) without an agent. ``detail`` must be JSON-serialisable."""
+    directory = os.environ.get(ENV_DIR)
+    if not directory:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    line = json.dumps({"time": time.time(), "rank": rank, "kind": kind, "class": cls, "step": step,
+                       "detail": _strict(detail)})
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with open(Path(directory) / f"rank{rank}.incidents.jsonl", "a") as f:
+        f.write(line + "\n")
+        f.flush()
+    return True

@@ -8,6 +8,8 @@ the update, so a poisoned step never reaches the weights:
     downward trend and to earlier spikes, which never enter the window);
   - gradient norm > median + k·MAD likewise → "grad_spike".
 The first `warmup_steps` steps only feed the window: early training is legitimately erratic.
+
+This module is the pure policy (no torch); :mod:`stalwart.train.rollback` acts on its verdicts.
 """
 
 from __future__ import annotations
@@ -97,8 +99,28 @@ class SpikeDetector:
         self.seen = int(state["seen"])  # type: ignore[arg-type]
 
 
-class RollbackLimitExceeded(RuntimeError):
+class GuardStop(RuntimeError):
+    """The guard stopped the run: retrying cannot help, a person must look (log rules: fatal)."""
+
+
+class RollbackLimitExceeded(GuardStop):
     """Too many rollbacks in a window: the run needs a person (the message lists them)."""
+
+
+class RollbackUnavailable(GuardStop):
+    """A bad step but no checkpoint to roll back to (e.g. before the first snapshot)."""
+
+
+class SilentDataCorruption(RuntimeError):
+    """A rank computed a wrong matmul in the burn-in after a NaN: a hardware fault, not the run's."""
+
+
+def describe_rollback(entry: dict[str, object]) -> str:
+    skipped = entry.get("skipped_samples")
+    if skipped is None:
+        return f"step {entry['step']}: {entry['kind']} (not rolled back)"
+    return (f"step {entry['step']}: {entry['kind']} → back to {entry['rolled_back_to']}, skipped samples "
+            f"{skipped[0]}..{skipped[1]}")  # type: ignore[index]
 
 
 @dataclass
@@ -109,15 +131,22 @@ class RollbackBudget:
     per_steps: int = 1000
     history: list[dict[str, object]] = field(default_factory=list)
 
-    def spend(self, verdict: Verdict, rolled_back_to: int, skipped: tuple[int, int]) -> None:
-        entry = {"step": verdict.step, "kind": verdict.kind, "value": verdict.value,
-                 "threshold": verdict.threshold, "rolled_back_to": rolled_back_to,
-                 "skipped_samples": list(skipped)}
+    def check(self, verdict: Verdict) -> None:
+        """Raise RollbackLimitExceeded (listing every rollback and this verdict) if one more rollback
+        for ``verdict`` would exceed the budget; call it before rolling back."""
         recent = [h for h in self.history if verdict.step - int(h["step"]) < self.per_steps]  # type: ignore[arg-type]
-        self.history.append(entry)
         if len(recent) + 1 > self.max_rollbacks:
-            lines = "\n".join(f"  step {h['step']}: {h['kind']} → back to {h['rolled_back_to']}, skipped samples "
-                              f"{h['skipped_samples'][0]}..{h['skipped_samples'][1]}" for h in self.history)
+            pending = {"step": verdict.step, "kind": verdict.kind}
+            lines = "\n".join("  " + describe_rollback(h) for h in [*self.history, pending])
             raise RollbackLimitExceeded(
                 f"{len(recent) + 1} rollbacks within {self.per_steps} steps (limit {self.max_rollbacks}); "
                 f"stopping for inspection:\n{lines}")
+
+    def spend(self, verdict: Verdict, rolled_back_to: int, skipped: tuple[int, int],
+              **extra: object) -> dict[str, object]:
+        """Record a rollback (after :meth:`check`); returns its entry."""
+        entry = {"step": verdict.step, "kind": verdict.kind, "value": verdict.value,
+                 "threshold": verdict.threshold, "rolled_back_to": rolled_back_to,
+                 "skipped_samples": list(skipped), **extra}
+        self.history.append(entry)
+        return entry

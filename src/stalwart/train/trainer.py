@@ -27,11 +27,13 @@ import stalwart
 from stalwart import chaos
 from stalwart.config import Config, grad_accum
 from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
+from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
 from stalwart.models import ModelArgs, Transformer, count_params, model_args
 from stalwart.observe.progress import MetricsWriter, ProgressDisplay
 from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
+from stalwart.train.guard import Verdict
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallelize import apply_data_parallel, grad_norm_clip, gradient_sync
 from stalwart.utils import state_dict_hash
@@ -89,7 +91,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalSampler(len(self.dataset), cfg.train.global_batch, cfg.data.seed,
-                                     cfg.data.shuffle)
+                                     cfg.data.shuffle, parse_skip_ranges(cfg.data.skip_samples))
         self.step = 0
         self.timer = SectionTimer(env.device)
         self.flops_per_token = flops_per_token(self.n_params, self.model_args.n_layers,
@@ -98,6 +100,12 @@ class Trainer:
         self.state = {"model": self.model, "optim": self.optimizer, "scheduler": self.scheduler,
                       "sampler": self.sampler}
         self.ckpt = self._build_checkpointer()
+        self.guard: Any = None  # stalwart.train.rollback.TrainingGuard when guard.enabled
+        if cfg.guard.enabled:  # validate() made sure checkpoints are on
+            from stalwart.train.rollback import TrainingGuard
+
+            self.guard = TrainingGuard(cfg.guard, self.ckpt, self.state, self.sampler, env.device)
+            self.state["guard"] = self.guard.detector  # its baseline rolls back with the weights
         if self.ckpt is not None:
             self.step = self.ckpt.restore(self.state) if cfg.checkpoint.resume else self.ckpt.discard_snapshots()
 
@@ -108,10 +116,11 @@ class Trainer:
         from stalwart.checkpoint import Checkpointer
 
         out.mkdir(parents=True, exist_ok=True)
+        persists = bool(c.persist_every_steps or c.persist_every_s)  # memory-only needs no keeper (multi-node)
         return Checkpointer(c.dir or str(out / "checkpoints"), memory_every=c.memory_every,
                             persist_every_steps=c.persist_every_steps, persist_every_s=c.persist_every_s,
                             keep_last=c.keep_last, keep_every=c.keep_every, shm_root=c.shm_dir,
-                            keeper_idle_s=c.keeper_idle_s, keeper_log=out / "keeper.log")
+                            keeper_idle_s=c.keeper_idle_s, keeper_log=out / "keeper.log", keeper=persists)
 
     # -- one optimizer step --------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -120,10 +129,12 @@ class Trainer:
             return torch.autocast(self.env.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self) -> StepResult:
-        """Forward/backward over this rank's micro-batches of the next global batch, then update."""
+    def train_step(self) -> StepResult | Verdict:
+        """Forward/backward over this rank's micro-batches of the next global batch, then the update —
+        unless the guard judges the step bad: then its gradients are dropped and the verdict returned."""
         self.model.train()
         ids = self.sampler.next_batch(self.env.rank, self.env.world_size)
+        fault = chaos.due("loss", step=self.step + 1, rank=self.env.rank)  # chaos nan/spike: scale the loss
         loss_sum, timer = torch.zeros((), device=self.env.device), self.timer
         for i, chunk in enumerate(np.split(ids, self.accum)):
             with timer.section("data"):
@@ -131,18 +142,27 @@ class Trainer:
             with timer.section("forward"), gradient_sync(self.model, enabled=i == self.accum - 1), self._autocast():
                 logits = self.model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / self.accum
+                if fault is not None:
+                    loss = loss * fault.scale
             with timer.section("backward", compute=False):  # holds the overlapped gradient all-reduce waits
                 loss.backward()
             loss_sum += loss.detach()
-        grad_norm = grad_norm_clip(self.model, self.cfg.train.grad_clip)
+        # One all-reduce of (loss, norm): every rank judges the same numbers, so all take the same
+        # verdict (a rank whose own norm came out NaN makes the mean NaN everywhere).
+        totals = torch.stack([loss_sum.double(), grad_norm_clip(self.model, self.cfg.train.grad_clip).double()])
+        dist.all_reduce(totals)
+        loss_mean, grad_norm = (totals / self.env.world_size).tolist()
+        verdict = self.guard.judge(self.step + 1, loss_mean, grad_norm) if self.guard else None
+        if verdict is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return verdict
         lr = self.scheduler.get_last_lr()[0]
         with timer.section("optimizer"):
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        dist.all_reduce(loss_sum)  # mean over ranks, for the log only
-        return StepResult(loss_sum.item() / self.env.world_size, grad_norm.item(), lr)
+        return StepResult(loss_mean, grad_norm, lr)
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self, progress: bool = True) -> dict[str, Any]:
@@ -154,11 +174,16 @@ class Trainer:
         display = ProgressDisplay(t.steps, self.step, t.log_every, enabled=main and progress)
         tokens_per_step = t.global_batch * self.cfg.data.seq_len
         step_times: list[float] = []
+        rollback: dict[str, Any] | None = None
         start = time.perf_counter()
         try:
             while self.step < t.steps:
                 t0 = time.perf_counter()
                 result = self.train_step()
+                if isinstance(result, Verdict):  # nothing was applied; restore, skip data, go on
+                    self.timer.step_done()  # the rejected step's timings belong to no step
+                    self.step, rollback = self.guard.recover(result), self.guard.rollbacks[-1]
+                    continue
                 if self.ckpt is not None:  # after the optimizer step; the copy overlaps the next step
                     self.ckpt.save(self.step, self.state, persist=True if self.step == t.steps else None)
                 dt = time.perf_counter() - t0
@@ -172,6 +197,8 @@ class Trainer:
                 record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                           "lr": result.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu,
                           "samples_consumed": self.sampler.consumed, "time": time.time()}
+                if rollback is not None:  # on the first step after it (every record stays a step record)
+                    record["rollback"], rollback = rollback, None
                 if writer:
                     writer.write(record)
                 display.update(record)
@@ -202,6 +229,8 @@ class Trainer:
         }
         if self.ckpt is not None:
             summary["checkpoint"] = self.checkpoint_report()
+        if self.guard is not None:
+            summary["guard"] = self.guard.report()
         if main:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -1,0 +1,250 @@
+"""Persist one step of a job that spans nodes: each node's keeper writes its own ranks' shards and
+the keeper on rank 0's node (the *coordinator*) plans and commits.
+
+The keepers meet through small JSON files in the checkpoint storage itself (``DIR/.stage/step-N/``),
+which every node must reach anyway: no extra service, port or pickle, and a dead participant costs
+a timeout, never a bad checkpoint — ``latest`` moves only after every rank's shards are durable.
+
+    every node                                 coordinator
+    plans/rank{r}.json  (entry tables)    →    waits for all ranks' tables (a "missing" one aborts)
+                                               DCP global plan + metadata → go.json {attempt, items}
+    writes its shards (fsync)             ←
+    results/rank{r}.{attempt}.json        →    waits for all; .metadata → manifest → latest
+    waits for the manifest and latest
+
+Which step: steps flagged for persistence in every rank's snapshot header (``persist_every_steps``,
+or an explicit ``save(..., persist=True)``) — the same on all nodes without talking. The coordinator
+can also ask for a step (save-on-failure) in ``DIR/.stage/request.json``; a node that no longer
+holds it answers "missing" and the coordinator tries an older one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from stalwart.checkpoint.persist import (PlanOnlyView, _SnapshotPlanner, chaos_hook, commit, global_plan,
+                                         json_bytes, plan_table, torch_save_without_crc, write_rank)
+from stalwart.checkpoint.snapshot import SnapshotView
+from stalwart.checkpoint.storage import Storage, step_name
+
+STAGE = ".stage"
+REQUEST = "request.json"
+
+
+class MissingSnapshot(LookupError):
+    """A node no longer holds the step asked for (overwritten, or its workers never reached it)."""
+
+
+# -- small JSON files in storage ------------------------------------------------------------------
+def _put(storage: Storage, obj: Any, *parts: str) -> None:
+    if storage.local:
+        storage.fs.makedirs(storage.path(*parts[:-1]), exist_ok=True)
+    storage.write_atomic(json_bytes(obj), *parts)
+
+
+def _get(storage: Storage, *parts: str) -> Any:
+    text = storage.read_text(*parts)
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError:  # an object store never shows half a PUT; a local rename neither
+        return None
+
+
+def _stage(step: int, *parts: str) -> tuple[str, ...]:
+    return (STAGE, step_name(step), *parts)
+
+
+def _remove(storage: Storage, *parts: str) -> None:
+    try:
+        storage.fs.rm(storage.path(*parts), recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def clear_stage(storage: Storage, below: int) -> None:
+    """Remove the stage files of every step below ``below`` (finished: committed or superseded)."""
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(STAGE), detail=False)]
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith("step-") and int(name[5:]) < below:
+            _remove(storage, STAGE, name)
+
+
+def request(storage: Storage, step: int) -> None:
+    """Ask every node to take part in persisting ``step`` (coordinator only)."""
+    _put(storage, {"step": step, "time": time.time()}, STAGE, REQUEST)
+
+
+def requested_step(storage: Storage) -> int | None:
+    req = _get(storage, STAGE, REQUEST)
+    return int(req["step"]) if req else None
+
+
+def answer_missing(storage: Storage, step: int, ranks: list[int], why: str) -> None:
+    for r in ranks:
+        _put(storage, {"missing": why}, *_stage(step, "plans", f"rank{r}.json"))
+
+
+def _wait(storage: Storage, step: int, deadline: float, poll_s: float, what: str, probe: Any) -> Any:
+    while True:
+        value = probe()
+        if value is not None:
+            return value
+        abort = _get(storage, *_stage(step, "abort.json"))
+        if abort:
+            raise RuntimeError(f"persist of step {step} aborted by the coordinator: {abort['reason']}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"persist of step {step}: timed out waiting for {what}")
+        time.sleep(poll_s)
+        storage.refresh()
+
+
+def _moved_on(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
+    """A "missing" answer when ``rank``'s node has started persisting a later step than ``step``."""
+    cursor = _get(storage, STAGE, "cursor", f"rank{rank}.json")
+    if cursor and int(cursor["step"]) > step:
+        return {"missing": f"its keeper moved on to step {cursor['step']}"}
+    return None
+
+
+# -- write results as JSON -----------------------------------------------------------------------
+def _results_json(results: list[WriteResult]) -> list[dict[str, Any]]:
+    out = []
+    for wr in results:
+        info: _StorageInfo = wr.storage_data
+        out.append({"fqn": wr.index.fqn, "offset": None if wr.index.offset is None else list(wr.index.offset),
+                    "index": wr.index.index, "size": wr.size_in_bytes, "path": info.relative_path,
+                    "at": info.offset, "length": info.length,
+                    "transforms": list(info.transform_descriptors or []) or None})
+    return out
+
+
+def _results_from_json(items: list[dict[str, Any]]) -> list[WriteResult]:
+    return [WriteResult(index=MetadataIndex(i["fqn"], i["offset"], i["index"]), size_in_bytes=i["size"],
+                        storage_data=_StorageInfo(i["path"], i["at"], i["length"], i["transforms"]))
+            for i in items]
+
+
+def _plan_json(plan: SavePlan) -> dict[str, Any]:
+    return {"prefix": plan.storage_data.prefix,
+            "items": [[it.index.fqn, None if it.index.offset is None else list(it.index.offset), it.index.index]
+                      for it in plan.items]}
+
+
+def _plan_from_json(planner: _SnapshotPlanner, data: dict[str, Any]) -> SavePlan:
+    """This rank's share of the coordinator's global plan, rebuilt from its own local plan."""
+    local = planner.create_local_plan()
+    by_index = {(it.index.fqn, it.index.offset): it for it in local.items}
+    items = []
+    for fqn, offset, hint in data["items"]:
+        index = MetadataIndex(fqn, offset, hint)
+        items.append(dataclasses.replace(by_index[(fqn, index.offset)], index=index))
+    return dataclasses.replace(local, items=items, storage_data=_StoragePrefix(data["prefix"]))
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+def persist(storage: Storage, step: int, views: dict[int, SnapshotView], world: int, source: str,
+            coordinator: bool, timeout_s: float = 120.0, poll_s: float = 0.05) -> dict[str, Any]:
+    """Take part in persisting ``step`` with this node's ranks (``views``: rank → pinned snapshot).
+    Returns the committed manifest; raises MissingSnapshot, RuntimeError (aborted) or TimeoutError."""
+    t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
+    for r in views:  # nodes skip steps (a keeper that started late): whoever waits for us sees we moved on
+        _put(storage, {"step": step}, STAGE, "cursor", f"rank{r}.json")
+    if coordinator:
+        for name in ("go.json", "abort.json", "results"):  # a failed earlier attempt at this step
+            _remove(storage, *_stage(step, name))
+        storage.remove(step)
+    for r, view in views.items():
+        _put(storage, plan_table(view), *_stage(step, "plans", f"rank{r}.json"))
+    if coordinator:
+        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s)
+    return _participate(storage, step, views, t0, deadline, poll_s)
+
+
+def abort(storage: Storage, step: int, reason: str) -> None:
+    _put(storage, {"reason": reason, "time": time.time()}, *_stage(step, "abort.json"))
+
+
+def _coordinate(storage: Storage, step: int, views: dict[int, SnapshotView], world: int, source: str,
+                t0: float, deadline: float, poll_s: float) -> dict[str, Any]:
+    try:
+        tables: dict[int, dict[str, Any]] = {}
+        for r in range(world):
+            if r not in views:
+                tables[r] = _wait(storage, step, deadline, poll_s, f"rank {r}'s snapshot table",
+                                  lambda r=r: _get(storage, *_stage(step, "plans", f"rank{r}.json"))
+                                  or _moved_on(storage, r, step))
+                if "missing" in tables[r]:
+                    raise MissingSnapshot(f"rank {r} does not hold step {step}: {tables[r]['missing']}")
+        every = [views[r] if r in views else PlanOnlyView(tables[r]) for r in range(world)]
+        planners, plans, metadata = global_plan(storage, step, every)
+        attempt = uuid.uuid4().hex[:12]
+        _put(storage, {"attempt": attempt, "plans": {str(r): _plan_json(plans[r]) for r in range(world)}},
+             *_stage(step, "go.json"))
+        sums: dict[str, dict[str, int]] = {}
+        results: dict[int, list[WriteResult]] = {}
+        hook = chaos_hook(step)
+        with torch_save_without_crc():
+            for r in views:
+                results[r] = write_rank(storage, step, r, planners[r], plans[r], sums, hook)
+        for r in range(world):
+            if r not in views:
+                done = _wait(storage, step, deadline, poll_s, f"rank {r}'s shards",
+                             lambda r=r: _get(storage, *_stage(step, "results", f"rank{r}.{attempt}.json")))
+                if "error" in done:
+                    raise RuntimeError(f"rank {r}'s node could not write its shards: {done['error']}")
+                results[r] = _results_from_json(done["results"])
+                sums.update(done["sums"])
+        snapshot_time = max(v.info.header["time"] for v in views.values())
+        manifest = commit(storage, step, metadata, [results[r] for r in range(world)], sums, world, source,
+                          snapshot_time, t0)
+    except BaseException as err:
+        abort(storage, step, repr(err))
+        raise
+    _remove(storage, *_stage(step))
+    return manifest
+
+
+def _participate(storage: Storage, step: int, views: dict[int, SnapshotView], t0: float, deadline: float,
+                 poll_s: float) -> dict[str, Any]:
+    def go_or_replan() -> Any:
+        go = _get(storage, *_stage(step, "go.json"))
+        if go is None and _moved_on(storage, 0, step):
+            raise MissingSnapshot(f"the coordinator moved on past step {step}")
+        for r, view in views.items():  # a coordinator that started later may have tidied the stage
+            if go is None and not storage.fs.exists(storage.path(*_stage(step, "plans", f"rank{r}.json"))):
+                _put(storage, plan_table(view), *_stage(step, "plans", f"rank{r}.json"))
+        return go
+    go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan)
+    attempt = go["attempt"]
+    hook = chaos_hook(step)
+    for r, view in views.items():
+        sums: dict[str, dict[str, int]] = {}
+        try:
+            planner = _SnapshotPlanner(view)
+            planner.set_up_planner(is_coordinator=False)
+            with torch_save_without_crc():
+                results = write_rank(storage, step, r, planner, _plan_from_json(planner, go["plans"][str(r)]),
+                                     sums, hook)
+        except Exception as err:
+            _put(storage, {"error": repr(err)}, *_stage(step, "results", f"rank{r}.{attempt}.json"))
+            raise
+        _put(storage, {"results": _results_json(results), "sums": sums},
+             *_stage(step, "results", f"rank{r}.{attempt}.json"))
+
+    def committed() -> dict[str, Any] | None:
+        latest = storage.latest()
+        return storage.manifest(step) if latest is not None and latest >= step else None
+    manifest = _wait(storage, step, deadline, poll_s, "the commit", committed)
+    return {**manifest, "commit_s": time.perf_counter() - t0}
