@@ -1,0 +1,102 @@
+"""The multi-node commit protocol in one process: two "nodes" (threads), each with its own job
+directory in /dev/shm holding one rank's snapshots, persist one step together; a node that lacks the
+step makes the coordinator give up quickly instead of waiting out the timeout."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from stalwart.checkpoint import Storage, multinode
+from stalwart.checkpoint.keeper import persist_step
+from stalwart.checkpoint.snapshot import JobPaths, SnapshotWriter, atomic_write
+from stalwart.checkpoint.state import TrainingState
+
+WORLD = 2
+
+
+@pytest.fixture
+def nodes():
+    """Two node-local job directories; rank r's snapshots live on node r."""
+    roots = [Path("/dev/shm") / f"stalwart-mn-{uuid.uuid4().hex[:8]}" for _ in range(WORLD)]
+    paths = [JobPaths(r) for r in roots]
+    for rank, p in enumerate(paths):
+        p.root.mkdir(parents=True)
+        atomic_write(p.job, f'{{"storage": "unused", "world_size": {WORLD}, "ranks": [{rank}]}}'.encode())
+    yield paths
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+
+
+def snapshot(paths: JobPaths, rank: int, steps: list[int]) -> nn.Module:
+    """Rank ``rank`` trains a replicated model (same seed on every rank, like DDP) and snapshots ``steps``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainingState({"model": model, "optim": opt}, rank)
+    writer = SnapshotWriter(paths, rank, WORLD)
+    for s in range(1, max(steps) + 1):
+        torch.manual_seed(s)
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if s in steps:
+            writer.start(s, state.capture(), persist=True)
+            writer.wait()
+    writer.close()
+    return model
+
+
+def run_nodes(nodes: list[JobPaths], storage: Storage, step: int) -> list[object]:
+    """Both nodes' persist_step for ``step`` concurrently; returns each node's manifest or exception."""
+    out: list[object] = [None] * WORLD
+
+    def node(rank: int) -> None:
+        try:
+            out[rank] = persist_step(nodes[rank], storage, step, WORLD, "test", ranks=[rank])
+        except Exception as err:  # noqa: BLE001 — the test inspects it
+            out[rank] = err
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_two_nodes_write_their_own_shards_and_the_coordinator_commits(nodes, tmp_path):
+    model = snapshot(nodes[0], 0, [3])
+    snapshot(nodes[1], 1, [3])
+    storage = Storage(str(tmp_path / "ckpt"))
+    coordinator, participant = run_nodes(nodes, storage, 3)
+    assert isinstance(coordinator, dict) and isinstance(participant, dict), (coordinator, participant)
+    assert storage.latest() == 3 and storage.verify(3) == []
+    manifest = storage.manifest(3)
+    assert manifest["world_size"] == WORLD and manifest["source"] == "test"
+    assert {name.split("_")[2] for name in manifest["files"] if name.endswith(".distcp")} == {"0", "1"}
+    target = {f"model.{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(target, checkpoint_id=storage.checkpoint_id(3), no_dist=True)  # plain DCP reads it
+    assert all(torch.equal(target[f"model.{k}"], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "ckpt" / ".stage" / "step-00000003").exists()
+    # Persisting a committed step again is a no-op for both nodes, never a rewrite.
+    again = run_nodes(nodes, storage, 3)
+    assert all(isinstance(m, dict) and m.get("already") for m in again), again
+
+
+def test_a_node_without_the_step_makes_the_coordinator_give_up_at_once(nodes, tmp_path):
+    snapshot(nodes[0], 0, [4])
+    snapshot(nodes[1], 1, [5])  # rank 1 never held step 4
+    storage = Storage(str(tmp_path / "ckpt"))
+    t0 = time.monotonic()
+    coordinator, participant = run_nodes(nodes, storage, 4)
+    assert isinstance(participant, LookupError) and isinstance(coordinator, multinode.MissingSnapshot)
+    assert time.monotonic() - t0 < 30, "answered, not timed out"
+    assert storage.latest() is None and 4 not in storage.steps()
