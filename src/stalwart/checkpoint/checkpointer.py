@@ -123,6 +123,10 @@ class Checkpointer:
         self.pending_persist: int | None = None
         self.last_restore: RestoreInfo | None = None
         self.stats = {"saves": 0, "persist_requests": 0, "save_s": 0.0}
+        if self.local_rank == 0 and self.use_keeper:
+            # Now, not at the first save: it needs ~1 s to import torch, and the first persist-due steps
+            # of a fast job would otherwise pass before it looks. After a restart it is usually still alive.
+            self._ensure_keeper()
 
     # -- public API ----------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> int:
@@ -223,7 +227,7 @@ class Checkpointer:
         self.stats["saves"] += started
         self.stats["save_s"] += time.perf_counter() - t0
         if self.local_rank == 0 and self.use_keeper:
-            self._ensure_keeper()  # started at the first save, so it does not slow the restore down
+            self._ensure_keeper()  # restarts a keeper that died
         return started
 
     def wait(self, persist: bool = False) -> None:
