@@ -100,3 +100,23 @@ def test_a_node_without_the_step_makes_the_coordinator_give_up_at_once(nodes, tm
     assert isinstance(participant, LookupError) and isinstance(coordinator, multinode.MissingSnapshot)
     assert time.monotonic() - t0 < 30, "answered, not timed out"
     assert storage.latest() is None and 4 not in storage.steps()
+
+
+def test_a_node_lost_while_writing_is_given_up_after_its_heartbeat_stops(nodes, tmp_path):
+    snapshot(nodes[0], 0, [2])
+    snapshot(nodes[1], 1, [2])
+    storage = Storage(str(tmp_path / "ckpt"))
+    # Rank 1's node publishes its table (as its keeper would) and then dies: no heartbeat, no shards.
+    from stalwart.checkpoint.snapshot import SnapshotView, complete_slots
+
+    with SnapshotView(nodes[1], complete_slots(nodes[1], 1)[0]) as view:
+        from stalwart.checkpoint.persist import plan_table
+
+        multinode._put(storage, {**plan_table(view), "first": 1}, *multinode._stage(2, "plans", "rank1.json"))
+    with SnapshotView(nodes[0], complete_slots(nodes[0], 0)[0]) as view:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="stopped writing"):
+            multinode.persist(storage, 2, {0: view}, WORLD, "test", coordinator=True, timeout_s=120, answer_s=1.0)
+    assert time.monotonic() - t0 < 60, "gave up on the lost node long before the persist timeout"
+    assert storage.latest() is None
+    assert multinode._get(storage, *multinode._stage(2, "abort.json")), "participants are told to stop"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from typing import Any
@@ -155,9 +156,12 @@ def _plan_from_json(planner: _SnapshotPlanner, data: dict[str, Any]) -> SavePlan
 
 # -- the protocol ---------------------------------------------------------------------------------
 def persist(storage: Storage, step: int, views: dict[int, SnapshotView], world: int, source: str,
-            coordinator: bool, timeout_s: float = 120.0, poll_s: float = 0.05) -> dict[str, Any]:
+            coordinator: bool, timeout_s: float = 120.0, poll_s: float = 0.05, answer_s: float = 10.0
+            ) -> dict[str, Any]:
     """Take part in persisting ``step`` with this node's ranks (``views``: rank → pinned snapshot).
-    Returns the committed manifest; raises MissingSnapshot, RuntimeError (aborted) or TimeoutError."""
+    Every node must answer (its entry tables) within ``answer_s`` — a lost node must not hold up a
+    save-on-failure for long — and the whole persist finish within ``timeout_s``. Returns the committed
+    manifest; raises MissingSnapshot, RuntimeError (aborted) or TimeoutError."""
     t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
     for r in views:  # nodes skip steps (a keeper that started late): whoever waits for us sees we moved on
         _put(storage, {"step": step}, STAGE, "cursor", f"rank{r}.json")
@@ -166,9 +170,9 @@ def persist(storage: Storage, step: int, views: dict[int, SnapshotView], world: 
             _remove(storage, *_stage(step, name))
         storage.remove(step)
     for r, view in views.items():
-        _put(storage, plan_table(view), *_stage(step, "plans", f"rank{r}.json"))
+        _put(storage, {**plan_table(view), "first": min(views)}, *_stage(step, "plans", f"rank{r}.json"))
     if coordinator:
-        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s)
+        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s, answer_s)
     return _participate(storage, step, views, t0, deadline, poll_s)
 
 
@@ -177,12 +181,13 @@ def abort(storage: Storage, step: int, reason: str) -> None:
 
 
 def _coordinate(storage: Storage, step: int, views: dict[int, SnapshotView], world: int, source: str,
-                t0: float, deadline: float, poll_s: float) -> dict[str, Any]:
+                t0: float, deadline: float, poll_s: float, answer_s: float) -> dict[str, Any]:
     try:
         tables: dict[int, dict[str, Any]] = {}
+        answer_by = min(deadline, time.monotonic() + answer_s)
         for r in range(world):
             if r not in views:
-                tables[r] = _wait(storage, step, deadline, poll_s, f"rank {r}'s snapshot table",
+                tables[r] = _wait(storage, step, answer_by, poll_s, f"rank {r}'s snapshot table (its node's keeper)",
                                   lambda r=r: _get(storage, *_stage(step, "plans", f"rank{r}.json"))
                                   or _moved_on(storage, r, step))
                 if "missing" in tables[r]:
@@ -198,10 +203,17 @@ def _coordinate(storage: Storage, step: int, views: dict[int, SnapshotView], wor
         with torch_save_without_crc():
             for r in views:
                 results[r] = write_rank(storage, step, r, planners[r], plans[r], sums, hook)
+        alive = _Liveness(storage, step, answer_s)
+        node_of = {r: int(tables[r].get("first", r)) for r in tables}  # heartbeats are per node
+
+        def result_of(r: int) -> Any:
+            found = _get(storage, *_stage(step, "results", f"rank{r}.{attempt}.json"))
+            if found is None:
+                alive.check(node_of[r])
+            return found
         for r in range(world):
             if r not in views:
-                done = _wait(storage, step, deadline, poll_s, f"rank {r}'s shards",
-                             lambda r=r: _get(storage, *_stage(step, "results", f"rank{r}.{attempt}.json")))
+                done = _wait(storage, step, deadline, poll_s, f"rank {r}'s shards", lambda r=r: result_of(r))
                 if "error" in done:
                     raise RuntimeError(f"rank {r}'s node could not write its shards: {done['error']}")
                 results[r] = _results_from_json(done["results"])
@@ -224,11 +236,23 @@ def _participate(storage: Storage, step: int, views: dict[int, SnapshotView], t0
             raise MissingSnapshot(f"the coordinator moved on past step {step}")
         for r, view in views.items():  # a coordinator that started later may have tidied the stage
             if go is None and not storage.fs.exists(storage.path(*_stage(step, "plans", f"rank{r}.json"))):
-                _put(storage, plan_table(view), *_stage(step, "plans", f"rank{r}.json"))
+                _put(storage, {**plan_table(view), "first": min(views)}, *_stage(step, "plans", f"rank{r}.json"))
         return go
     go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan)
     attempt = go["attempt"]
     hook = chaos_hook(step)
+    with _Heartbeat(storage, step, min(views)):
+        _write_shares(storage, step, views, go, attempt, hook)
+
+    def committed() -> dict[str, Any] | None:
+        latest = storage.latest()
+        return storage.manifest(step) if latest is not None and latest >= step else None
+    manifest = _wait(storage, step, deadline, poll_s, "the commit", committed)
+    return {**manifest, "commit_s": time.perf_counter() - t0}
+
+
+def _write_shares(storage: Storage, step: int, views: dict[int, SnapshotView], go: dict[str, Any], attempt: str,
+                  hook: Any) -> None:
     for r, view in views.items():
         sums: dict[str, dict[str, int]] = {}
         try:
@@ -243,8 +267,49 @@ def _participate(storage: Storage, step: int, views: dict[int, SnapshotView], t0
         _put(storage, {"results": _results_json(results), "sums": sums},
              *_stage(step, "results", f"rank{r}.{attempt}.json"))
 
-    def committed() -> dict[str, Any] | None:
-        latest = storage.latest()
-        return storage.manifest(step) if latest is not None and latest >= step else None
-    manifest = _wait(storage, step, deadline, poll_s, "the commit", committed)
-    return {**manifest, "commit_s": time.perf_counter() - t0}
+
+class _Heartbeat:
+    """While a participant writes its shards, a counter in storage ticks every second, so the
+    coordinator can tell a slow node (keep waiting) from a lost one (give up after ``answer_s``)."""
+
+    def __init__(self, storage: Storage, step: int, first_rank: int) -> None:
+        self.storage, self.parts = storage, _stage(step, "alive", f"rank{first_rank}.json")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="stalwart-persist-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                _put(self.storage, {"beat": n}, *self.parts)
+            except OSError:
+                pass  # storage trouble shows up in the shard writes themselves
+            self.stop.wait(1.0)
+
+    def __enter__(self) -> _Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+class _Liveness:
+    """The coordinator's view of participants' heartbeats: dead when a beat has not changed for
+    ``answer_s`` seconds of the coordinator's own clock (no clock comparison across nodes)."""
+
+    def __init__(self, storage: Storage, step: int, answer_s: float) -> None:
+        self.storage, self.step, self.answer_s = storage, step, answer_s
+        self.seen: dict[int, tuple[Any, float]] = {}
+
+    def check(self, rank: int) -> None:
+        beat = _get(self.storage, *_stage(self.step, "alive", f"rank{rank}.json"))
+        now = time.monotonic()
+        last = self.seen.get(rank)
+        if last is None or beat != last[0]:
+            self.seen[rank] = (beat, now)
+        elif now - last[1] > self.answer_s:
+            raise TimeoutError(f"persist of step {self.step}: rank {rank}'s node stopped writing "
+                               f"(no heartbeat for {self.answer_s:.0f} s); its node is probably lost")
