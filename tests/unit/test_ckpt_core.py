@@ -202,3 +202,34 @@ def test_shm_space_is_checked_up_front(shm, monkeypatch):
     with pytest.raises(ValueError, match=r"need .* MiB in .* only 0.0 MiB are free; enlarge /dev/shm"):
         w.start(1, TrainingState({"model": model, "optim": opt}, 0).capture(), False)
     w.close()
+
+
+def test_capture_reuses_dcp_state_dicts_but_always_shows_current_values():
+    """capture() caches DCP's name walk; what it returns must equal a fresh capture at every step,
+    also after a load replaced the optimizer's state tensors."""
+    model, opt, sched = tiny()
+    step(model, opt, sched)
+    cached = TrainingState({"model": model, "optim": opt, "sched": sched}, 0)
+    cached.capture()
+
+    def same_as_fresh() -> bool:
+        a = cached.capture()
+        b = TrainingState({"model": model, "optim": opt, "sched": sched}, 0).capture()
+        return (a.tensors.keys() == b.tensors.keys() and a.objects == b.objects and a.mappings == b.mappings
+                and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors))
+    for _ in range(3):
+        step(model, opt, sched)
+        assert same_as_fresh()
+    saved = cached.capture()
+    snapshot = {k: v.clone() for k, v in saved.tensors.items()}
+    step(model, opt, sched)
+    nested = cached.state_dict(for_load=True)
+    from stalwart.checkpoint.state import set_path
+    for key, path in saved.mappings.items():
+        if key in snapshot:
+            set_path(nested, path, snapshot[key])
+    cached.load(nested)  # the optimizer gets new state tensors: the cache must notice
+    after = cached.capture()
+    assert all(torch.equal(after.tensors[k], snapshot[k]) for k in snapshot)
+    step(model, opt, sched)
+    assert same_as_fresh()

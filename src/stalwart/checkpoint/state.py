@@ -96,6 +96,8 @@ class TrainingState:
                              "{'model': model, 'optim': optimizer, 'sampler': sampler}")
         self.rank, self.rng = rank, rng
         self.items = dict(state)
+        self._model_cache: dict[str, tuple[tuple[tuple[int, int], ...], dict[str, Any]]] = {}
+        self._optim_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         modules = {n: v for n, v in self.items.items() if isinstance(v, nn.Module)}
         self.owner: dict[str, nn.Module] = {}
         for name, value in self.items.items():
@@ -131,9 +133,10 @@ class TrainingState:
         out: dict[str, Any] = {}
         for name, value in self.items.items():
             if isinstance(value, torch.optim.Optimizer):
-                out[name] = _optimizer_state_dict(self.owner[name], value, for_load)
+                out[name] = (_optimizer_state_dict(self.owner[name], value, True) if for_load
+                             else self._optimizer_state_dict(name, value))
             elif isinstance(value, nn.Module):
-                out[name] = get_model_state_dict(value)
+                out[name] = self._model_state_dict(name, value) if not for_load else get_model_state_dict(value)
             elif isinstance(value, dict):
                 out[name] = dict(value)
             else:
@@ -141,6 +144,38 @@ class TrainingState:
         if self.rng:
             out[RNG_KEY] = {f"rank{self.rank}": rng_state()}
         return out
+
+    def _model_state_dict(self, name: str, model: nn.Module) -> dict[str, Any]:
+        """DCP's model state dict, reused while the model holds the same parameter and buffer tensors.
+        DCP walks every module to map names on each call (milliseconds per save for a small model,
+        more for a deep one); the optimizer updates parameters in place, so the tensors it returned
+        still show the current values. A replaced tensor (a load, FSDP resharding) changes the key."""
+        key = tuple((id(t), _storage_ptr(t)) for t in (*model.parameters(), *model.buffers()))
+        cached = self._model_cache.get(name)
+        if cached is None or cached[0] != key:
+            sd = get_model_state_dict(model)
+            if any(not isinstance(v, torch.Tensor) for v in sd.values()):  # extra state: not cacheable
+                return sd
+            cached = self._model_cache[name] = (key, sd)
+        return dict(cached[1])
+
+    def _optimizer_state_dict(self, name: str, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """DCP's optimizer state dict, reused while the optimizer holds the same state tensors (it
+        updates them in place); hyperparameters (lr, ...) are read fresh from ``param_groups``."""
+        if not optim.state:
+            return _optimizer_state_dict(self.owner[name], optim, False)
+        key = (len(optim.param_groups), *((id(p), *(id(v) for v in st.values())) for p, st in optim.state.items()))
+        cached = self._optim_cache.get(name)
+        if cached is None or cached[0] != key:
+            sd = _optimizer_state_dict(self.owner[name], optim, False)
+            tensors_only = all(isinstance(v, torch.Tensor) for st in sd["state"].values() for v in st.values())
+            if not tensors_only or len(sd["param_groups"]) != len(optim.param_groups):
+                return sd  # e.g. a float step counter: not a reference that follows the optimizer
+            cached = self._optim_cache[name] = (key, sd)
+        sd = cached[1]
+        groups = [{**g, **{k: v for k, v in live.items() if k != "params"}}
+                  for g, live in zip(sd["param_groups"], optim.param_groups)]
+        return {"state": dict(sd["state"]), "param_groups": groups}
 
     def capture(self) -> Captured:
         flat, mappings = flatten_state_dict(self.state_dict())
@@ -165,6 +200,11 @@ class TrainingState:
         rng = nested.get(RNG_KEY, {}).get(f"rank{self.rank}") if self.rng else None
         if rng is not None:
             set_rng_state(rng)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: its shard
+    return local.untyped_storage().data_ptr() if local.numel() else 0
 
 
 def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, for_load: bool) -> dict[str, Any]:
