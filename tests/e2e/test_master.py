@@ -73,7 +73,8 @@ def raw(address: str, method: str, path: str, token: str | None, body: bytes | N
 def test_every_call_needs_the_token(master):
     for method, path, body in (("GET", "/v1/status", None),
                                ("POST", "/v1/nodes/join", b'{"node_id":"n","host":"h","nproc":1}'),
-                               ("POST", "/v1/restarts", b'{"reason":"x"}')):
+                               ("POST", "/v1/restarts", b'{"reason":"x"}'),
+                               ("POST", "/v1/chaos", b'{"spec":"kill:rank=1"}'), ("GET", "/metrics", None)):
         assert raw(master, method, path, None, body) == 401
         assert raw(master, method, path, "wrong", body) == 403
     assert raw(master, "GET", "/v1/status", TOKEN) == 200
@@ -193,3 +194,42 @@ def test_agents_of_one_failure_share_one_restart(master):
     assert client.request_restart("again", "node-1", round_=1)["used"] == 2
     assert not client.request_restart("and again", "node-0", round_=2)["allowed"]  # budget 2
     assert not client.request_restart("peer", "node-1", round_=2)["allowed"]
+
+
+def test_prometheus_metrics_from_the_journal(master):
+    client = MasterClient(master, TOKEN)
+    client.join("node-0", "hostA", 1)
+    client.join("node-1", "hostB", 1)
+    client.call("POST", "/v1/nodes/heartbeat", {"node_id": "node-0", "progress": {
+        "ranks": [{"rank": 0, "step": 41}], "window": {"compute_s": 0.25, "steps": 5}}})
+    client.open_incident("sigkill", "node-1", "system", {"detected": time.time()})
+    client.open_incident("sigkill", "node-1", "system", {"detected": time.time()})
+    client.open_incident("sdc", "node-0", "hardware")
+    client.request_restart("sigkill on rank 1", "node-1", 0)
+    request = urllib.request.Request(master + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=")
+        text = response.read().decode()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    assert samples['stalwart_nodes{state="alive"}'] == 2 and samples['stalwart_nodes{state="lost"}'] == 0
+    assert samples['stalwart_incidents_total{class="system",kind="sigkill"}'] == 2
+    assert samples['stalwart_incidents_total{class="hardware",kind="sdc"}'] == 1
+    assert samples["stalwart_restarts_used"] == 1 and samples["stalwart_restart_budget"] == 2
+    assert samples["stalwart_last_step"] == 41 and samples["stalwart_step_compute_seconds"] == 0.25
+    assert samples['stalwart_decisions_total{action="restart"}'] == 1
+
+
+def test_injected_faults_are_journaled_and_delivered_with_heartbeats(master):
+    client = MasterClient(master, TOKEN)
+    client.join("node-0", "hostA", 1)
+    with pytest.raises(MasterError, match="unknown action"):
+        client.chaos("explode:rank=1")
+    first, second = client.chaos("kill:rank=1:step=7"), client.chaos("hang:rank=0")
+    beat = lambda after: client.call("POST", "/v1/nodes/heartbeat",  # noqa: E731
+                                     {"node_id": "node-0", "progress": {}, "chaos_after": after})
+    assert [c["spec"] for c in beat(0)["chaos"]] == ["kill:rank=1:step=7", "hang:rank=0"]
+    assert [c["id"] for c in beat(first)["chaos"]] == [second] and beat(second)["chaos"] == []
+    assert client.heartbeat("node-0", {})["chaos"] == [], "agents that do not ask get none"
+    assert [d["details"]["spec"] for d in client.status()["decisions"] if d["action"] == "chaos"] == \
+        ["kill:rank=1:step=7", "hang:rank=0"]

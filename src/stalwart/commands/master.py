@@ -33,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-budget", type=int, default=3, help="restarts allowed for the whole job (default 3)")
     p.add_argument("--node-timeout", type=float, default=30.0,
                    help="seconds without a heartbeat before a node is declared lost (default 30)")
+    p.add_argument("--rdzv-port", type=int, default=None,
+                   help="also serve the agents' c10d rendezvous store on this port (0 = any free port), so "
+                        "the job survives the loss of any node; `stalwart run --master URL --rdzv-backend c10d` "
+                        "without --rdzv-endpoint then uses it (default: off, an agent serves it as in torchrun)")
     stragglers.add_arguments(p)
     p.add_argument("--ready-file", type=Path,
                    help="write {address, pid} here as JSON once listening (for scripts and tests)")
@@ -50,13 +54,14 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     token = load_or_create_token(args.db.parent / "token", args.job_token)
     master = Master(args.db, token, args.host, args.port, args.job_id, args.restart_budget, args.node_timeout,
-                    stragglers.from_args(args))
+                    stragglers.from_args(args), rdzv_port=args.rdzv_port)
     master.start()
     if args.ready_file:
         tmp = args.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"address": master.address, "pid": os.getpid()}))
         os.replace(tmp, args.ready_file)
-    print(f"stalwart master for job {master.state.job_id!r} at {master.address} (journal {args.db})",
+    store = f"; rendezvous store at {master.state.rdzv_endpoint}" if master.state.rdzv_endpoint else ""
+    print(f"stalwart master for job {master.state.job_id!r} at {master.address} (journal {args.db}){store}",
           file=sys.stderr, flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

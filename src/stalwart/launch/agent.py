@@ -7,12 +7,16 @@ On top, each monitor tick:
   - on a worker failure, classifies it from the worker's log (``health.log_rules``): user errors fail
     fast with their traceback, everything else asks the master for one restart from the job-wide
     budget (pytorch#108158: TorchElastic counts restarts per node);
-  - journals each incident with timestamps: fault, detected, workers stopped, restarted, first step.
-A heartbeat thread sends progress and node info to the master once a second.
+  - journals each incident with timestamps: fault, detected, workers stopped, restarted, first step;
+  - forwards the incidents workers record themselves (``rank*.incidents.jsonl``: rollbacks, silent
+    data corruption) to the master's journal.
+A heartbeat thread sends progress and node info to the master once a second and brings back faults
+injected with ``stalwart chaos``, which it appends to the chaos file the workers watch.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -68,6 +72,39 @@ def stack_dump(pid: int, timeout_s: float = 10.0) -> str:
     return out.stdout or out.stderr
 
 
+class IncidentTail:
+    """Reads the JSON lines workers append to ``rank*.incidents.jsonl``, each line once: remembers
+    the offset per file and leaves a partial last line (a write in progress) for the next read."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[Path, int] = {}
+
+    def read(self, directory: Path) -> list[dict[str, Any]]:
+        records = []
+        for path in sorted(directory.glob("rank*.incidents.jsonl")):
+            offset = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data[:data.rfind(b"\n") + 1]
+            self._offsets[path] = offset + len(complete)
+            for line in complete.splitlines():
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    log.warning("skipping a malformed line in %s: %r", path, line[:200])
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("kind"), str):
+                    records.append(record)
+        return records
+
+    def reset(self) -> None:
+        self._offsets.clear()
+
+
 def _tail(path: str | None) -> str:
     if not path or not os.path.exists(path):
         return ""
@@ -80,7 +117,8 @@ class StalwartAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, *, master: MasterClient, node_id: str,
                  run_dir: Path, hang_policy: HangPolicy, start_method: str = "spawn",
                  on_failure: Callable[[Incident], dict[str, Any]] | None = None,
-                 heartbeat_s: float = 1.0, shutdown_timeout: int = 5, window_s: float = 5.0) -> None:
+                 heartbeat_s: float = 1.0, shutdown_timeout: int = 5, window_s: float = 5.0,
+                 chaos_file: Path | None = None) -> None:
         super().__init__(spec, logs_specs, start_method, shutdown_timeout=shutdown_timeout)
         self.master, self.node_id = master, node_id
         self.run_dir = Path(run_dir)
@@ -99,6 +137,9 @@ class StalwartAgent(LocalElasticAgent):
         self._started_at = time.time()
         self._restart_round = 0  # same on every agent of a job: they restart together
         self._progressed = False  # any step completed in any attempt (user-error rules need it)
+        self.chaos_file = chaos_file  # faults from `stalwart chaos`, read by the workers each step
+        self._chaos_seen = 0  # id of the last injected fault applied to chaos_file
+        self.worker_incidents = IncidentTail()
         self._stop_beats = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="stalwart-heartbeat", daemon=True)
 
@@ -117,7 +158,10 @@ class StalwartAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # Fresh records: a restarted rank must not look alive through its predecessor's record.
         if self.progress_dir.exists():
+            if self._pcontext is not None:  # the last words of this agent's previous attempt
+                self._forward_worker_incidents()
             shutil.rmtree(self.progress_dir)
+        self.worker_incidents.reset()
         self._seen_reports.clear()
         self.progress_dir.mkdir(parents=True)
         self.reader.close()
@@ -155,8 +199,12 @@ class StalwartAgent(LocalElasticAgent):
         out = []
         for worker in worker_group.workers:
             p = self.reader.read(worker.global_rank)
-            # A rank with no record yet is still starting: it counts from the group's start.
-            out.append(p if p is not None else Progress(worker.global_rank, -1, now, "init", float("nan"), 0))
+            # A rank with no record yet is still starting: it counts from the group's start. So does
+            # a record file that exists but was never written (zero-filled: time 0, i.e. 1970 —
+            # which read as 55 years of silence once, a false hang at start-up).
+            if p is None or p.time <= 0:
+                p = Progress(worker.global_rank, -1, now, "init", float("nan"), 0)
+            out.append(p)
         return out
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -170,6 +218,7 @@ class StalwartAgent(LocalElasticAgent):
             self._seen_reports[p.rank] = p.reports
         self._progressed = self._progressed or any(p.reports > 0 for p in progress)
         self._check_first_step(progress)
+        self._forward_worker_incidents()
         if result.state == WorkerState.HEALTHY:
             hung = self.hang.hung(progress, now)
             if hung:
@@ -239,6 +288,7 @@ class StalwartAgent(LocalElasticAgent):
 
     def _handle(self, incident: Incident, progress: list[Progress]) -> None:
         incident.last_step = max((p.step for p in progress), default=-1)
+        incident.details.update(last_step=incident.last_step, ranks=incident.ranks)
         times = {"detected": incident.detected}
         if incident.fault is not None:
             times["fault"] = incident.fault
@@ -271,6 +321,41 @@ class StalwartAgent(LocalElasticAgent):
         if incident.id is not None:
             self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first}))
 
+    def _forward_worker_incidents(self) -> None:
+        """Journal what workers reported themselves (see ``stalwart.incident``); an ``sdc`` with
+        ``evict`` also journals a decision naming this node (the eviction itself is a later step)."""
+        now = time.time()
+        for record in self.worker_incidents.read(self.progress_dir):
+            kind, detail = record["kind"], record.get("detail") or {}
+            if not isinstance(detail, dict):
+                detail = {"detail": detail}
+            details = {**detail, "rank": record.get("rank"), "step": record.get("step"), "source": "worker"}
+            times = {"detected": now}
+            if isinstance(record.get("time"), (int, float)):
+                times["fault"] = float(record["time"])
+            log.warning("worker incident on rank %s at step %s: %s %s", record.get("rank"), record.get("step"),
+                        kind, detail)
+            self._journal(lambda: self.master.open_incident(kind, self.node_id, record.get("class"), times, details))
+            if kind == "sdc" and detail.get("evict"):
+                self._journal(lambda: self.master.decide(
+                    "evict", f"silent data corruption on rank {record.get('rank')} (node {self.node_id}) at "
+                    f"step {record.get('step')}", {"node_id": self.node_id, "rank": record.get("rank"),
+                                                    "step": record.get("step")}))
+
+    def _apply_chaos(self, specs: list[dict[str, Any]]) -> None:
+        """Append injected faults to the chaos file (replaced atomically: a worker never reads half a
+        line); workers re-read it when its mtime changes, and the rank/step keys pick who fires."""
+        if not specs or self.chaos_file is None:
+            return
+        lines = self.chaos_file.read_text() if self.chaos_file.exists() else ""
+        lines += "".join(f"{s['spec']}\n" for s in specs)
+        self.chaos_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.chaos_file.with_name(self.chaos_file.name + ".tmp")
+        tmp.write_text(lines)
+        os.replace(tmp, self.chaos_file)
+        self._chaos_seen = max(int(s["id"]) for s in specs)
+        log.warning("chaos: injected %s", [s["spec"] for s in specs])
+
     def _close_window(self) -> dict[str, float] | None:
         """Every window_s: the slowest local rank's median compute time per step (None otherwise)."""
         if time.monotonic() - self._window_start < self.window_s:
@@ -295,9 +380,12 @@ class StalwartAgent(LocalElasticAgent):
             window = self._close_window()
             if window is not None:
                 body["window"] = window
+            beat: dict[str, Any] = {"node_id": self.node_id, "progress": body}
+            if self.chaos_file is not None:
+                beat["chaos_after"] = self._chaos_seen
             try:
-                self.master.call("POST", "/v1/nodes/heartbeat", {"node_id": self.node_id, "progress": body},
-                                 retry_for_s=0)
+                reply = self.master.call("POST", "/v1/nodes/heartbeat", beat, retry_for_s=0)
+                self._apply_chaos(reply.get("chaos") or [])
             except MasterError as err:
                 if err.status == 404:  # a master that lost its journal: join again
                     self._journal(lambda: self.master.join(self.node_id, socket.gethostname(),

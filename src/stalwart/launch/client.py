@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+ADDRESS_FILE = "master.json"
+
+
+def write_address(run_dir: Path, address: str, job_id: str, node_id: str) -> None:
+    """RUN_DIR/master.json names the job's master, for `stalwart chaos --run-dir` and scripts (the
+    token stays in RUN_DIR/token when the master runs in `stalwart run`; a separate master's is not copied)."""
+    tmp = run_dir / (ADDRESS_FILE + ".tmp")
+    tmp.write_text(json.dumps({"address": address, "job_id": job_id, "node_id": node_id, "pid": os.getpid()}))
+    os.replace(tmp, run_dir / ADDRESS_FILE)
 
 
 class MasterError(RuntimeError):
@@ -81,6 +93,9 @@ class MasterClient:
 
     def decide(self, action: str, reason: str, details: dict[str, Any] | None = None) -> int:
         return self.call("POST", "/v1/decisions", {"action": action, "reason": reason, "details": details or {}})["id"]
+
+    def chaos(self, spec: str) -> int:
+        return self.call("POST", "/v1/chaos", {"spec": spec})["id"]
 
     def status(self) -> dict[str, Any]:
         return self.call("GET", "/v1/status")

@@ -27,6 +27,8 @@ CREATE TABLE IF NOT EXISTS incidents (
 CREATE TABLE IF NOT EXISTS decisions (
     id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, action TEXT NOT NULL,
     reason TEXT NOT NULL, details TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS chaos (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, spec TEXT NOT NULL);
 """
 
 INCIDENT_TIMES = ("fault", "detected", "stopped", "restarted", "first_step")
@@ -147,3 +149,13 @@ class Journal:
         for row in rows:
             row["details"] = json.loads(row["details"])
         return rows
+
+    # -- fault injection into the running job (`stalwart chaos`) --------------------------------
+    def add_chaos(self, spec: str) -> int:
+        cur = self._write("INSERT INTO chaos(ts, spec) VALUES(?, ?)", (time.time(), spec))
+        return int(cur.lastrowid)
+
+    def chaos_after(self, after_id: int) -> list[dict[str, Any]]:
+        """Specs newer than `after_id`: agents remember the last id they applied, so a restarted
+        master (or agent) delivers each spec again at most to agents that have not seen it."""
+        return self._read("SELECT id, ts, spec FROM chaos WHERE id > ? ORDER BY id", (after_id,))

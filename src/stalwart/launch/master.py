@@ -12,8 +12,11 @@ import json
 import logging
 import re
 import secrets
+import statistics
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -56,9 +59,11 @@ class MasterState:
             journal.set("created", time.time())
         journal.set("restart_budget", restart_budget)
         self.node_timeout_s = node_timeout_s
+        self.rdzv_endpoint: str | None = None  # set when the master serves the rendezvous store
         self._lock = threading.Lock()  # restart decisions: check-and-spend must be atomic
         self.stragglers = stragglers or StragglerDetector()
         self.started = time.time()  # this master process; heartbeats older than this are not counted
+        self.compute_s: dict[str, float] = {}  # node → median compute seconds per step, last window
         journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -75,11 +80,28 @@ class MasterState:
             raise ApiError(HTTPStatus.NOT_FOUND, f"node {node_id!r} has not joined this job")
         window = (body.get("progress") or {}).get("window")
         if isinstance(window, dict) and isinstance(window.get("compute_s"), (int, float)):
+            self.compute_s[node_id] = float(window["compute_s"])
             flagged, ratio = self.stragglers.observe(node_id, float(window["compute_s"]))
             if flagged:
                 self.journal.decide("straggler", f"node {node_id} computes {ratio:.2f}× slower than the "
                                     f"others for {self.stragglers.k} windows", {"node_id": node_id, "ratio": ratio})
-        return {"ok": True}
+        after = _field(body, "chaos_after", int, required=False)
+        return {"ok": True, "chaos": self.journal.chaos_after(after) if after is not None else []}
+
+    def add_chaos(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Queue a fault for the running job; agents pick it up with their next heartbeat."""
+        from stalwart.chaos import faults
+
+        spec = _field(body, "spec", str)
+        try:
+            parsed = faults.parse(spec)
+        except ValueError as err:
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
+        if not parsed or "\n" in spec:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "spec must be one line with at least one fault")
+        chaos_id = self.journal.add_chaos(spec)
+        self.journal.decide("chaos", f"fault injected: {spec}", {"spec": spec, "chaos_id": chaos_id})
+        return {"id": chaos_id}
 
     def open_incident(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -136,8 +158,43 @@ class MasterState:
                 "master_starts": self.journal.get("master_starts"),
                 "restart_budget": self.journal.get("restart_budget"),
                 "restarts_used": self.journal.get("restarts_used", 0),
-                "stragglers": sorted(self.stragglers.flagged),
+                "stragglers": sorted(self.stragglers.flagged), "rdzv_endpoint": self.rdzv_endpoint,
                 "nodes": nodes, "incidents": self.journal.incidents(), "decisions": self.journal.decisions()}
+
+    def collect(self) -> Iterator[Any]:
+        """Prometheus metric families, read from the journal at scrape time (no second copy of state)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        nodes = self.journal.nodes()
+        by_state = GaugeMetricFamily("stalwart_nodes", "Nodes of the job by state", labels=["state"])
+        for node_state in sorted({"alive", "lost", *(n["state"] for n in nodes)}):
+            by_state.add_metric([node_state], sum(n["state"] == node_state for n in nodes))
+        yield by_state
+        yield GaugeMetricFamily("stalwart_restarts_used", "Restarts spent from the job-wide budget",
+                                value=self.journal.get("restarts_used", 0))
+        yield GaugeMetricFamily("stalwart_restart_budget", "Restarts allowed for the whole job",
+                                value=self.journal.get("restart_budget", 0))
+        incidents = CounterMetricFamily("stalwart_incidents", "Journaled incidents by kind and class",
+                                        labels=["kind", "class"])
+        counts = Counter((i["kind"], i["class"] or "") for i in self.journal.incidents())
+        for (kind, cls), count in sorted(counts.items()):
+            incidents.add_metric([kind, cls], count)
+        yield incidents
+        decisions = CounterMetricFamily("stalwart_decisions", "Journaled decisions by action", labels=["action"])
+        for action, count in sorted(Counter(d["action"] for d in self.journal.decisions()).items()):
+            decisions.add_metric([action], count)
+        yield decisions
+        steps = [r["step"] for n in nodes for r in n["progress"].get("ranks", []) if isinstance(r.get("step"), int)]
+        yield GaugeMetricFamily("stalwart_last_step", "Newest step any rank reported (-1 before the first)",
+                                value=max(steps, default=-1))
+        step_time = GaugeMetricFamily("stalwart_step_compute_seconds", "Median over nodes of each node's median "
+                                      "compute time per step in its last window")
+        if self.compute_s:
+            step_time.add_metric([], statistics.median(self.compute_s.values()))
+        yield step_time
+        yield GaugeMetricFamily("stalwart_stragglers", "Nodes flagged as stragglers", value=len(self.stragglers.flagged))
+        yield GaugeMetricFamily("stalwart_master_starts", "Times a master served this journal",
+                                value=self.journal.get("master_starts", 1))
 
     def sweep(self) -> list[str]:
         """Mark nodes without a heartbeat for node_timeout_s as lost (after this master has been up
@@ -164,11 +221,16 @@ ROUTES: list[tuple[str, re.Pattern, Route]] = [
     ("PATCH", re.compile(rf"^{API}/incidents/(\d+)$"), lambda s, b, m: s.update_incident(int(m[1]), b)),
     ("POST", re.compile(rf"^{API}/restarts$"), lambda s, b, m: s.request_restart(b)),
     ("POST", re.compile(rf"^{API}/decisions$"), lambda s, b, m: s.decide(b)),
+    ("POST", re.compile(rf"^{API}/chaos$"), lambda s, b, m: s.add_chaos(b)),
 ]
+
+
+METRICS = "/metrics"  # Prometheus scrapes with `authorization: {credentials: TOKEN}` (bearer)
 
 
 def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
     expected = f"Bearer {token}".encode()
+    registry = None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -176,10 +238,11 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.client_address[0], *args)
 
-        def _reply(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
+        def _reply(self, status: HTTPStatus, payload: dict[str, Any] | bytes,
+                   content_type: str = "application/json") -> None:
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             if status == HTTPStatus.UNAUTHORIZED:
                 self.send_header("WWW-Authenticate", 'Bearer realm="stalwart"')
@@ -208,6 +271,9 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
                 if not hmac.compare_digest(auth, expected):
                     raise ApiError(HTTPStatus.FORBIDDEN, "wrong job token")
                 path = self.path.split("?", 1)[0]
+                if method == "GET" and path == METRICS:
+                    self._metrics()
+                    return
                 for verb, pattern, route in ROUTES:
                     match = pattern.match(path)
                     if match and verb == method:
@@ -219,6 +285,15 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
             except Exception as err:  # never let a bad request take the master down
                 log.exception("request failed")
                 self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": type(err).__name__})
+
+        def _metrics(self) -> None:
+            nonlocal registry
+            from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+            if registry is None:
+                registry = CollectorRegistry(auto_describe=False)
+                registry.register(state)  # type: ignore[arg-type]  # a collector: it has collect()
+            self._reply(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
 
         def do_GET(self) -> None:
             self._dispatch("GET")
@@ -250,11 +325,17 @@ class Master:
 
     def __init__(self, db: str | Path, token: str, host: str = "127.0.0.1", port: int = 0,
                  job_id: str = "job", restart_budget: int = 3, node_timeout_s: float = 30.0,
-                 stragglers: StragglerDetector | None = None) -> None:
+                 stragglers: StragglerDetector | None = None, rdzv_port: int | None = None) -> None:
         if not token:
             raise ValueError("the master needs a job token")
         self.journal = Journal(db)
         self.state = MasterState(self.journal, job_id, restart_budget, node_timeout_s, stragglers)
+        self.store = None
+        if rdzv_port is not None:  # the agents' rendezvous store lives here, not on one of the nodes
+            from stalwart.launch.store import serve_store
+
+            self.store = serve_store(host, rdzv_port)
+            self.state.rdzv_endpoint = f"{host}:{self.store.port}"
         self.server = ThreadingHTTPServer((host, port), _handler(self.state, token))
         self.server.daemon_threads = True
         self._stop = threading.Event()

@@ -24,9 +24,11 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import _get_addr_and_port
 
+from stalwart.chaos import faults
 from stalwart.launch.agent import Incident, StalwartAgent
-from stalwart.launch.client import MasterClient
+from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.hang import HangPolicy
+from stalwart.launch.store import client_rdzv_conf
 from stalwart.launch.master import Master, load_or_create_token
 from stalwart.launch import stragglers
 
@@ -91,9 +93,26 @@ def _rendezvous_defaults(args: argparse.Namespace) -> None:
         args.master_port = 29500
 
 
+def _master_store(args: argparse.Namespace, client: MasterClient) -> None:
+    """A c10d rendezvous without an endpoint uses the store the master serves (`stalwart master
+    --rdzv-port`): no node hosts it, so losing any node leaves the rendezvous intact."""
+    if args.rdzv_backend != "c10d" or args.rdzv_endpoint:
+        return
+    endpoint = client.status().get("rdzv_endpoint")
+    if not endpoint:
+        raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT, or a master started with "
+                         "--rdzv-port to serve the rendezvous store")
+    args.rdzv_endpoint, args.rdzv_conf = endpoint, client_rdzv_conf(args.rdzv_conf)
+
+
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     policy = _hang_policy(args)
+    token = args.job_token or os.environ.get("STALWART_JOB_TOKEN")
+    if args.master:
+        if not token:
+            raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
+        _master_store(args, MasterClient(args.master, token))
     _rendezvous_defaults(args)
     config, cmd, cmd_args = torchrun.config_from_args(args)
     run_dir = args.run_dir or Path("runs") / args.rdzv_id
@@ -104,13 +123,19 @@ def run(argv: list[str]) -> int:
     logs_specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.from_str(args.redirects),
                                   tee=Std.ALL if args.tee == "0" and args.redirects == "0" else Std.from_str(args.tee))
     if args.chaos:
-        os.environ["STALWART_CHAOS"] = args.chaos
+        faults.parse(args.chaos)  # a typo fails here, not in every worker
+        os.environ[faults.ENV_SPEC] = args.chaos
+    # Faults injected into the running job (`stalwart chaos`) arrive with the heartbeats and go to
+    # this file, which workers re-read when it changes; "once" markers are per run directory, so
+    # the same spec fires again in a later run.
+    chaos_file = Path(os.environ.get(faults.ENV_FILE) or run_dir / "chaos" / "injected").absolute()
+    if faults.ENV_FILE not in os.environ:
+        chaos_file.unlink(missing_ok=True)  # the master delivers this job's injected faults again
+    os.environ[faults.ENV_FILE] = str(chaos_file)
+    os.environ.setdefault(faults.ENV_DIR, str((run_dir / "chaos" / "fired").absolute()))
 
     master: Master | None = None
     if args.master:
-        token = args.job_token or os.environ.get("STALWART_JOB_TOKEN")
-        if not token:
-            raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
         address = args.master
     else:
         token = load_or_create_token(run_dir / "token", args.job_token)
@@ -121,6 +146,7 @@ def run(argv: list[str]) -> int:
     os.environ.update({"STALWART_MASTER": address, "STALWART_JOB_ID": args.rdzv_id,
                        "STALWART_NODE_ID": node_id})
     client = MasterClient(address, token)
+    write_address(run_dir, address, args.rdzv_id, node_id)
 
     params = rendezvous.RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
@@ -139,7 +165,7 @@ def run(argv: list[str]) -> int:
         local_addr=config.local_addr)
     agent = StalwartAgent(spec, logs_specs, master=client, node_id=node_id, run_dir=run_dir,
                           hang_policy=policy, start_method=config.start_method, window_s=args.straggler_window,
-                          on_failure=_save_on_failure(args.rdzv_id))
+                          on_failure=_save_on_failure(args.rdzv_id, node_id), chaos_file=chaos_file)
     exit_code = 0
     try:
         result = agent.run()
@@ -161,17 +187,28 @@ def run(argv: list[str]) -> int:
     return exit_code
 
 
-def _save_on_failure(job_id: str) -> Callable[[Incident], dict[str, Any]]:
+def _save_on_failure(job_id: str, node_id: str) -> Callable[[Incident], dict[str, Any]]:
     """The agent's hook: persist the newest snapshot all ranks agree on before workers restart
     (flash checkpoints of this job live under /dev/shm/stalwart/JOB_ID, see stalwart.checkpoint)."""
 
-    def hook(incident: Incident) -> dict[str, Any]:
-        from stalwart.checkpoint.checkpointer import job_dir_for
-        from stalwart.checkpoint.keeper import save_on_failure
+    # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
+    from stalwart.checkpoint.checkpointer import job_dir_for
+    from stalwart.checkpoint.keeper import keeper_alive, save_on_failure
+    from stalwart.checkpoint.snapshot import JobPaths
 
-        job_dir = job_dir_for("", job_id=job_id)
+    def hook(incident: Incident) -> dict[str, Any]:
+        job_dir = job_dir_for("", job_id=job_id, node_id=node_id)
         if not (job_dir / "job.json").exists():
             return {"persisted": False, "detail": "no flash checkpoints in this job"}
+        policy = json.loads((job_dir / "job.json").read_text()).get("policy") or {}
+        if not (policy.get("persist_every_steps") or policy.get("persist_every_s")):
+            # Memory-only (no keeper on any node; multi-node waits would time out): nothing to persist,
+            # the restarted workers restore from memory.
+            return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
+        if keeper_alive(JobPaths(job_dir)):
+            # It saw the worker die and saves on failure itself, in parallel with the restart (which
+            # restores from memory); waiting for it here would only delay the restart.
+            return {"persisted": False, "detail": "the node's keeper saves on failure"}
         return save_on_failure(job_dir, quiet=True)
 
     return hook

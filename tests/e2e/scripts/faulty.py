@@ -1,5 +1,6 @@
 """A small distributed job for launcher tests: gloo all-reduce per step, state in a JSON file
-(saved every step by rank 0, so a restart resumes exactly), one injected fault that fires once."""
+(saved every step by rank 0, so a restart resumes exactly), one injected fault that fires once
+(--fault), and faults from STALWART_CHAOS / `stalwart chaos` checked after every step."""
 
 import argparse
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from stalwart import chaos
 from stalwart.launch.progress import report
 
 parser = argparse.ArgumentParser()
@@ -61,6 +63,9 @@ while state["step"] < args.steps:
         os.replace(tmp, state_file)
     dist.barrier()
     report(step, loss=state["x"], compute_s=compute_s)
+    fault = chaos.due("step", step=step, rank=rank)  # STALWART_CHAOS / faults from `stalwart chaos`
+    if fault is not None:
+        fault.fire()
 
 if rank == 0:
     (args.out / "result.json").write_text(json.dumps(state))

@@ -1,0 +1,39 @@
+"""`stalwart demo`, shortened: two agents, a kill and a hang, bitwise-equal final weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+KEYS = {"incidents", "goodput", "stall_s", "final_hash", "reference_hash", "bitwise_equal"}
+
+
+def test_short_demo_recovers_from_kill_and_hang_to_the_reference_weights(tmp_path):
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart", "demo", "--steps", "40", "--faults", "kill,hang", "--hang-timeout", "5",
+         "--out-dir", str(tmp_path / "demo"), "--json-report", str(report_path), "--json"],
+        capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(report_path.read_text())
+    assert json.loads(proc.stdout) == report, "--json prints the same report"
+    assert KEYS <= set(report)
+    assert report["bitwise_equal"] is True and report["final_hash"] == report["reference_hash"]
+    assert report["reference_cached"] is False and report["restarts_used"] == 2
+    kill, hang = report["incidents"]
+    assert (kill["injected"], kill["at_step"], kill["kind"]) == ("kill", 13, "sigkill")
+    assert (hang["injected"], hang["at_step"], hang["kind"]) == ("hang", 26, "hang")
+    for incident in report["incidents"]:
+        assert {"kind", "detected_s", "mttr_s", "lost_steps"} <= set(incident)
+        assert 0 <= incident["detected_s"] <= incident["mttr_s"] < 120
+        # Faults fire after the step's memory snapshot: the restart resumes where the fault struck.
+        assert incident["lost_steps"] == 0
+    assert hang["detected_s"] >= 5.0, "a hang is declared after the timeout, not before"
+    assert 0 < report["goodput"] < 1 and report["stall_s"] >= 0
+    assert "incident sigkill" in proc.stderr and "recovered from hang" in proc.stderr, "live console"
+    cache = json.loads((tmp_path / "demo" / "reference.json").read_text())
+    assert list(cache.values()) == [report["reference_hash"]], "the reference hash is cached by config"

@@ -1,0 +1,100 @@
+"""Elastic shrink: a 2-node job (`--nnodes 1:2`) loses a whole node — agent, worker and keeper killed,
+its shared memory gone — and goes on alone from the last checkpoint both nodes committed, resharded to
+one rank. The rendezvous store is served by the master, so it does not die with a node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stalwart.checkpoint import Storage
+from stalwart.launch.journal import Journal
+
+from .test_master import TOKEN
+
+pytestmark = pytest.mark.e2e
+STEPS, BATCH = 100, 16
+
+
+def start_master(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    ready = tmp_path / "master.json"
+    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "master", "--db", str(tmp_path / "journal.sqlite"),
+                             "--port", "0", "--rdzv-port", "0", "--job-token", TOKEN, "--node-timeout", "5",
+                             "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+        time.sleep(0.1)
+    return proc, json.loads(ready.read_text())["address"]
+
+
+def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-id", job, "--rdzv-conf", "last_call_timeout=2",
+           "--master", address, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "3",
+           "--chaos", "slow:seconds=0.1",  # every step: the node is lost mid-run, not after it
+           "--run-dir", str(tmp_path / f"run{n}"),
+           "-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={data}", "--data.seq_len=32",
+           f"--train.steps={STEPS}", "--train.warmup_steps=2", f"--train.global_batch={BATCH}",
+           "--train.micro_batch=4", f"--train.out_dir={tmp_path / 'out'}", "--checkpoint.enabled=true",
+           f"--checkpoint.dir={tmp_path / 'ckpt'}", "--checkpoint.persist_every_steps=5"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"),
+                            start_new_session=True)
+
+
+def lose_node(proc: subprocess.Popen, job: str, n: int) -> None:
+    """What a dead host looks like: every process of the node gone at once, shared memory too."""
+    victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    victims += [p for p in psutil.process_iter(["cmdline"]) if any(f"{job}-node{n}" in c for c in p.info["cmdline"] or [])]
+    for v in victims:
+        try:
+            v.kill()
+        except psutil.NoSuchProcess:
+            pass
+    shutil.rmtree(f"/dev/shm/stalwart/{job}-node{n}", ignore_errors=True)
+
+
+def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_checkpoint(stdlib_data, tmp_path):
+    job = f"elastic-{uuid.uuid4().hex[:8]}"
+    master, address = start_master(tmp_path)
+    nodes = [start_node(tmp_path, stdlib_data, address, job, n) for n in range(2)]
+    try:
+        storage = Storage(str(tmp_path / "ckpt"))
+        deadline = time.monotonic() + 240
+        committed = None
+        while committed is None:  # a checkpoint of both nodes' ranks to shrink from
+            assert time.monotonic() < deadline, "no two-rank checkpoint was committed"
+            assert all(p.poll() is None for p in nodes), (tmp_path / "node0.log").read_text()[-3000:]
+            latest = storage.latest()
+            manifest = storage.manifest(latest) if latest else None
+            committed = latest if manifest and manifest["world_size"] == 2 and latest >= 10 else None
+            time.sleep(0.2)
+        lose_node(nodes[1], job, 1)
+        nodes[0].wait(timeout=300)
+        assert nodes[0].returncode == 0, (tmp_path / "node0.log").read_text()[-4000:]
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert summary["world_size"] == 1 and summary["steps"] == STEPS
+        # Every sample of the global order exactly once: the sampler state came along from 2 ranks.
+        assert summary["samples_consumed"] == STEPS * BATCH
+        ck = summary["checkpoint"]
+        assert ck["restored_from"] == "storage" and ck["restore_step"] >= committed, ck
+        metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert {m["step"] for m in metrics} == set(range(1, STEPS + 1))
+        assert metrics[-1]["loss"] < metrics[0]["loss"]
+        journal = Journal(tmp_path / "journal.sqlite")
+        assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node1" for d in journal.decisions())
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                lose_node(p, job, nodes.index(p))
+        master.terminate()
+        master.wait(10)
