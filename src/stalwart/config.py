@@ -66,9 +66,31 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_mode: str = "ddp"  # ddp | fsdp
+    """Parallel layout (docs/parallelism.md). Degrees multiply to the world size; 0 = not given."""
+
+    layout: str = "manual"  # manual (the degrees below) | auto (the planner's fastest layout that fits)
+    dp: int = 0  # data-parallel degree; 0 = the ranks left after tp × pp. Meaning set by dp_mode
+    dp_replicate: int = 0  # explicit HSDP: replicas (instead of dp)
+    dp_shard: int = 0  # explicit HSDP: FSDP2 shards per replica (instead of dp)
+    tp: int = 1  # tensor (+ sequence) parallel
+    pp: int = 1  # pipeline stages (ranks)
+    ep: int = 1  # expert parallel (MoE models; carved out of the FSDP2 shards)
+    dp_mode: str = "ddp"  # ddp (dp = replicas: DDP, or HSDP with tp/pp) | fsdp (dp = FSDP2 shards)
     reshard_after_forward: bool = True  # FSDP2: True ≈ ZeRO-3, False ≈ ZeRO-2
+    schedule: str = "1f1b"  # pp > 1: 1f1b | interleaved_1f1b | gpipe
+    virtual_stages: int = 1  # stages per pipeline rank (≥ 2 with interleaved_1f1b)
+    layer_split: str = "even"  # even | lighter_ends | layers per stage, e.g. "1,2,1"
+    recompute: str = "none"  # none | selective | full
+    recompute_every: int = 1  # full recompute on every k-th block only
+    loss_parallel: bool = True  # tp > 1: cross-entropy on vocabulary-sharded logits
+    compress: str = "none"  # gradient compression: none | bf16 | fp16 | powersgd (DDP only)
+    powersgd_rank: int = 1
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+
+    def degrees(self) -> dict[str, int]:
+        """The degrees as ``layout_from_config`` takes them (dp, dp_replicate, dp_shard: 0 = not given)."""
+        given = {k: getattr(self, k) for k in ("dp", "dp_replicate", "dp_shard") if getattr(self, k)}
+        return {**given, "tp": self.tp, "pp": self.pp, "ep": self.ep}
 
 
 @dataclass
@@ -164,8 +186,9 @@ class Config:
         return dataclasses.asdict(self)
 
     def validate(self, world_size: int = 1) -> None:
-        """Check values that do not depend on types alone; `world_size` = data-parallel ranks."""
+        """Check values that do not depend on types alone; `world_size` = all ranks of the job."""
         t, d, p = self.train, self.data, self.parallel
+        _choice("parallel.layout", p.layout, ("manual", "auto"))
         _choice("parallel.dp_mode", p.dp_mode, ("ddp", "fsdp"))
         _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
         _choice("train.dtype", t.dtype, ("auto", "float32", "bfloat16"))
@@ -178,7 +201,9 @@ class Config:
             raise ValueError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
             raise ValueError(f"need 0 < train.lr and 0 ≤ train.min_lr ≤ train.lr (got {t.lr}, {t.min_lr})")
-        grad_accum(t.global_batch, t.micro_batch, world_size)
+        from stalwart.train.parallel.configure import plan_parallel
+
+        plan_parallel(self, world_size)  # degrees × world size × model × batch split (or the planner's)
         self.checkpoint.validate()
         from stalwart.data.sampler import parse_skip_ranges
 

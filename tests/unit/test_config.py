@@ -99,3 +99,42 @@ def test_guard_settings_must_make_a_rollback_possible(overrides, match):
 ])
 def test_guard_settings_that_can_roll_back_validate(overrides):
     load_config(None, {"guard.enabled": "true", "checkpoint.enabled": "true", **overrides}).validate(1)
+
+
+# -- [parallel]: degrees, model and batch checked before any process starts --------------------------
+@pytest.mark.parametrize("overrides, world, match", [
+    ({"parallel.tp": "2"}, 3, r"tp×pp×cp = 2 does not divide the 3 ranks"),
+    ({"parallel.dp": "4", "parallel.tp": "2"}, 4, r"needs .* = 8 ranks but the job has 4"),
+    ({"parallel.tp": "2"}, 6, r"not divisible by data-parallel ranks \(3\) × train.micro_batch \(4\)"),
+    ({"parallel.tp": "4"}, 4, r"tp=4 must divide model.n_heads=4 and model.n_kv_heads=2.*use tp in \[1, 2\]"),
+    ({"parallel.pp": "8"}, 8, "8 pipeline stages but the model has only 4 layers"),
+    ({"parallel.pp": "2", "parallel.layer_split": "3,2"}, 2, "must give 2 positive counts that sum to 4"),
+    ({"parallel.pp": "2", "parallel.schedule": "interleaved_1f1b"}, 2, "virtual_stages ≥ 2"),
+    ({"parallel.pp": "2", "train.micro_batch": "16"}, 2, "1F1B needs at least pp=2 micro-batches per step, got 1"),
+    ({"parallel.ep": "2", "parallel.dp_mode": "fsdp"}, 2, "needs a mixture-of-experts model"),
+    ({"parallel.tp": "2", "model.tie_embeddings": "true"}, 2, "untied embeddings"),
+    ({"parallel.compress": "powersgd", "parallel.dp_mode": "fsdp"}, 2, "needs plain DDP"),
+    ({"parallel.recompute": "most"}, 2, "recompute='most' is not one of"),
+    ({"parallel.layout": "auto", "parallel.tp": "2"}, 2, "remove parallel.tp=2 or set parallel.layout='manual'"),
+    ({"parallel.layout": "best"}, 2, "parallel.layout='best' is not one of manual, auto"),
+])
+def test_parallel_mistakes_are_explained(overrides, world, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, overrides).validate(world)
+
+
+def test_parallel_plan_from_config():
+    from stalwart.train.parallel import Layout, plan_parallel
+
+    cfg = load_config(None, {"parallel.dp_mode": "fsdp", "parallel.tp": "2", "parallel.recompute": "selective"})
+    plan = plan_parallel(cfg, 4)
+    assert plan.layout == Layout(dp_shard=2, tp=2) and plan.options.recompute == "selective"
+    assert plan.summary()["describe"] == "dp_shard=2 × tp=2" and "auto" not in plan.summary()
+    hsdp = plan_parallel(load_config(None, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}), 4)
+    assert hsdp.layout == Layout(dp_replicate=2, dp_shard=2)
+    pp = plan_parallel(load_config(None, {"parallel.pp": "2", "parallel.layer_split": "1, 3"}), 2)
+    assert pp.options.layer_split == (1, 3) and pp.summary()["schedule"] == "1f1b"
+    auto = plan_parallel(load_config(None, {"parallel.layout": "auto", "train.global_batch": "8",
+                                            "train.micro_batch": "2", "data.seq_len": "32"}), 2)
+    assert auto.layout.world_size == 2 and auto.why.startswith("parallel = 'auto' chose")
+    assert auto.summary()["auto"] == auto.why

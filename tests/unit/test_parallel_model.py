@@ -154,3 +154,19 @@ def test_split_model_prunes_to_own_stages_with_original_names():
     assert "layers.3.attention.wq.weight" in names and "output.weight" in names
     assert not any(n.startswith("tok_embeddings") for n in names)
     assert sum(p.numel() for s in stages for p in s.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+def test_state_hash_of_pipeline_parts_merged_equals_the_whole():
+    """What `state_dict_hash(..., group=pp_group)` does with the stages' parts: digests merged by key,
+    optimizer param groups merged element-wise with their parameter names concatenated."""
+    from stalwart.utils.hashing import _digested, _merge, state_dict_hash
+
+    whole = {"a": torch.arange(4.0), "b": torch.ones(2, 2), "c": torch.zeros(3)}
+    first, last = {"a": whole["a"]}, {"b": whole["b"], "c": whole["c"]}
+    assert state_dict_hash(_merge(_digested(first), _digested(last))) == state_dict_hash(whole)
+    assert state_dict_hash(_merge(_digested(first), _digested({"b": whole["b"]}))) != state_dict_hash(whole)
+    groups = _merge({"param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.1, "params": []}]},
+                    {"param_groups": [{"lr": 0.1, "params": ["b"]}, {"lr": 0.1, "params": ["c"]}]})
+    assert groups == {"param_groups": [{"lr": 0.1, "params": ["a", "b"]}, {"lr": 0.1, "params": ["c"]}]}
+    with pytest.raises(ValueError, match="disagree at .param_groups\\[0\\].lr"):
+        _merge({"param_groups": [{"lr": 0.1}]}, {"param_groups": [{"lr": 0.2}]})

@@ -1,6 +1,6 @@
 """LLaMA-style decoder in plain PyTorch.
 
-Parallelism (DDP, FSDP2, TP, PP) is applied from outside (see ``stalwart.train.parallelize``); this
+Parallelism (DDP, FSDP2, TP, PP, EP) is applied from outside (see ``stalwart.train.parallel``); this
 module only knows tensors. Layers live in a ``ModuleDict`` keyed by index so a pipeline split can
 delete layers without renumbering, as torchtitan does.
 

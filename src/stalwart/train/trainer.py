@@ -12,6 +12,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import stalwart
@@ -29,26 +29,15 @@ from stalwart.config import Config, grad_accum
 from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
-from stalwart.models import ModelArgs, Transformer, count_params, model_args
+from stalwart.models import build_model, count_params, moe_args
 from stalwart.observe.progress import MetricsWriter, ProgressDisplay
 from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
 from stalwart.train.guard import Verdict
 from stalwart.train.optim import build_optimizer, build_scheduler
-from stalwart.train.parallelize import apply_data_parallel, grad_norm_clip, gradient_sync
+from stalwart.train.parallel import build_mesh, parallelize, plan_parallel, resolve_model_args
+from stalwart.train.parallel.configure import rank0_plan
 from stalwart.utils import state_dict_hash
-
-
-def resolve_model_args(cfg: Config, vocab_size: int) -> ModelArgs:
-    """The registry shape with the config's overrides, sized to the data's vocabulary."""
-    m = cfg.model
-    overrides: dict[str, Any] = {"vocab_size": vocab_size, "max_seq_len": cfg.data.seq_len}
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
-        if getattr(m, key):
-            overrides[key] = getattr(m, key)
-    if m.tie_embeddings:
-        overrides["tie_embeddings"] = True
-    return model_args(m.name, **overrides)
 
 
 def configure_determinism(cfg: Config, env: DistEnv) -> None:
@@ -70,6 +59,7 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    aux_loss: float = 0.0  # MoE load-balancing loss (mean over ranks), 0 for dense models
 
 
 class Trainer:
@@ -81,13 +71,19 @@ class Trainer:
             ensure_default_corpus(cfg.data.dir)
         dist.barrier()
         self.dataset = TokenDataset(cfg.data.dir, cfg.data.seq_len)
-        self.accum = grad_accum(cfg.train.global_batch, cfg.train.micro_batch, env.world_size)
         self.model_args = resolve_model_args(cfg, self.dataset.vocab_size)
+        self.plan = rank0_plan(plan_parallel(cfg, env.world_size, self.model_args, moe_args(cfg.model.name)))
+        if self.plan.why and env.is_main:
+            print(self.plan.why, file=sys.stderr, flush=True)
 
-        model = Transformer(self.model_args)
+        model = build_model(cfg.model.name, self.model_args)
         model.init_weights(cfg.train.seed)  # same weights on every rank, whatever the world size
         self.n_params = count_params(model)
-        self.model = apply_data_parallel(model.to(env.device), cfg.parallel, env)
+        # DDP, FSDP2, TP, PP, EP, recompute: self.model is this rank's part under the unsplit model's
+        # parameter names (what the optimizer and checkpoints see); self.pm runs the step.
+        self.pm = parallelize(model, self.plan.layout, build_mesh(self.plan.layout), self.plan.options, env.device)
+        self.model = self.pm.module
+        self.accum = grad_accum(cfg.train.global_batch, cfg.train.micro_batch, self.pm.dp_size)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalSampler(len(self.dataset), cfg.train.global_batch, cfg.data.seed,
@@ -130,39 +126,33 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_step(self) -> StepResult | Verdict:
-        """Forward/backward over this rank's micro-batches of the next global batch, then the update —
-        unless the guard judges the step bad: then its gradients are dropped and the verdict returned."""
-        self.model.train()
-        ids = self.sampler.next_batch(self.env.rank, self.env.world_size)
+        """Forward/backward over this data-parallel rank's share of the next global batch (micro-batches,
+        or the pipeline schedule), then the update — unless the guard judges the step bad: then its
+        gradients are dropped and the verdict returned."""
+        self.pm.train()
+        with self.timer.section("data"):
+            inputs, targets = self.dataset.batch(self.sampler.next_batch(self.pm.dp_rank, self.pm.dp_size))
         fault = chaos.due("loss", step=self.step + 1, rank=self.env.rank)  # chaos nan/spike: scale the loss
-        loss_sum, timer = torch.zeros((), device=self.env.device), self.timer
-        for i, chunk in enumerate(np.split(ids, self.accum)):
-            with timer.section("data"):
-                inputs, targets = (t.to(self.env.device) for t in self.dataset.batch(chunk))
-            with timer.section("forward"), gradient_sync(self.model, enabled=i == self.accum - 1), self._autocast():
-                logits = self.model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / self.accum
-                if fault is not None:
-                    loss = loss * fault.scale
-            with timer.section("backward", compute=False):  # holds the overlapped gradient all-reduce waits
-                loss.backward()
-            loss_sum += loss.detach()
-        # One all-reduce of (loss, norm): every rank judges the same numbers, so all take the same
-        # verdict (a rank whose own norm came out NaN makes the mean NaN everywhere).
-        totals = torch.stack([loss_sum.double(), grad_norm_clip(self.model, self.cfg.train.grad_clip).double()])
+        loss = self.pm.forward_backward(inputs, targets, self._autocast, fault.scale if fault else 1.0, self.timer)
+        # loss (global mean, broadcast from the last pipeline stage) and the grad norm (over all shards and
+        # stages) are already equal everywhere; one all-reduce still makes every rank judge the very same
+        # numbers (a rank whose own value came out NaN makes the mean NaN everywhere).
+        norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
+        aux = torch.tensor(self.pm.aux_loss(), dtype=torch.float64, device=self.env.device)  # MoE balance
+        totals = torch.stack([loss.double(), norm.double(), aux])
         dist.all_reduce(totals)
-        loss_mean, grad_norm = (totals / self.env.world_size).tolist()
+        loss_mean, grad_norm, aux_loss = (totals / self.env.world_size).tolist()
         verdict = self.guard.judge(self.step + 1, loss_mean, grad_norm) if self.guard else None
         if verdict is not None:
             self.optimizer.zero_grad(set_to_none=True)
             return verdict
         lr = self.scheduler.get_last_lr()[0]
-        with timer.section("optimizer"):
+        with self.timer.section("optimizer"):
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return StepResult(loss_mean, grad_norm, lr)
+        return StepResult(loss_mean, grad_norm, lr, aux_loss)
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self, progress: bool = True) -> dict[str, Any]:
@@ -197,6 +187,8 @@ class Trainer:
                 record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
                           "lr": result.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu,
                           "samples_consumed": self.sampler.consumed, "time": time.time()}
+                if self.pm.has_moe:
+                    record["aux_loss"] = result.aux_loss
                 if rollback is not None:  # on the first step after it (every record stays a step record)
                     record["rollback"], rollback = rollback, None
                 if writer:
@@ -219,6 +211,7 @@ class Trainer:
         final_hash = self.weights_hash()
         summary = {
             "steps": self.step, "world_size": self.env.world_size, "dp_mode": self.cfg.parallel.dp_mode,
+            "layout": self.plan.summary(),
             "model": self.cfg.model.name, "n_params": self.n_params, "grad_accum": self.accum,
             "global_batch": t.global_batch, "seq_len": self.cfg.data.seq_len,
             "final_loss": result.loss if step_times else None,
@@ -236,14 +229,14 @@ class Trainer:
         return summary
 
     def weights_hash(self) -> str:
-        """Hash of the full (unsharded) model weights; a collective under FSDP2."""
-        return state_dict_hash(get_model_state_dict(self.model))
+        """Hash of the full (unsharded, all pipeline stages) model weights; a collective."""
+        return state_dict_hash(get_model_state_dict(self.model), group=self.pm.pp_group)
 
     def optimizer_hash(self) -> str | None:
-        """Hash of the full optimizer state (None before the first step); a collective under FSDP2."""
+        """Hash of the full optimizer state (None before the first step); a collective."""
         if not self.optimizer.state:
             return None
-        return state_dict_hash(get_optimizer_state_dict(self.model, self.optimizer))
+        return state_dict_hash(get_optimizer_state_dict(self.model, self.optimizer), group=self.pm.pp_group)
 
     def checkpoint_report(self) -> dict[str, Any]:
         info, w = self.ckpt.last_restore, self.ckpt.writer.stats

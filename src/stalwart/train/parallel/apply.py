@@ -123,17 +123,24 @@ class ParallelModel:
         yield
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         autocast: Callable[[], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
+                         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                         loss_scale: float = 1.0, timer: Any = None) -> torch.Tensor:
         """Forward and backward over this dp rank's share of the global batch, split into
         micro-batches; gradients end up as the mean over the whole global batch. Returns the mean
-        loss over the global batch (0-dim fp32), the same on every rank."""
+        loss over the global batch (0-dim fp32), the same on every rank.
+
+        ``loss_scale`` multiplies each micro-batch loss before backward (chaos nan/spike faults;
+        under PP only the last stage computes a loss). ``timer`` (a ``SectionTimer``) times the
+        forward as compute and the backward, which waits on gradient reduction, as waiting; a
+        pipeline step interleaves both and its P2P waits, so it is one compute section."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         n = self.micro_batches(inputs.shape[0])
         amp = autocast or contextlib.nullcontext
+        section = timer.section if timer is not None else _no_section
         if self.pipeline is not None:
             set_aux_grad_scale(self.module, 1.0)  # the schedule divides gradients by n itself
-            with amp():
-                loss = self.pipeline.step(inputs, targets, n)
+            with section("pipeline"), amp():
+                loss = self.pipeline.step(inputs, targets, n, loss_scale)
         else:
             set_aux_grad_scale(self.module, 1.0 / n)
             model, mb = self.parts[0], self.options.micro_batch
@@ -141,10 +148,13 @@ class ParallelModel:
             for i in range(n):
                 x, y = inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb]
                 with self.gradient_sync(i == n - 1), loss_context(self.loss_parallel):
-                    with amp():
+                    with section("forward"), amp():
                         logits = model(x)
                         loss = lm_loss(logits, y) / n
-                    loss.backward()
+                        if loss_scale != 1.0:
+                            loss = loss * loss_scale
+                    with section("backward", compute=False):
+                        loss.backward()
                 value = loss.detach()
                 total += value.full_tensor() if isinstance(value, DTensor) else value
             loss = total
@@ -154,15 +164,30 @@ class ParallelModel:
             loss /= self.dp_size
         return loss
 
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group (ranks holding different parts of the model), None without PP."""
+        return self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all ranks and stages (clipped when max_norm > 0)."""
-        return clip_grad_norm_(list(self.module.parameters()), max_norm,
-                               self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
+        return clip_grad_norm_(list(self.module.parameters()), max_norm, self.pp_group)
+
+    @property
+    def has_moe(self) -> bool:
+        """Whether the model is a mixture of experts (its load-balancing loss is worth logging)."""
+        inner = self.module.module if isinstance(self.module, DDP) else self.module
+        return getattr(inner, "moe_args", None) is not None
 
     def aux_loss(self) -> float:
         """Mean MoE load-balancing loss of the last micro-batch on this rank (0 for dense models)."""
         values = [float(m.last_aux_loss) for m in moe_modules(self.module) if m.last_aux_loss is not None]
         return sum(values) / len(values) if values else 0.0
+
+
+@contextlib.contextmanager
+def _no_section(name: str, compute: bool = True) -> Iterator[None]:
+    yield
 
 
 # -- gradient norm over mixed meshes ----------------------------------------------------------------
@@ -173,6 +198,13 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float,
     of local shards are summed over the mesh axes each gradient is sharded on (never over axes it
     is replicated on), then over pipeline stages."""
     grads = [p.grad for p in params if p.grad is not None]
+    meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
+    if pp_group is None and (not meshes or (len(meshes) == 1 and all(isinstance(g, DTensor) for g in grads))):
+        # One kind of gradient (plain: DDP; one mesh: FSDP2, TP, FSDP2×TP): torch's own clip, which
+        # DTensor supports and which keeps DDP/FSDP2 runs bitwise what they were before TP/PP/EP.
+        with_grad = [p for p in params if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     plain = [g for g in grads if not isinstance(g, DTensor)]

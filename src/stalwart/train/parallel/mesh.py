@@ -104,8 +104,13 @@ class Layout:
             if moe is not None:
                 raise ValueError("tensor parallelism of MoE blocks is not implemented; use ep (expert "
                                  "parallel) with dp_shard, or pp, for MoE models and keep tp = 1")
-            if args.pos == "alibi":
-                raise ValueError("tensor parallelism with ALiBi is not implemented (the bias is per head)")
+            if args.pos != "rope":
+                raise ValueError(f"tensor parallelism supports RoPE models only (model.pos={args.pos!r}); "
+                                 "learned/ALiBi positions would need their own sequence-parallel plan")
+        if args.tie_embeddings and (self.tp > 1 or self.pp > 1):
+            raise ValueError("tensor and pipeline parallelism need untied embeddings (the embedding and the "
+                             "head are split differently / live on different stages); set "
+                             "model.tie_embeddings = false")
         stages = self.pp * virtual_stages
         if stages > args.n_layers:
             raise ValueError(

@@ -150,6 +150,18 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 # -- schedule and step ------------------------------------------------------------------------------
+def check_microbatches(schedule: str, n_microbatches: int, pp: int) -> None:
+    """Raise ValueError when ``schedule`` cannot run ``n_microbatches`` per step over ``pp`` ranks."""
+    if schedule == "1f1b" and n_microbatches < pp:
+        raise ValueError(f"1F1B needs at least pp={pp} micro-batches per step, got {n_microbatches}: "
+                         f"lower micro_batch or raise the batch per data-parallel rank")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ValueError(f"interleaved 1F1B needs micro-batches ({n_microbatches}) divisible by "
+                             f"{rounds} rounds; use a multiple of pp={pp}")
+
+
 class PipelineRunner:
     """Builds the stages and schedule once per micro-batch count and runs one step."""
 
@@ -167,34 +179,35 @@ class PipelineRunner:
         self.has_last = n_stages - 1 in ids
         self._schedule: _PipelineSchedule | None = None
         self._n_microbatches = 0
+        self.loss_scale = 1.0  # chaos "loss" faults (nan/spike) on the last stage; set per step
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        return loss if self.loss_scale == 1.0 else loss * self.loss_scale
 
     def schedule(self, n_microbatches: int) -> _PipelineSchedule:
         if self._schedule is not None and n_microbatches == self._n_microbatches:
             return self._schedule
-        pp = self.pp_mesh.size()
-        if self.kind == "1f1b" and n_microbatches < pp:
-            raise ValueError(f"1F1B needs at least pp={pp} micro-batches per step, got {n_microbatches}: "
-                             f"lower micro_batch or raise the batch per data-parallel rank")
+        check_microbatches(self.kind, n_microbatches, self.pp_mesh.size())
         stages = [PipelineStage(m, i, self.n_stages, self.device, group=self.group)
                   for m, i in zip(self.modules, self.ids)]
         if self.kind == "interleaved_1f1b":
-            rounds = max(1, n_microbatches // pp)
-            if n_microbatches % rounds:
-                raise ValueError(f"interleaved 1F1B needs micro-batches ({n_microbatches}) divisible by "
-                                 f"{rounds} rounds; use a multiple of pp={pp}")
-            sched: _PipelineSchedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=self.loss_fn,
+            sched: _PipelineSchedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=self._loss,
                                                                scale_grads=True)
         elif self.kind == "1f1b":
-            sched = Schedule1F1B(stages[0], n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+            sched = Schedule1F1B(stages[0], n_microbatches, loss_fn=self._loss, scale_grads=True)
         else:
-            sched = ScheduleGPipe(stages[0], n_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+            sched = ScheduleGPipe(stages[0], n_microbatches, loss_fn=self._loss, scale_grads=True)
         self._schedule, self._n_microbatches = sched, n_microbatches
         return sched
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_microbatches: int) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_microbatches: int,
+             loss_scale: float = 1.0) -> torch.Tensor:
         """Forward + backward of this data-parallel rank's batch; gradients are the mean over
-        micro-batches. Returns the mean micro-batch loss, identical on every stage (0-dim fp32)."""
+        micro-batches. Returns the mean micro-batch loss, identical on every stage (0-dim fp32).
+        ``loss_scale`` multiplies the loss where it is computed (the last stage)."""
         sched = self.schedule(n_microbatches)
+        self.loss_scale = loss_scale
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}

@@ -22,20 +22,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
+from stalwart.train.parallel.mesh import Layout
+
 
 def check_tp_model(model: nn.Module, tp: int) -> None:
-    """Raise ValueError for model features the TP plan does not cover."""
+    """Raise ValueError for model features the TP plan does not cover (see ``Layout.check_model``)."""
     args = getattr(model, "args", None)
-    if args is None:
-        return
-    if args.n_heads % tp or args.kv_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}")
-    if args.pos != "rope":
-        raise ValueError(f"tensor parallelism supports RoPE models only (model.pos={args.pos!r}); "
-                         "learned/ALiBi positions would need their own sequence-parallel plan")
-    if args.tie_embeddings:
-        raise ValueError("tensor parallelism with tied embeddings is not supported (the embedding is "
-                         "row-parallel, the head column-parallel); set model.tie_embeddings = false")
+    if args is not None:
+        Layout(tp=tp).check_model(args)
 
 
 def block_plan() -> dict[str, object]:

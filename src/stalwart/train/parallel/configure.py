@@ -1,0 +1,116 @@
+"""The trainer's side of the library: the ``[parallel]`` config section → a checked Layout and
+ParallelOptions, once, with every mistake a ``ValueError`` before a process starts.
+
+Explicit degrees (``parallel.dp/tp/pp/ep``, or ``dp_replicate``/``dp_shard`` for HSDP) go through
+``layout_from_config``; ``parallel.layout = "auto"`` asks the planner (``auto_layout``) for the
+fastest layout that fits this model, world size and batch, with ``train.micro_batch`` pinned.
+The checks are the library's own (``Layout.check_model``, ``ParallelOptions.check``,
+``stage_layers``, ``check_microbatches``) plus the batch split over the *data-parallel* degree.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stalwart.train.parallel.apply import ParallelOptions
+from stalwart.train.parallel.mesh import Layout, auto_layout, layout_from_config
+from stalwart.train.parallel.pipeline import check_microbatches, stage_layers
+
+if TYPE_CHECKING:
+    from stalwart.config import Config
+    from stalwart.models import ModelArgs, MoEArgs
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    layout: Layout
+    options: ParallelOptions
+    why: str = ""  # parallel.layout = "auto": the planner's explanation
+
+    def summary(self) -> dict[str, Any]:
+        """What summary.json records about the layout."""
+        o = self.options
+        out: dict[str, Any] = {"degrees": self.layout.as_dict(), "describe": self.layout.describe(),
+                               "data_parallel": "ddp" if self.layout.uses_ddp else "fsdp2" if self.layout.dp > 1
+                               else "none", "recompute": o.recompute}
+        if self.layout.pp > 1:
+            out.update(schedule=o.schedule, virtual_stages=o.virtual_stages, layer_split=o.layer_split)
+        if o.compress != "none":
+            out["compress"] = o.compress
+        if self.why:
+            out["auto"] = self.why
+        return out
+
+
+def resolve_model_args(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
+    """The registry shape with the config's overrides, sized to the data's vocabulary (None: the
+    registry's, enough for the layout checks, which do not depend on it)."""
+    from stalwart.models import model_args
+
+    m = cfg.model
+    overrides: dict[str, Any] = {"max_seq_len": cfg.data.seq_len}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
+        if getattr(m, key):
+            overrides[key] = getattr(m, key)
+    if m.tie_embeddings:
+        overrides["tie_embeddings"] = True
+    return model_args(m.name, **overrides)
+
+
+def _layer_split(text: str) -> str | tuple[int, ...]:
+    if re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", text):
+        return tuple(int(c) for c in text.split(","))
+    return text
+
+
+def plan_parallel(cfg: Config, world_size: int, args: ModelArgs | None = None,
+                  moe: MoEArgs | None = None) -> ParallelPlan:
+    """The checked layout and options for ``world_size`` ranks (``args``: default from the config)."""
+    from stalwart.config import grad_accum
+    from stalwart.models import moe_args
+
+    p, t = cfg.parallel, cfg.train
+    if args is None:
+        args, moe = resolve_model_args(cfg), moe_args(cfg.model.name)
+    recompute, why = p.recompute, ""
+    if p.layout == "auto":
+        explicit = {k: v for k, v in p.degrees().items() if v != 1}
+        if explicit:
+            raise ValueError(f"parallel.layout='auto' chooses the degrees itself; remove "
+                             f"{', '.join(f'parallel.{k}={v}' for k, v in explicit.items())} or set "
+                             f"parallel.layout='manual'")
+        choice = auto_layout(args, world_size, cfg.data.seq_len, t.global_batch, moe=moe, micro_batch=t.micro_batch)
+        layout, why = choice.layout, choice.why
+        recompute = p.recompute if p.recompute != "none" else choice.recompute
+    else:  # "manual" (Config.validate checks the value)
+        layout = layout_from_config(p.degrees(), world_size, p.dp_mode)
+    options = ParallelOptions(micro_batch=t.micro_batch, schedule=p.schedule, virtual_stages=p.virtual_stages,
+                              layer_split=_layer_split(p.layer_split), recompute=recompute,
+                              recompute_every=p.recompute_every, loss_parallel=p.loss_parallel,
+                              reshard_after_forward=p.reshard_after_forward, compress=p.compress,
+                              powersgd_rank=p.powersgd_rank)
+    virtual = options.virtual_stages if layout.pp > 1 else 1
+    layout.check_model(args, moe, virtual)
+    options.check(layout)
+    accum = grad_accum(t.global_batch, t.micro_batch, layout.dp)
+    if layout.pp > 1:
+        stage_layers(args.n_layers, layout.pp, virtual, options.layer_split)
+        check_microbatches(options.schedule, accum, layout.pp)
+    return ParallelPlan(layout, options, why)
+
+
+def rank0_plan(plan: ParallelPlan) -> ParallelPlan:
+    """Rank 0's plan on every rank when it came from the planner: ``auto`` sizes memory from the
+    host, and ranks on different hosts must still build one layout. A collective."""
+    import torch.distributed as dist
+
+    if not plan.why or not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan
+    box: list[Any] = [plan]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
