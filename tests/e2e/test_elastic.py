@@ -1,6 +1,7 @@
-"""Elastic shrink: a 2-node job (`--nnodes 1:2`) loses a whole node — agent, worker and keeper killed,
-its shared memory gone — and goes on alone from the last checkpoint both nodes committed, resharded to
-one rank. The rendezvous store is served by the master, so it does not die with a node."""
+"""Elastic shrink and grow: a 2-node job (`--nnodes 1:2`) loses a whole node — agent, worker and keeper
+killed, its shared memory gone — and goes on alone from the last checkpoint both nodes committed,
+resharded to one rank; then the node comes back and the job grows to two ranks again, from the one-rank
+checkpoint. The rendezvous store is served by the master, so it does not die with a node."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from stalwart.launch.journal import Journal
 from .test_master import TOKEN
 
 pytestmark = pytest.mark.e2e
-STEPS, BATCH = 100, 16
+STEPS, BATCH = 160, 16
 
 
 def start_master(tmp_path: Path) -> tuple[subprocess.Popen, str]:
@@ -79,19 +80,29 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
             committed = latest if manifest and manifest["world_size"] == 2 and latest >= 10 else None
             time.sleep(0.2)
         lose_node(nodes[1], job, 1)
-        nodes[0].wait(timeout=300)
-        assert nodes[0].returncode == 0, (tmp_path / "node0.log").read_text()[-4000:]
+        # Shrunk: node 0 trains alone, from step `committed` or later, and commits one-rank checkpoints.
+        while not (storage.latest() and (storage.manifest(storage.latest()) or {}).get("world_size") == 1):
+            assert time.monotonic() < deadline + 120 and nodes[0].poll() is None, \
+                (tmp_path / "node0.log").read_text()[-4000:]
+            time.sleep(0.2)
+        shrunk_at = storage.latest()
+        nodes[1] = start_node(tmp_path, stdlib_data, address, job, 1)  # the node is back: grow
+        for p in nodes:
+            p.wait(timeout=300)
+            assert p.returncode == 0, (tmp_path / f"node{nodes.index(p)}.log").read_text()[-4000:]
         summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-        assert summary["world_size"] == 1 and summary["steps"] == STEPS
-        # Every sample of the global order exactly once: the sampler state came along from 2 ranks.
+        assert summary["world_size"] == 2 and summary["steps"] == STEPS
+        # Every sample of the global order exactly once: the sampler state came along 2 → 1 → 2 ranks.
         assert summary["samples_consumed"] == STEPS * BATCH
-        ck = summary["checkpoint"]
-        assert ck["restored_from"] == "storage" and ck["restore_step"] >= committed, ck
+        ck = summary["checkpoint"]  # the last start: grown back to 2 ranks from a 1-rank checkpoint
+        assert ck["restored_from"] == "storage" and ck["restore_step"] >= shrunk_at > committed, ck
         metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
         assert {m["step"] for m in metrics} == set(range(1, STEPS + 1))
         assert metrics[-1]["loss"] < metrics[0]["loss"]
         journal = Journal(tmp_path / "journal.sqlite")
-        assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node1" for d in journal.decisions())
+        decisions = journal.decisions()
+        assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node1" for d in decisions)
+        assert any(d["action"] == "regroup" for d in decisions), [d["action"] for d in decisions]
     finally:
         for p in nodes:
             if p.poll() is None:

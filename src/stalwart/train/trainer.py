@@ -40,6 +40,16 @@ from stalwart.train.parallel.configure import rank0_plan
 from stalwart.utils import state_dict_hash
 
 
+def _deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)`` without its import of ``torch._inductor`` (only to
+    set inductor's own flag; 2–3 s of every worker start, so of every recovery, on torch 2.13). The
+    trainer does not compile; if something already imported inductor, the public call is used."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+    else:
+        torch._C._set_deterministic_algorithms(True, warn_only=False)
+
+
 def configure_determinism(cfg: Config, env: DistEnv) -> None:
     t = cfg.train
     threads = t.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
@@ -48,7 +58,7 @@ def configure_determinism(cfg: Config, env: DistEnv) -> None:
     np.random.seed(t.seed + env.rank)
     torch.manual_seed(t.seed + env.rank)
     if t.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=False)
+        _deterministic_algorithms()
         if env.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
@@ -179,7 +189,6 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 sections = self.timer.step_done()
                 stalwart.report(self.step, loss=result.loss, compute_s=sections["compute_s"])  # to the agent
-                self._chaos()
                 step_times.append(dt)
                 tps = tokens_per_step / dt
                 mfu = (self.flops_per_token * tps / (t.peak_flops * self.env.world_size)
@@ -194,6 +203,7 @@ class Trainer:
                 if writer:
                     writer.write(record)
                 display.update(record)
+                self._chaos()  # after the step is logged: a fault "after step S" leaves S in the log
             stalwart.finished()  # teardown below (final persist, hashes) is not a hang
             if self.ckpt is not None:
                 self.ckpt.wait(persist=True)  # the final state is durable before we report success

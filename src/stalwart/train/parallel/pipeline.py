@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
-                                                    _PipelineSchedule)
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 
@@ -186,6 +187,11 @@ class PipelineRunner:
         return loss if self.loss_scale == 1.0 else loss * self.loss_scale
 
     def schedule(self, n_microbatches: int) -> _PipelineSchedule:
+        # Imported here: torch.distributed.pipelining imports torch._dynamo (~1 s of every worker start,
+        # every recovery included), which jobs without a pipeline never need.
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
+
         if self._schedule is not None and n_microbatches == self._n_microbatches:
             return self._schedule
         check_microbatches(self.kind, n_microbatches, self.pp_mesh.size())
