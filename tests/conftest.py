@@ -1,7 +1,12 @@
-"""Shared fixtures: one prepared copy of the built-in corpus per test session."""
+"""Shared fixtures: one prepared copy of the built-in corpus per test session; private /dev/shm roots."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import uuid
 from pathlib import Path
 
 import pytest
@@ -12,3 +17,17 @@ def stdlib_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from stalwart.data import ensure_default_corpus
 
     return ensure_default_corpus(tmp_path_factory.mktemp("data") / "stdlib-byte")
+
+
+@pytest.fixture(scope="module")
+def shm_root() -> Path:
+    """A private /dev/shm root for one test module's jobs; keepers started under it are killed after."""
+    root = Path("/dev/shm") / f"stalwart-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    yield root
+    for status in root.glob("stalwart/*/keeper.json"):
+        try:
+            os.kill(int(json.loads(status.read_text())["pid"]), signal.SIGKILL)
+        except (ProcessLookupError, KeyError, TypeError, ValueError):
+            pass
+    shutil.rmtree(root, ignore_errors=True)

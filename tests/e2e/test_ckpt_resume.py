@@ -11,11 +11,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -26,20 +24,6 @@ COMMON = ("--data.seq_len=32", f"--train.steps={STEPS}", "--train.warmup_steps=2
           "--train.micro_batch=2", "--checkpoint.enabled=true", "--checkpoint.persist_every_steps=4",
           "--checkpoint.keeper_idle_s=30")
 
-
-@pytest.fixture(scope="module")
-def shm_root():
-    """A private /dev/shm root for this module's jobs; keepers started under it are killed after."""
-    root = Path("/dev/shm") / f"stalwart-e2e-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    for status in root.glob("stalwart/*/keeper.json"):
-        pid = json.loads(status.read_text()).get("pid")
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, TypeError, ValueError):
-            pass
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def train(out: Path, data: Path, shm: Path, *extra: str, chaos: str = "", expect_ok: bool = True,

@@ -13,11 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -33,19 +30,6 @@ COMMON = ("--data.seq_len=32", f"--train.steps={STEPS}", "--train.warmup_steps=2
           "--checkpoint.keeper_idle_s=10", "--guard.enabled=true", "--guard.warmup_steps=4", "--guard.window=5",
           f"--guard.rollback_steps={ROLLBACK}", f"--guard.skip_batches={SKIP}", "--guard.max_rollbacks=2")
 
-
-@pytest.fixture(scope="module")
-def shm_root():
-    """A private /dev/shm root; keepers started under it are killed after the module."""
-    root = Path("/dev/shm") / f"stalwart-guard-{uuid.uuid4().hex[:8]}"
-    root.mkdir()
-    yield root
-    for status in root.glob("stalwart/*/keeper.json"):
-        try:
-            os.kill(int(json.loads(status.read_text())["pid"]), signal.SIGKILL)
-        except (ProcessLookupError, KeyError, TypeError, ValueError):
-            pass
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def train(out: Path, data: Path, shm: Path, *extra: str, chaos: str = "") -> subprocess.CompletedProcess:
