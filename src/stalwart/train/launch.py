@@ -31,7 +31,9 @@ def spawn_local(nproc: int, worker_argv: list[str], env: dict[str, str] | None =
     try:
         elastic_launch(config, sys.executable)("-m", "stalwart", *worker_argv)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        # The cause first: a rank killed by a signal, before the peers that then failed on a broken
+        # collective (they exit with 1 at once, so "first" by time can name a consequence).
+        rank, failure = min(err.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
         raise WorkersFailed(
             f"worker rank {rank} failed (exit code {failure.exitcode}): {failure.message or 'see its output above'}"
         ) from None
