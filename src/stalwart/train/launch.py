@@ -8,6 +8,7 @@ elastic agent (c10d rendezvous on a free local port), exactly as `torchrun --sta
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
@@ -31,12 +32,19 @@ def spawn_local(nproc: int, worker_argv: list[str], env: dict[str, str] | None =
     try:
         elastic_launch(config, sys.executable)("-m", "stalwart", *worker_argv)
     except ChildFailedError as err:
-        # The cause first: a rank killed by a signal, before the peers that then failed on a broken
-        # collective (they exit with 1 at once, so "first" by time can name a consequence).
-        rank, failure = min(err.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
+        rank, failure = min(err.failures.items(), key=lambda kv: (_consequence(kv[1].exitcode), kv[1].timestamp, kv[0]))
         raise WorkersFailed(
             f"worker rank {rank} failed (exit code {failure.exitcode}): {failure.message or 'see its output above'}"
         ) from None
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _consequence(exitcode: int) -> int:
+    """0 for a likely cause (killed by a signal: SIGKILL, SIGSEGV, ...), 1 for an exit code (peers
+    failing fast on a broken collective look like this), 2 for SIGTERM/SIGINT (the launcher stopping
+    the rest). Failure timestamps are whole seconds, so time alone often cannot tell them apart."""
+    if exitcode < 0:
+        return 2 if -exitcode in (signal.SIGTERM, signal.SIGINT) else 0
+    return 1
