@@ -4,6 +4,9 @@ Peers fire falsely on first steps and eval phases (DLRover PRs #1727, #1730). He
   - before `warmup_steps` steps have completed: `startup_s` (imports, compile, first collectives);
   - in a "checkpoint" or "eval" phase: `phase_s`;
   - otherwise: the user's timeout, or auto = max(floor_s, k × median step time).
+The auto defaults (9 s, 2.7×) sit just under the promise "a hang is detected within max(10 s, 3 × step
+time)": detection also waits for the agent's next monitor tick, so an allowance of exactly 10 s would
+be reported at 10.0x s.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from stalwart.launch.progress import Progress
 @dataclass
 class HangPolicy:
     timeout_s: float | None = None  # None = auto
-    floor_s: float = 10.0
-    k: float = 3.0
+    floor_s: float = 9.0
+    k: float = 2.7
     startup_s: float = 120.0
     warmup_steps: int = 2
     phase_s: float = 600.0

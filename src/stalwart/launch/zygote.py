@@ -1,0 +1,428 @@
+"""Warm start: a per-node fork server ("zygote") with torch imported, so a restart skips the cold start.
+
+Recovery time is dominated by a restarted worker's cold start (interpreter, ~2000 modules of torch and
+the training stack), not by detection or respawn. The agent starts one zygote per node; it imports
+torch and the modules named by ``preload`` once, then waits on a Unix socket. TorchElastic starts
+``zygote_client.py`` in place of ``python ARGS``; the client passes its stdio, environment, cwd and
+ARGS, and the zygote forks a child that becomes the worker: own session, the client's fds, the
+worker's environment, then ``runpy`` of the script or module as ``python ARGS`` would run it.
+
+Correctness rules:
+  - only a single-threaded zygote forks (native library pools with fork handlers, e.g. OpenBLAS, are
+    fine; Python threads are not), and it never touches CUDA — the worker initializes its devices;
+  - the zygote refuses (the client then starts cold) anything it cannot run as ``python`` would:
+    interpreter flags other than ``-u``, or a preloaded module whose source changed on disk since the
+    preload (it then exits, and the agent starts a fresh one for the next restart);
+  - a worker dies with its client (SIGKILL when the client's socket closes) and with the zygote
+    (PR_SET_PDEATHSIG), and the zygote dies with the agent, so no worker outlives its launcher.
+Environment variables read only at import time (e.g. OMP/MKL thread settings) come from the agent's
+environment; ``OMP_NUM_THREADS`` is applied again in the worker with ``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import importlib
+import io
+import json
+import logging
+import os
+import runpy
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.launch import zygote_client
+
+log = logging.getLogger("stalwart.zygote")
+CLIENT = Path(zygote_client.__file__)
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.checkpoint")
+# Scripts: torch.compile, torch.use_deterministic_algorithms and others import dynamo (0.5-3 s).
+SCRIPT_PRELOAD = ("torch._dynamo",)
+# `-m stalwart`: the trainer, which keeps clear of dynamo on purpose.
+STALWART_PRELOAD = ("stalwart.cli", "stalwart.commands.train", "stalwart.train.trainer")
+PR_SET_PDEATHSIG = 1
+MAX_REQUEST = 16 << 20
+
+
+def preload_for(cmd_args: list[str]) -> list[str]:
+    """Modules worth importing ahead for this worker command: torch's training stack always, then
+    stalwart's trainer when the worker is ``-m stalwart``, else dynamo."""
+    stalwart_cli = "-m" in cmd_args and cmd_args[cmd_args.index("-m") + 1:][:1] == ["stalwart"]
+    return [*DEFAULT_PRELOAD, *(STALWART_PRELOAD if stalwart_cli else SCRIPT_PRELOAD)]
+
+
+def parse_python_args(argv: list[str]) -> tuple[bool, str | None, str | None, list[str]]:
+    """(unbuffered, module, script, rest) of ``python ARGV``; ValueError for what a fork cannot mimic."""
+    unbuffered = False
+    for i, arg in enumerate(argv):
+        if arg == "-u":
+            unbuffered = True
+        elif arg == "-m" and i + 1 < len(argv):
+            return unbuffered, argv[i + 1], None, argv[i + 2:]
+        elif arg.startswith("-"):
+            raise ValueError(f"interpreter flag {arg!r}")
+        else:
+            return unbuffered, None, arg, argv[i + 1:]
+    raise ValueError("no script or module")
+
+
+# -- the worker side of a fork ------------------------------------------------------------------------
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the zygote's own cleanup still kills its workers
+    if os.getppid() != parent:  # the zygote died before prctl took effect
+        os._exit(1)
+
+
+def _rebind_stdio(unbuffered: bool) -> None:
+    def stream(fd: int) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "wb", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(binary, encoding="utf-8", errors="backslashreplace",
+                                line_buffering=not unbuffered, write_through=unbuffered)
+    sys.stdout = sys.__stdout__ = stream(1)
+    sys.stderr = sys.__stderr__ = stream(2)
+
+
+def _exit_code(err: SystemExit) -> int:
+    if err.code is None:
+        return 0
+    if isinstance(err.code, int):
+        return err.code
+    print(err.code, file=sys.stderr)
+    return 1
+
+
+def _print_exception(err: BaseException) -> None:
+    """The traceback as ``python ARGV`` prints it: without the frames of this module and runpy."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
+        tb = tb.tb_next
+    traceback.print_exception(type(err), err, tb)
+
+
+def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
+    """Runs in the forked child: turn into ``python ARGV`` with the client's stdio; never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        _die_with_parent(zygote_pid)
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in zip(request["fds"], fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        unbuffered, module, script, rest = parse_python_args(request["argv"])
+        _rebind_stdio(unbuffered)
+        if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        try:
+            if module is not None:
+                sys.argv = ["-m", *rest]
+                sys.path[0] = os.getcwd()
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [script, *rest]
+                sys.path[0] = os.path.dirname(os.path.abspath(script))
+                runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as err:
+            code = _exit_code(err)
+        except KeyboardInterrupt as err:
+            _print_exception(err)
+            code = 128 + signal.SIGINT
+        except BaseException as err:  # what Python's main does with an uncaught exception
+            _print_exception(err)
+            code = 1
+        try:
+            threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
+        except Exception:
+            pass
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for s in (sys.stdout, sys.stderr):
+            try:
+                s.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+# -- the server ------------------------------------------------------------------------------------
+@dataclass
+class Session:
+    conn: socket.socket | None  # None once the client is gone
+    pid: int
+
+
+class Server:
+    def __init__(self, path: str, preload: list[str], parent: int) -> None:
+        self.path, self.parent = path, parent
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(128)  # clients may connect while the preload runs; they queue here
+        t0 = time.monotonic()
+        for name in preload:
+            importlib.import_module(name)
+        self.sources = self._sources({"stalwart"} | {m.split(".")[0] for m in preload} - {"torch"})
+        log.info("zygote ready: %d modules in %.2f s", len(sys.modules), time.monotonic() - t0)
+        self.sessions: dict[int, Session] = {}  # worker pid → its client's connection
+        self._wake: tuple[int, int] = (-1, -1)
+
+    @staticmethod
+    def _sources(packages: set[str]) -> dict[str, float]:
+        """Source files of the loaded modules of these packages: stalwart's and the user's preloads
+        (an installed torch does not change under a running job)."""
+        out = {}
+        for name, mod in list(sys.modules.items()):
+            path = getattr(mod, "__file__", None)
+            if name.split(".")[0] in packages and path and os.path.exists(path):
+                out[path] = os.path.getmtime(path)
+        return out
+
+    def stale(self) -> str | None:
+        for path, mtime in self.sources.items():
+            try:
+                if os.path.getmtime(path) != mtime:
+                    return f"{path} changed since the zygote loaded it"
+            except OSError:
+                return f"{path} is gone"
+        return None
+
+    def serve(self) -> None:
+        # A worker's exit must reach its client at once (TorchElastic waits on the client while
+        # stopping a group): SIGCHLD wakes the select through this pipe.
+        wake_r, wake_w = self._wake = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_w)
+        while os.getppid() == self.parent:
+            conns = {s.conn.fileno(): s for s in self.sessions.values() if s.conn is not None}
+            readable, _, _ = select.select([self.listener, wake_r, *(s.conn for s in conns.values())], [], [], 1.0)
+            for r in readable:
+                if r == wake_r:
+                    os.read(wake_r, 4096)
+                elif r is self.listener:
+                    if not self.accept():
+                        return
+                else:  # the only thing a client ever sends after its request is EOF: it died
+                    session = conns[r.fileno()]
+                    try:
+                        gone = not r.recv(1)
+                    except OSError:
+                        gone = True
+                    if gone:
+                        _kill(session.pid)
+                        r.close()
+                        session.conn = None
+            self.reap()
+
+    def accept(self) -> bool:
+        """Fork a worker for one client; False when this zygote must go (stale code)."""
+        conn, _ = self.listener.accept()
+        conn.settimeout(10)
+        try:
+            head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+            size = struct.unpack("!I", head)[0]
+            assert size <= MAX_REQUEST, "request too large"
+            body = bytearray()
+            while len(body) < size:
+                chunk = conn.recv(size - len(body))
+                if not chunk:
+                    raise ConnectionError("client closed mid-request")
+                body += chunk
+            request = json.loads(body)
+            parse_python_args(request["argv"])
+        except (OSError, ValueError, AssertionError, KeyError, struct.error) as err:
+            _reply(conn, {"cold": f"zygote cannot run this worker: {err}"})
+            conn.close()
+            return True
+        reason = self.stale() or _unforkable()
+        if reason:
+            _reply(conn, {"cold": reason})
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            return False
+        pid = os.fork()
+        if pid == 0:
+            for fd in self._wake:
+                os.close(fd)
+            self.listener.close()
+            for s in self.sessions.values():
+                if s.conn is not None:
+                    s.conn.close()
+            conn.close()
+            become_worker(request, fds, os.getppid())
+        for fd in fds:
+            os.close(fd)
+        conn.settimeout(None)
+        _reply(conn, {"pid": pid})
+        self.sessions[pid] = Session(conn, pid)
+        return True
+
+    def reap(self) -> None:
+        while self.sessions:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            session = self.sessions.pop(pid, None)
+            if session is None or session.conn is None:
+                continue
+            if os.WIFSIGNALED(status):
+                _reply(session.conn, {"signal": os.WTERMSIG(status)})
+            else:
+                _reply(session.conn, {"exit": os.waitstatus_to_exitcode(status)})
+            session.conn.close()
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            _kill(session.pid)
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _unforkable() -> str | None:
+    """Why forking this process would give a broken worker, if it would."""
+    if threading.active_count() != 1:
+        return "the zygote has Python threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child cannot use CUDA then
+        return "CUDA was initialized in the zygote"
+    return None
+
+
+def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# -- the launcher's side --------------------------------------------------------------------------
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--warm-start", choices=("on", "off"), default="on",
+                       help="start workers by forking a per-node process that has torch (and stalwart's "
+                            "trainer for `-m stalwart`) imported already: restarts skip seconds of imports "
+                            "(default on; off = a fresh interpreter per worker, as torchrun)")
+    group.add_argument("--warm-preload", action="append", default=[], metavar="MODULE",
+                       help="a module the warm-start process imports ahead (repeatable), e.g. your model's")
+
+
+def from_args(args: argparse.Namespace, cmd: str, cmd_args: list[str]) -> "Zygote | None":
+    """The node's zygote, started, when warm start applies: on, and workers are ``python ARGS``."""
+    if args.warm_start == "off" or cmd != sys.executable:
+        return None
+    try:
+        parse_python_args(list(cmd_args))
+    except ValueError:
+        return None
+    zygote = Zygote(preload_for(list(cmd_args)) + list(args.warm_preload))
+    zygote.ensure()
+    return zygote
+
+
+class Zygote:
+    """Starts and replaces the node's zygote; gives TorchElastic the client as the worker entrypoint."""
+
+    def __init__(self, preload: list[str], directory: Path | None = None) -> None:
+        self.preload = preload
+        self.dir = Path(directory or tempfile.mkdtemp(prefix="stalwart-zygote-"))
+        self.pids_dir = self.dir / "pids"
+        self.pids_dir.mkdir(parents=True, exist_ok=True)
+        self.socket = self.dir / "zygote.sock"
+        self.proc: subprocess.Popen | None = None
+
+    def entrypoint(self, cmd_args: list[str]) -> tuple[str, list[str]]:
+        return sys.executable, ["-S", str(CLIENT), *cmd_args]
+
+    def env(self) -> dict[str, str]:
+        return {zygote_client.ENV_SOCKET: str(self.socket), zygote_client.ENV_PIDS: str(self.pids_dir)}
+
+    def ensure(self) -> None:
+        """Before each start of the workers: a zygote is running (started now if the last one exited,
+        e.g. on stale code), and the previous workers' pid records are gone."""
+        for old in self.pids_dir.iterdir():
+            old.unlink(missing_ok=True)
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.socket.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stalwart.launch.zygote", "--socket", str(self.socket),
+             "--parent", str(os.getpid()), *(f"--preload={m}" for m in self.preload)],
+            stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10  # the socket exists before the preload starts
+        while not self.socket.exists() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def worker_pid(self, pid: int) -> int:
+        """The real worker behind a client pid (for stack dumps); the pid itself when started cold."""
+        try:
+            return int((self.pids_dir / str(pid)).read_text())
+        except (OSError, ValueError):
+            return pid
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="stalwart's warm-start fork server (started by the agent)")
+    p.add_argument("--socket", required=True)
+    p.add_argument("--parent", type=int, required=True, help="exit when this process (the agent) is gone")
+    p.add_argument("--preload", action="append", default=[])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    _die_with_parent(args.parent)
+    server = Server(args.socket, args.preload, args.parent)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.serve()
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The worker entrypoint under warm start: a stdlib-only stand-in that has the zygote fork the worker.
+
+TorchElastic starts this file (``python -S zygote_client.py ARGS``, ~20 ms) where it would start
+``python ARGS`` (seconds of imports). It hands its stdin/stdout/stderr, environment, working directory
+and ARGS to the zygote (``stalwart.launch.zygote``), which forks a child that has torch imported
+already and runs ARGS there. This process then stands in for the worker: signals it gets go to the
+worker (SIGCONT after a terminating one, so a stopped worker dies too), and it exits as the worker did
+(same code, or killed by the same signal) so TorchElastic sees no difference. If it dies itself, the
+zygote kills the worker. Anything unexpected — no zygote, a refusal, a broken socket before the fork —
+falls back to a cold start by exec'ing ``python ARGS``.
+
+Kept free of stalwart and torch imports on purpose: it runs with ``-S`` (no site-packages).
+"""
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+ENV_SOCKET = "STALWART_ZYGOTE"
+ENV_PIDS = "STALWART_ZYGOTE_PIDS"  # directory: <this pid> → the worker's pid (for stack dumps)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def cold_start(args: list[str], why: str) -> None:
+    if why:
+        print(f"stalwart warm start: {why}; starting cold", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def open_fds() -> list[int]:
+    """stdin/stdout/stderr that are open (a launcher may have closed stdin)."""
+    fds = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            pass
+    return fds
+
+
+def forward(child: int):
+    def handler(signum: int, _frame) -> None:
+        try:
+            os.kill(child, signum)
+            if signum != signal.SIGUSR1 and signum != signal.SIGUSR2:
+                os.kill(child, signal.SIGCONT)  # a stopped worker keeps a pending SIGTERM forever
+        except ProcessLookupError:
+            pass
+    return handler
+
+
+def record_pid(child: int) -> None:
+    directory = os.environ.get(ENV_PIDS)
+    if directory:
+        try:
+            with open(os.path.join(directory, str(os.getpid())), "w") as f:
+                f.write(str(child))
+        except OSError:
+            pass
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    path = os.environ.get(ENV_SOCKET)
+    if not path:
+        cold_start(args, "")
+    fds = open_fds()
+    request = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds}).encode()
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        socket.send_fds(sock, [struct.pack("!I", len(request))], fds)
+        sock.sendall(request)
+        replies = sock.makefile("rb")
+        first = json.loads(replies.readline() or b"{}")
+    except (OSError, ValueError) as err:
+        cold_start(args, f"zygote unreachable ({err})")
+    if "pid" not in first:
+        cold_start(args, first.get("cold", "zygote refused"))
+    child = int(first["pid"])
+    for sig in FORWARDED:
+        signal.signal(sig, forward(child))
+    record_pid(child)
+    try:
+        last = json.loads(replies.readline() or b"{}")
+    except (OSError, ValueError):
+        last = {}
+    if "signal" in last:
+        sig = int(last["signal"])
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    if "exit" not in last:
+        print("stalwart warm start: the zygote went away; worker status unknown", file=sys.stderr, flush=True)
+        os._exit(1)
+    os._exit(int(last["exit"]))
+
+
+if __name__ == "__main__":
+    main()

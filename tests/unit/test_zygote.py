@@ -1,0 +1,157 @@
+"""Warm start: workers forked by the zygote behave like `python ARGS` to the launcher — exit codes,
+signals, stdio, environment — die with their stand-in, and fall back to a cold start when the zygote
+cannot run them faithfully. Real processes throughout (the zygote preloads a small module, not torch,
+to keep these tests fast)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stalwart.launch.zygote import Zygote, parse_python_args
+
+SCRIPT = '''
+import os, signal, sys, time
+import zyg_probe
+print("out", os.environ.get("PROBE"), sys.argv[1:], os.getcwd(), os.getppid(), zyg_probe.VERSION, flush=True)
+print("err", file=sys.stderr, flush=True)
+what = sys.argv[1]
+if what == "exit":
+    sys.exit(3)
+if what == "raise":
+    raise RuntimeError("boom in the worker")
+if what == "segv":
+    os.kill(os.getpid(), signal.SIGSEGV)
+if what == "graceful":
+    signal.signal(signal.SIGTERM, lambda *_: (open("graceful.txt", "w").write("saved"), sys.exit(7)))
+if what == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+if what in ("graceful", "sleep"):
+    time.sleep(60)
+'''
+
+
+@pytest.fixture()
+def zygote(tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "zyg_probe.py").write_text("VERSION = 1\n")
+    monkeypatch.setenv("PYTHONPATH", f"{lib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    (tmp_path / "job.py").write_text(SCRIPT)
+    z = Zygote(["zyg_probe"], tmp_path / "z")
+    z.ensure()
+    yield z
+    z.stop()
+    assert z.proc.poll() is not None
+
+
+def start(z: Zygote, tmp_path: Path, what: str, *python_args: str) -> subprocess.Popen:
+    exe, args = z.entrypoint([*python_args, "-u", str(tmp_path / "job.py"), what])
+    env = {**os.environ, **z.env(), "PROBE": "p1"}
+    return subprocess.Popen([exe, *args], env=env, cwd=tmp_path, start_new_session=True,
+                            stdout=open(tmp_path / f"{what}.out", "w"), stderr=open(tmp_path / f"{what}.err", "w"))
+
+
+def output(tmp_path: Path, what: str) -> tuple[str, str]:
+    return (tmp_path / f"{what}.out").read_text(), (tmp_path / f"{what}.err").read_text()
+
+
+def worker_of(z: Zygote, client: subprocess.Popen, timeout: float = 30) -> psutil.Process:
+    deadline = time.monotonic() + timeout
+    while z.worker_pid(client.pid) == client.pid:
+        assert time.monotonic() < deadline and client.poll() is None, "the worker was not forked"
+        time.sleep(0.02)
+    return psutil.Process(z.worker_pid(client.pid))
+
+
+def test_a_forked_worker_runs_like_python_with_its_stdio_env_and_exit_code(zygote, tmp_path):
+    p = start(zygote, tmp_path, "ok")
+    assert p.wait(60) == 0
+    out, err = output(tmp_path, "ok")
+    fields = out.split()
+    assert fields[:4] == ["out", "p1", "['ok']", str(tmp_path)] and fields[-1] == "1", out
+    assert int(fields[4]) == zygote.proc.pid, "forked by the zygote, not started cold"
+    assert err == "err\n"
+    assert start(zygote, tmp_path, "exit").wait(30) == 3
+
+
+def test_an_uncaught_exception_prints_the_scripts_traceback_and_exits_1(zygote, tmp_path):
+    assert start(zygote, tmp_path, "raise").wait(30) == 1
+    _, err = output(tmp_path, "raise")
+    assert "RuntimeError: boom in the worker" in err and 'job.py", line' in err
+    assert "zygote" not in err and "runpy" not in err, "the launcher's own frames are hidden"
+
+
+def test_death_by_signal_is_reported_as_the_same_signal(zygote, tmp_path):
+    assert start(zygote, tmp_path, "segv").wait(30) == -signal.SIGSEGV
+
+
+def test_sigterm_reaches_the_workers_own_handler(zygote, tmp_path):
+    p = start(zygote, tmp_path, "graceful")
+    worker_of(zygote, p)
+    time.sleep(0.5)  # let it install its handler
+    os.killpg(p.pid, signal.SIGTERM)  # what TorchElastic does to stop a worker
+    assert p.wait(30) == 7
+    assert (tmp_path / "graceful.txt").read_text() == "saved"
+
+
+def test_a_stopped_worker_dies_on_sigterm_and_a_killed_client_takes_its_worker_along(zygote, tmp_path):
+    stopped = start(zygote, tmp_path, "stop")
+    w = worker_of(zygote, stopped)
+    deadline = time.monotonic() + 30
+    while w.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(stopped.pid, signal.SIGTERM)
+    assert stopped.wait(30) == -signal.SIGTERM
+    sleeper = start(zygote, tmp_path, "sleep")
+    w = worker_of(zygote, sleeper)
+    sleeper.kill()  # SIGKILL: the stand-in cannot forward anything
+    sleeper.wait()
+    psutil.wait_procs([w], timeout=10)
+    assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE
+
+
+def test_what_the_zygote_cannot_mimic_starts_cold(zygote, tmp_path):
+    # An interpreter flag it does not handle: exec'd as `python -X dev ...` instead.
+    p = start(zygote, tmp_path, "ok", "-X", "dev")
+    assert p.wait(60) == 0
+    out, err = output(tmp_path, "ok")
+    assert "starting cold" in err and int(out.split()[4]) != zygote.proc.pid
+    # Preloaded code changed on disk: cold start, the zygote exits, ensure() starts a fresh one that
+    # has the new code.
+    probe = tmp_path / "lib" / "zyg_probe.py"
+    probe.write_text("VERSION = 2\n")
+    os.utime(probe, (time.time() + 5, time.time() + 5))
+    old = zygote.proc
+    assert start(zygote, tmp_path, "ok").wait(60) == 0
+    out, err = output(tmp_path, "ok")
+    assert "changed since the zygote loaded it" in err and out.split()[-1] == "2"
+    assert old.wait(10) is not None
+    zygote.ensure()
+    assert zygote.proc is not old
+    assert start(zygote, tmp_path, "ok").wait(60) == 0
+    out, _ = output(tmp_path, "ok")
+    assert int(out.split()[4]) == zygote.proc.pid and out.split()[-1] == "2"
+
+
+def test_no_zygote_means_a_cold_start(zygote, tmp_path):
+    zygote.stop()
+    p = start(zygote, tmp_path, "exit")
+    assert p.wait(60) == 3
+    assert "starting cold" in output(tmp_path, "exit")[1]
+
+
+def test_python_arguments_are_parsed_like_the_interpreter():
+    assert parse_python_args(["-u", "-m", "stalwart", "train", "-x"]) == (True, "stalwart", None, ["train", "-x"])
+    assert parse_python_args(["s.py", "-u"]) == (False, None, "s.py", ["-u"])
+    for bad in (["-X", "dev", "s.py"], ["-u"], []):
+        with pytest.raises(ValueError):
+            parse_python_args(bad)
