@@ -11,7 +11,9 @@ SIGKILLs rank 1 right after step K completed and was checkpointed; the job logs 
 just before firing, so every launcher is timed the same way. Configurations:
 
 ``stalwart``       ``stalwart run --max-restarts 3 --hang-timeout auto``, flash checkpoints (memory
-                   snapshot every step, keeper persists every 50 steps);
+                   snapshot every step, keeper persists every 50 steps), workers forked warm;
+``stalwart_cold``  (optional) the same with ``--warm-start off``: every worker a fresh interpreter, to
+                   show what the warm start itself gives;
 ``torchrun_dcp``   ``torchrun --max-restarts 3``, synchronous DCP save every ``--dcp-every`` (20) steps
                    and resume from the newest complete one (what a torchrun user writes);
 ``torchrun_flash`` ``torchrun --max-restarts 3`` with the same per-step memory snapshots as stalwart
@@ -70,7 +72,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"
-LAUNCHERS = ("stalwart", "torchrun_dcp", "torchrun_flash")
+LAUNCHERS = ("stalwart", "torchrun_dcp", "torchrun_flash", "stalwart_cold")
+DEFAULT_CONFIGS = LAUNCHERS[:3]
 PHASES = ("detect", "stop", "respawn", "detect_stop_respawn", "imports", "pg_init", "build", "restore", "first_step",
           "agent_restarted_after_stop")
 
@@ -89,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--hang-timeout", default="auto", help="stalwart run --hang-timeout for the hang run")
-    p.add_argument("--configs", default=",".join(LAUNCHERS),
-                   help=f"comma-separated subset of {','.join(LAUNCHERS)} (default all)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated subset of {','.join(LAUNCHERS)} (default {','.join(DEFAULT_CONFIGS)}; "
+                        "stalwart_cold = stalwart with --warm-start off)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launched job")
     p.add_argument("--dir", type=Path, default=None, help="keep every run's logs here (default: a temp dir)")
     return p.parse_args(argv)
@@ -113,7 +117,8 @@ def launch(config: str, args: argparse.Namespace, work: Path, chaos: str, steps:
            "--log-dir", str(log_dir), "--steps", str(steps), "--dcp-every", str(args.dcp_every),
            "--persist-every", str(args.persist_every), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
     common = ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "3"]
-    if config == "stalwart":
+    if config.startswith("stalwart"):
+        common += ["--warm-start", "off" if config == "stalwart_cold" else "on"]
         cmd = [sys.executable, "-m", "stalwart", "run", *common, "--hang-timeout", args.hang_timeout,
                "--chaos", chaos, "--run-dir", str(work / "run"), "--summary-json", str(work / "summary.json"), *job]
     else:
@@ -337,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": ratio(s.get("tokens_per_s"), d.get("tokens_per_s")),
         "mttr_vs_torchrun_flash": ratio(s.get("mttr_s"), f.get("mttr_s")),
         "regain_vs_torchrun_flash": ratio(s.get("regain_s"), f.get("regain_s")),
+        "mttr_vs_stalwart_cold": ratio(s.get("mttr_s"), result.get("stalwart_cold", {}).get("mttr_s")),
     }
     r = result["ratios"]
     result["targets"] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,9 @@ def launch(tmp_path: Path, *script_args: str, run_args: tuple[str, ...] = (), ti
     return proc, json.loads(summary.read_text()) if summary.exists() else None, out
 
 
-@pytest.mark.parametrize("fault, kind", [("kill", "sigkill"), ("segv", "sigsegv"), ("exception", "exit"),
-                                         ("stop", "hang"), ("hang", "hang")])
+# Any script (not only `stalwart train`): a signal death and a stopped process. Every fault kind with the
+# trainer and bitwise-compared weights: tests/e2e/test_run_train.py.
+@pytest.mark.parametrize("fault, kind", [("kill", "sigkill"), ("stop", "hang")])
 def test_job_survives_fault_with_exact_result(tmp_path, fault, kind):
     proc, summary, out = launch(tmp_path, "--fault", fault, run_args=("--max-restarts", "2", "--hang-timeout", "3"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -37,7 +39,9 @@ def test_job_survives_fault_with_exact_result(tmp_path, fault, kind):
     if kind == "hang":
         assert incident["detected"] - incident["fault"] >= 3.0  # not before the timeout
         assert "Python stacks of rank 1" in proc.stderr
-        assert "faulty.py" in proc.stderr.split("Python stacks of rank 1")[1], "py-spy shows where it hangs"
+        stacks = proc.stderr.split("Python stacks of rank 1")[1]
+        # The worker's own frames (a warm-started worker is a fork, not the launcher's stand-in process).
+        assert re.search(r"\(faulty\.py:\d+\)", stacks), "py-spy shows where it hangs"
     else:
         assert incident["ranks"] == [1], "the failed rank, not the peer the agent stopped"
     # The incident is journaled by the master with every timestamp of the recovery.

@@ -2,10 +2,11 @@
 
 Recovery time is dominated by a restarted worker's cold start (interpreter, ~2000 modules of torch and
 the training stack), not by detection or respawn. The agent starts one zygote per node; it imports
-torch and the modules named by ``preload`` once, then waits on a Unix socket. TorchElastic starts
-``zygote_client.py`` in place of ``python ARGS``; the client passes its stdio, environment, cwd and
-ARGS, and the zygote forks a child that becomes the worker: own session, the client's fds, the
-worker's environment, then ``runpy`` of the script or module as ``python ARGS`` would run it.
+torch, starts waiting on a Unix socket, and imports the rest of ``preload`` (the training stack) while
+idle. TorchElastic starts ``zygote_client.py`` in place of ``python ARGS``; the client passes its
+stdio, environment, cwd and ARGS, and the zygote forks a child that becomes the worker: own session,
+the client's fds, the worker's environment, then ``runpy`` of the script or module as ``python ARGS``
+would run it.
 
 Correctness rules:
   - only a single-threaded zygote forks (native library pools with fork handlers, e.g. OpenBLAS, are
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
+import gc
 import importlib
 import io
 import json
@@ -184,13 +186,26 @@ class Server:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(128)  # clients may connect while the preload runs; they queue here
-        t0 = time.monotonic()
-        for name in preload:
-            importlib.import_module(name)
-        self.sources = self._sources({"stalwart"} | {m.split(".")[0] for m in preload} - {"torch"})
-        log.info("zygote ready: %d modules in %.2f s", len(sys.modules), time.monotonic() - t0)
+        # The first module before any fork; the rest while idle, so the first start waits only for what
+        # every worker needs (a script may fail before it imports anything else) and restarts find all.
+        self.packages = {"stalwart"} | {m.split(".")[0] for m in preload} - {"torch"}
+        self.pending = list(preload)
+        self.sources: dict[str, float] = {}
+        if self.pending:
+            self.preload_next()
         self.sessions: dict[int, Session] = {}  # worker pid → its client's connection
         self._wake: tuple[int, int] = (-1, -1)
+
+    def preload_next(self) -> None:
+        name = self.pending.pop(0)
+        t0 = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # the workers import it themselves and report the error where it matters
+            log.warning("zygote could not preload %s: %s", name, err)
+        self.sources = self._sources(self.packages)
+        gc.freeze()  # workers' garbage collections then leave the shared module objects (and pages) alone
+        log.info("zygote preloaded %s in %.2f s (%d modules)", name, time.monotonic() - t0, len(sys.modules))
 
     @staticmethod
     def _sources(packages: set[str]) -> dict[str, float]:
@@ -221,7 +236,10 @@ class Server:
         signal.set_wakeup_fd(wake_w)
         while os.getppid() == self.parent:
             conns = {s.conn.fileno(): s for s in self.sessions.values() if s.conn is not None}
-            readable, _, _ = select.select([self.listener, wake_r, *(s.conn for s in conns.values())], [], [], 1.0)
+            readable, _, _ = select.select([self.listener, wake_r, *(s.conn for s in conns.values())], [], [],
+                                           0.05 if self.pending else 1.0)
+            if not readable and self.pending:
+                self.preload_next()
             for r in readable:
                 if r == wake_r:
                     os.read(wake_r, 4096)
