@@ -233,3 +233,83 @@ def test_injected_faults_are_journaled_and_delivered_with_heartbeats(master):
     assert client.heartbeat("node-0", {})["chaos"] == [], "agents that do not ask get none"
     assert [d["details"]["spec"] for d in client.status()["decisions"] if d["action"] == "chaos"] == \
         ["kill:rank=1:step=7", "hang:rank=0"]
+
+
+def test_a_straggler_is_evicted_only_when_a_spare_waits(tmp_path):
+    with running_master(tmp_path / "j.sqlite", "--straggler-policy", "evict", "--straggler-windows", "2") as address:
+        client = MasterClient(address, TOKEN)
+        for n in range(2):
+            client.join(f"node-{n}", "h", 1)
+
+        def beat(node: str, member: bool, compute_s: float | None = None) -> dict:
+            progress: dict = {"member": member}
+            if compute_s is not None:
+                progress["window"] = {"compute_s": compute_s, "steps": 5}
+            return client.call("POST", "/v1/nodes/heartbeat", {"node_id": node, "progress": progress})
+
+        beat("node-0", False)
+        assert client.status()["spares"] == [], "outside a round that does not run yet: not a spare"
+        for _ in range(3):  # node-1 is 3× slower for 3 windows, but nobody waits to replace it
+            beat("node-0", True, 0.1)
+            assert "leave" not in beat("node-1", True, 0.3)
+        assert client.status()["stragglers"] == ["node-1"] and client.status()["evicted"] == []
+        client.join("node-2", "h", 1)
+        beat("node-2", False)
+        status = client.status()
+        assert (status["members"], status["spares"]) == (["node-0", "node-1"], ["node-2"])
+        assert beat("node-1", True, 0.3)["leave"].startswith("straggler"), "a spare waits now: evicted"
+        assert "leave" not in beat("node-0", True, 0.1) and "leave" not in beat("node-2", False)
+        status = client.status()
+        assert status["evicted"] == ["node-1"] and status["stragglers"] == []
+        [evict] = [d for d in status["decisions"] if d["action"] == "evict"]
+        assert evict["details"] == {"node_id": "node-1", "acted": True, "cause": "straggler",
+                                    "ratio": evict["details"]["ratio"], "spares": ["node-2"]}
+        assert beat("node-1", True)["leave"], "the evicted node hears it until it leaves"
+        assert client.request_restart("peer left", "node-1", round_=0)["leave"]
+        assert "leave" not in client.request_restart("peer left", "node-0", round_=0)
+        client.join("node-1", "h", 1)  # repaired and back: welcome again
+        assert "leave" not in beat("node-1", False)
+
+
+def test_a_failed_precheck_evicts_the_node_and_a_slow_one_is_journaled(master):
+    client = MasterClient(master, TOKEN)
+    for n in range(3):
+        client.join(f"node-{n}", "h", 1)
+    check = lambda node, ok, s, *why: client.call("POST", "/v1/nodes/precheck", {  # noqa: E731
+        "node_id": node, "ok": ok, "matmul_s": s, "seconds": 0.2, "reasons": list(why), "devices": []})
+    assert check("node-0", True, 0.001) == {"admit": True, "ratio": None}
+    assert check("node-1", True, 0.0011)["admit"]
+    verdict = check("node-2", False, 0.001, "local rank 0 (cpu): matmul result differs")
+    assert not verdict["admit"] and "matmul result differs" in verdict["reason"]
+    status = client.status()
+    assert status["evicted"] == ["node-2"]
+    [incident] = status["incidents"]
+    assert (incident["node_id"], incident["kind"], incident["class"]) == ("node-2", "precheck", "hardware")
+    [evict] = [d for d in status["decisions"] if d["action"] == "evict"]
+    assert evict["details"]["cause"] == "precheck" and evict["details"]["incident"] == incident["id"]
+    # 5× slower than the others: a straggler, journaled; admitted under the default policy (warn).
+    assert check("node-1", True, 0.005)["admit"]
+    assert [d["details"]["node_id"] for d in client.status()["decisions"] if d["action"] == "straggler"] == ["node-1"]
+    with pytest.raises(MasterError, match="'ok' has the wrong type"):
+        client.call("POST", "/v1/nodes/precheck", {"node_id": "node-0", "ok": "yes", "matmul_s": 0.001})
+
+
+def test_a_node_that_keeps_failing_is_evicted_if_the_job_keeps_its_minimum(tmp_path):
+    with running_master(tmp_path / "j.sqlite", "--evict-after-failures", "2") as address:
+        client = MasterClient(address, TOKEN)
+        for n in range(2):
+            client.join(f"node-{n}", "h", 1, {"min_nodes": 2})
+            client.heartbeat(f"node-{n}", {"member": True})
+        fail = lambda node, **details: client.open_incident("sigkill", node, "system", details=details)  # noqa: E731
+        fail("node-1")
+        fail("node-0", consequential=True)  # a peer's failure caused by node-1's: not node-0's fault
+        fail("node-1")
+        assert client.status()["evicted"] == [], "without node-1 the job would fall below MIN = 2"
+        client.join("node-2", "h", 1, {"min_nodes": 2})
+        client.heartbeat("node-2", {"member": False})
+        fail("node-1")
+        fail("node-0", consequential=True)
+        status = client.status()
+        assert status["evicted"] == ["node-1"], status["decisions"]
+        [evict] = [d for d in status["decisions"] if d["action"] == "evict"]
+        assert evict["details"]["cause"] == "failures" and len(evict["details"]["incidents"]) == 3

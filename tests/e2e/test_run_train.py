@@ -52,6 +52,7 @@ def test_fault_recovers_to_bitwise_identical_weights(stdlib_data, tmp_path, refe
     logged = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert set(logged) == set(range(1, STEPS + 1)), "the resumed run appends to the metrics log"
     [row] = Journal(tmp_path / "run" / "journal.sqlite").incidents()
+    assert row["details"]["warm_start"] is True, "restarted ranks were forked by the node's zygote"
     # Step 6 is saved on failure: by the node's keeper when it is up (it outlives the workers and saves
     # in parallel with the restart, so the agent leaves it to it), else by the agent itself.
     saved = row["details"]["save_on_failure"]["detail"]

@@ -8,9 +8,14 @@ actions  ``kill`` (SIGKILL the calling process), ``segv`` (SIGSEGV), ``exit`` (`
          fires every time unless ``once=1``); ``nan`` and ``spike`` are *numeric* faults that the
          trainer applies itself at point ``loss``: it multiplies the step's loss by ``Fault.scale``
          (NaN, or ``factor``, default 1000) before backward, poisoning loss and gradients.
-keys     ``at`` point name (default ``step``; ``loss`` for nan/spike), ``rank`` and ``step`` (omitted =
-         any), ``code`` exit code (default 1), ``seconds`` for delay, ``factor`` for spike, ``once``
-         (default 1 except for delay)
+         Node faults, applied by the node agent (``stalwart run``): ``node-fail`` (default point
+         ``precheck``: the node's burn-in raises, as a broken device would), ``nan:at=precheck`` (the
+         burn-in computes a wrong result), ``slow:at=precheck:factor=F`` (the burn-in runs F× slower)
+         and ``slow:at=node:factor=F`` (the agent duty-cycles its workers with SIGSTOP/SIGCONT so the
+         whole node computes F× slower: a straggler); F defaults to 3 for these.
+keys     ``at`` point name (default ``step``; ``loss`` for nan/spike; ``precheck`` for node-fail),
+         ``rank`` and ``step`` (omitted = any), ``code`` exit code (default 1), ``seconds`` for delay,
+         ``factor`` for spike and node slowness, ``once`` (default 1 except for delay)
 
 Specs come from ``STALWART_CHAOS`` and, for faults injected into a running job (``stalwart chaos``),
 from the file named by ``STALWART_CHAOS_FILE`` (one spec per line; re-read when it changes, so a
@@ -36,9 +41,12 @@ from pathlib import Path
 ENV_SPEC = "STALWART_CHAOS"
 ENV_DIR = "STALWART_CHAOS_DIR"
 ENV_FILE = "STALWART_CHAOS_FILE"
-ACTIONS = ("kill", "segv", "exit", "raise", "exception", "hang", "stop", "delay", "slow", "nan", "spike")
+ACTIONS = ("kill", "segv", "exit", "raise", "exception", "hang", "stop", "delay", "slow", "nan", "spike",
+           "node-fail")
 ALIASES = {"exception": "raise", "slow": "delay"}
 NUMERIC = ("nan", "spike")  # applied by the trainer to the loss, not by fire()
+NODE = ("node-fail",)  # applied by the node check (stalwart.health.precheck), not by fire()
+NODE_FACTOR = 3.0  # slowness of node faults (precheck, node) when the spec names no factor
 KEYS = ("at", "rank", "step", "code", "seconds", "factor", "once")
 
 
@@ -53,6 +61,12 @@ class Fault:
     factor: float = 1000.0
     once: bool = True
     text: str = ""
+
+    @property
+    def node_factor(self) -> float:
+        """How many times slower a node fault makes the node: ``factor`` if the spec names one, else 3
+        (the 1000 default suits loss spikes, not slowness)."""
+        return self.factor if ":factor=" in f":{self.text}" else NODE_FACTOR
 
     @property
     def scale(self) -> float:
@@ -83,7 +97,7 @@ class Fault:
         return True
 
     def fire(self) -> None:
-        assert self.action not in NUMERIC, "numeric faults are applied by the caller (Fault.scale)"
+        assert self.action not in NUMERIC + NODE, "numeric and node faults are applied by the caller"
         print(f"stalwart chaos: firing {self.text!r} in pid {os.getpid()}", file=sys.stderr, flush=True)
         progress_dir = os.environ.get("STALWART_PROGRESS_DIR")
         if progress_dir and self.action != "delay":  # the agent reads when the fault began (exact MTTR)
@@ -113,7 +127,8 @@ def parse(spec: str) -> list[Fault]:
         if action not in ACTIONS:
             raise ValueError(f"{ENV_SPEC}: unknown action {action!r} in {text!r}; use one of {', '.join(ACTIONS)}")
         action = ALIASES.get(action, action)
-        kw: dict[str, object] = {"once": action != "delay", "at": "loss" if action in NUMERIC else "step"}
+        kw: dict[str, object] = {"once": action != "delay",
+                                 "at": "loss" if action in NUMERIC else "precheck" if action in NODE else "step"}
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep or key not in KEYS:
@@ -125,8 +140,23 @@ def parse(spec: str) -> list[Fault]:
                            else value.lower() in ("1", "true", "yes") if key == "once" else int(value))
             except ValueError:
                 raise ValueError(f"{ENV_SPEC}: {key} expects a number in {text!r}, got {value!r}") from None
-        faults.append(Fault(action, text=text, **kw))  # type: ignore[arg-type]
+        fault = Fault(action, text=text, **kw)  # type: ignore[arg-type]
+        _check_node_fault(fault)
+        faults.append(fault)
     return faults
+
+
+NODE_POINTS = {"precheck": ("node-fail", "nan", "delay"), "node": ("delay",)}  # what the agent applies
+
+
+def _check_node_fault(fault: Fault) -> None:
+    """Faults at the agent's points must be ones it applies (a typo must not pass silently)."""
+    allowed = NODE_POINTS.get(fault.at)
+    if allowed is not None and fault.action not in allowed:
+        raise ValueError(f"{ENV_SPEC}: {fault.text!r}: at={fault.at} takes "
+                         f"{' or '.join('slow' if a == 'delay' else a for a in allowed)}")
+    if fault.action in NODE and fault.at != "precheck":
+        raise ValueError(f"{ENV_SPEC}: {fault.text!r}: node-fail applies at the precheck only")
 
 
 _cache: tuple[str, list[Fault]] | None = None

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stalwart.launch import stragglers
+from stalwart.launch import eviction, stragglers
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the job survives the loss of any node; `stalwart run --master URL --rdzv-backend c10d` "
                         "without --rdzv-endpoint then uses it (default: off, an agent serves it as in torchrun)")
     stragglers.add_arguments(p)
+    eviction.add_arguments(p)
     p.add_argument("--ready-file", type=Path,
                    help="write {address, pid} here as JSON once listening (for scripts and tests)")
     p.set_defaults(handler=run)
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     token = load_or_create_token(args.db.parent / "token", args.job_token)
     master = Master(args.db, token, args.host, args.port, args.job_id, args.restart_budget, args.node_timeout,
-                    stragglers.from_args(args), rdzv_port=args.rdzv_port)
+                    stragglers.from_args(args), rdzv_port=args.rdzv_port, policy=eviction.from_args(args))
     master.start()
     if args.ready_file:
         tmp = args.ready_file.with_suffix(".tmp")

@@ -84,11 +84,20 @@ def _matrices(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(size, size, generator=gen, dtype=torch.float64))
 
 
-def burn_in(cfg: CheckConfig, device: torch.device, node: int) -> tuple[bool, float]:
+def reference_product(cfg: CheckConfig) -> torch.Tensor:
+    """The float64 product every burn-in with `cfg`'s size and seed must reproduce (compute it once
+    when burning in several devices: it costs more than the float32 runs)."""
+    a64, b64 = _matrices(cfg.matmul_size, cfg.seed)
+    return a64 @ b64
+
+
+def burn_in(cfg: CheckConfig, device: torch.device, node: int,
+            reference: torch.Tensor | None = None) -> tuple[bool, float]:
     """(result matches the float64 reference, seconds per matmul). The time is the fastest of
     `iters` runs: robust to a process being descheduled, and a slow device is slow every time."""
     a64, b64 = _matrices(cfg.matmul_size, cfg.seed)
-    reference = a64 @ b64
+    if reference is None:
+        reference = a64 @ b64
     a, b = a64.float().to(device), b64.float().to(device)
     fault = cfg.fault if cfg.fault and cfg.fault.node == node else None
     times = []

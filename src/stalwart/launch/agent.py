@@ -11,7 +11,10 @@ On top, each monitor tick:
   - forwards the incidents workers record themselves (``rank*.incidents.jsonl``: rollbacks, silent
     data corruption) to the master's journal.
 A heartbeat thread sends progress and node info to the master once a second and brings back faults
-injected with ``stalwart chaos``, which it appends to the chaos file the workers watch.
+injected with ``stalwart chaos``, which it appends to the chaos file the workers watch, and the
+master's eviction: an evicted node stops its workers and leaves (``NodeEvicted``); the others regroup,
+with a waiting spare if there is one (see ``eviction``). With a precheck configured, the agent burns
+in its devices before every rendezvous (``health.precheck``) and leaves if the master does not admit it.
 """
 
 from __future__ import annotations
@@ -37,12 +40,20 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from stalwart.health.log_rules import NEVER, Diagnosis, diagnose, last_traceback
+from stalwart.health.precheck import PrecheckConfig, run_precheck
+from stalwart.health.throttle import Throttle
 from stalwart.launch.client import MasterClient, MasterError
 from stalwart.launch.hang import HangDetector, HangPolicy
 from stalwart.launch.progress import ENV_DIR, Progress, ProgressReader
+from stalwart.launch.zygote import Zygote
 
 log = logging.getLogger("stalwart.agent")
 LOG_TAIL_BYTES = 256 << 10
+
+
+class NodeEvicted(RuntimeError):
+    """This node must leave the job (the master evicted it, or its precheck failed): its agent stops
+    the workers and exits without closing the rendezvous, so the other nodes regroup without it."""
 
 
 @dataclass
@@ -60,11 +71,22 @@ class Incident:
     last_step: int = -1
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def stack_dump(pid: int, timeout_s: float = 10.0) -> str:
-    """Python stacks of a process via py-spy (works on stopped or spinning processes)."""
+    """Python stacks of a process via py-spy (spinning or stopped: py-spy finds no threads in a
+    SIGSTOPped process forked from a threaded one — a warm-started worker — so it is continued
+    first; it is killed right after the dump anyway)."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(exe).exists():
         return "(py-spy is not installed: no stack dump)"
+    if _stopped(pid):
+        os.kill(pid, signal.SIGCONT)
     try:
         out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -118,7 +140,9 @@ class StalwartAgent(LocalElasticAgent):
                  run_dir: Path, hang_policy: HangPolicy, start_method: str = "spawn",
                  on_failure: Callable[[Incident], dict[str, Any]] | None = None,
                  heartbeat_s: float = 1.0, shutdown_timeout: int = 5, window_s: float = 5.0,
-                 chaos_file: Path | None = None) -> None:
+                 chaos_file: Path | None = None, precheck: PrecheckConfig | None = None,
+                 slowdown: float | None = None, join_info: dict[str, Any] | None = None,
+                 zygote: Zygote | None = None) -> None:
         super().__init__(spec, logs_specs, start_method, shutdown_timeout=shutdown_timeout)
         self.master, self.node_id = master, node_id
         self.run_dir = Path(run_dir)
@@ -140,20 +164,89 @@ class StalwartAgent(LocalElasticAgent):
         self.chaos_file = chaos_file  # faults from `stalwart chaos`, read by the workers each step
         self._chaos_seen = 0  # id of the last injected fault applied to chaos_file
         self.worker_incidents = IncidentTail()
+        self.precheck = precheck  # None: no node check before rendezvous
+        self.prechecks: list[dict[str, Any]] = []  # every precheck's result, for the run summary
+        self.join_info = join_info or {}
+        self.zygote = zygote  # warm start: workers are forked by it, TorchElastic sees stand-ins
+        self.worker_pid = zygote.worker_pid if zygote else (lambda pid: pid)  # the real worker behind a pid
+        self._member = False  # this node's workers are in the current rendezvous round (else: a spare)
+        self._leave: str | None = None  # set when the master evicts this node
+        # chaos slow:at=node: a straggler on demand (stops and continues the workers, see health.throttle)
+        self.throttle = Throttle(self._worker_pids, slowdown) if slowdown else None
         self._stop_beats = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="stalwart-heartbeat", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, role: str = "default") -> RunResult:
+        """TorchElastic's run; None when the rendezvous closed while this node waited as a spare."""
         self.master.join(self.node_id, socket.gethostname(), self._worker_group.spec.local_world_size,
-                         {"pid": os.getpid()})
+                         {"pid": os.getpid(), **self.join_info})
         self._beats.start()
+        if self.throttle is not None:
+            self.throttle.start()
         try:
             return super().run(role)
         finally:
+            if self.throttle is not None:
+                self.throttle.close()
             self._stop_beats.set()
             self._beats.join(5)
             self.reader.close()
+
+    def _worker_pids(self) -> list[int]:
+        return [self.worker_pid(p) for p in self._pcontext.pids().values()] if self._pcontext is not None else []
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """Before every rendezvous (first start and restarts): leave if evicted, else precheck."""
+        self._member = False
+        self._check_evicted()
+        if self.precheck is not None:
+            self._run_precheck()
+        super()._initialize_workers(worker_group)
+        self._member = True
+
+    def _check_evicted(self) -> None:
+        if self._leave is not None:
+            raise NodeEvicted(self._leave)
+
+    def _run_precheck(self) -> None:
+        """Burn in this node's devices; the master judges (it also compares nodes) and journals. A node
+        it does not admit leaves before joining the round; without a master, the local verdict holds."""
+        result = run_precheck(self._worker_group.spec.local_world_size, self.precheck)
+        self.prechecks.append(result.to_json())
+        log.info("precheck: %s in %.2f s (matmul %.2f ms)%s", "ok" if result.ok else "FAILED", result.seconds,
+                 result.matmul_s * 1e3, f": {'; '.join(result.reasons)}" if result.reasons else "")
+        try:
+            verdict = self.master.call("POST", "/v1/nodes/precheck", {"node_id": self.node_id, **result.to_json()})
+        except (MasterError, OSError) as err:
+            log.error("no precheck verdict from the master (%s); judging locally", err)
+            verdict = {"admit": result.ok, "reason": f"precheck failed: {'; '.join(result.reasons)}"}
+        if not verdict.get("admit", result.ok):
+            self._leave = str(verdict.get("reason") or "the master did not admit this node after its precheck")
+            self._check_evicted()
+
+    def leave_rendezvous(self) -> None:
+        """Leave the current round at once, so the others need not wait for this node's rendezvous
+        keep-alive to expire (TorchElastic has no public call for one node leaving; best effort)."""
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+        handler = self._worker_group.spec.rdzv_handler
+        try:
+            handler._stop_heartbeats()  # type: ignore[attr-defined]
+            handler._op_executor.run(dr._RendezvousExitOp(), time.monotonic() + 10)  # type: ignore[attr-defined]
+        except Exception as err:  # an older or newer torch: the keep-alive expiry still removes us
+            log.warning("could not leave the rendezvous round (%s: %s); the others wait for our keep-alive to "
+                        "expire", type(err).__name__, err)
+
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        if self.throttle is not None:
+            self.throttle.pause()  # a stopped process would not act on SIGTERM
+        super()._stop_workers(worker_group, *args, **kwargs)
+
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        if self.throttle is not None:
+            self.throttle.pause()
+        super()._shutdown(*args, **kwargs)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # Fresh records: a restarted rank must not look alive through its predecessor's record.
@@ -166,8 +259,13 @@ class StalwartAgent(LocalElasticAgent):
         self.progress_dir.mkdir(parents=True)
         self.reader.close()
         os.environ[ENV_DIR] = str(self.progress_dir)  # inherited by the workers
+        if self.zygote is not None:
+            self.zygote.ensure()  # a zygote that exited (stale code) is replaced for this start
         self._started_at = time.time()
-        return super()._start_workers(worker_group)
+        started = super()._start_workers(worker_group)
+        if self.throttle is not None:
+            self.throttle.resume()
+        return started
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         incident = self._pending
@@ -208,6 +306,7 @@ class StalwartAgent(LocalElasticAgent):
         return out
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._check_evicted()  # raised out of run(): TorchElastic stops the workers on the way out
         result = super()._monitor_workers(worker_group)
         now = time.time()
         progress = self._progress(worker_group)
@@ -232,7 +331,8 @@ class StalwartAgent(LocalElasticAgent):
         ranks = [rank for rank, _, _ in hung]
         log.error("hang: rank(s) %s silent for %s s (allowance %s s); dumping stacks", ranks,
                   [round(s, 1) for _, s, _ in hung], [round(a, 1) for _, _, a in hung])
-        pids = self._pcontext.pids() if self._pcontext else {}
+        started = self._pcontext.pids() if self._pcontext else {}
+        pids = {local: self.worker_pid(pid) for local, pid in started.items()}  # the real workers (warm start)
         dumps = {}
         for worker in worker_group.workers:
             pid = pids.get(worker.local_rank)
@@ -240,7 +340,7 @@ class StalwartAgent(LocalElasticAgent):
                 dumps[worker.global_rank] = stack_dump(pid)
                 print(f"--- stalwart: Python stacks of rank {worker.global_rank} (pid {pid}) ---\n"
                       f"{dumps[worker.global_rank]}", file=sys.stderr, flush=True)
-        for pid in pids.values():  # hung processes may ignore SIGTERM (or be stopped): kill them
+        for pid in {*started.values(), *pids.values()}:  # hung processes may ignore SIGTERM (or be stopped)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -300,6 +400,8 @@ class StalwartAgent(LocalElasticAgent):
                 decision = self.master.request_restart(f"{incident.kind} on rank(s) {incident.ranks}",
                                                        self.node_id, self._restart_round)
                 allowed = decision["allowed"]
+                if decision.get("leave"):  # evicted for this failure: leave instead of restarting
+                    self._leave = decision["leave"]
                 if not allowed:
                     print(f"stalwart: restart budget used up ({decision['used']}/{decision['budget']}); "
                           "giving up", file=sys.stderr, flush=True)
@@ -317,9 +419,12 @@ class StalwartAgent(LocalElasticAgent):
             return
         first = max(p.time for p in progress)
         self._pending = None
-        incident.details["first_step"] = first
+        pids = self._pcontext.pids().values() if self._pcontext is not None else []
+        warm = bool(pids) and all(self.worker_pid(pid) != pid for pid in pids)  # every rank forked warm
+        incident.details.update(first_step=first, warm_start=warm)
         if incident.id is not None:
-            self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first}))
+            self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first},
+                                                              {"warm_start": warm}))
 
     def _forward_worker_incidents(self) -> None:
         """Journal what workers reported themselves (see ``stalwart.incident``); an ``sdc`` with
@@ -376,7 +481,7 @@ class StalwartAgent(LocalElasticAgent):
         while not self._stop_beats.wait(self.heartbeat_s):
             ranks = [{"rank": p.rank, "step": p.step, "phase": p.phase, "age_s": round(time.time() - p.time, 3),
                       "loss": None if p.loss != p.loss else p.loss} for p in self._latest]
-            body = {"state": self._worker_group.state.name, "ranks": ranks}
+            body = {"state": self._worker_group.state.name, "ranks": ranks, "member": self._member}
             window = self._close_window()
             if window is not None:
                 body["window"] = window
@@ -386,6 +491,9 @@ class StalwartAgent(LocalElasticAgent):
             try:
                 reply = self.master.call("POST", "/v1/nodes/heartbeat", beat, retry_for_s=0)
                 self._apply_chaos(reply.get("chaos") or [])
+                if reply.get("leave") and self._leave is None:
+                    log.warning("evicted by the master: %s", reply["leave"])
+                    self._leave = str(reply["leave"])
             except MasterError as err:
                 if err.status == 404:  # a master that lost its journal: join again
                     self._journal(lambda: self.master.join(self.node_id, socket.gethostname(),

@@ -22,18 +22,21 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.launcher.api import _get_addr_and_port
 
 from stalwart.chaos import faults
-from stalwart.launch.agent import Incident, StalwartAgent
+from stalwart.health.precheck import PrecheckConfig
+from stalwart.launch.agent import Incident, NodeEvicted, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.store import client_rdzv_conf
 from stalwart.launch.master import Master, load_or_create_token
-from stalwart.launch import stragglers
+from stalwart.launch import eviction, stragglers, zygote
 
 log = logging.getLogger("stalwart.run")
 UNBOUNDED = 1 << 30  # local restart counter: the master's job-wide budget decides
+EXIT_EVICTED = 3  # this node left the job (evicted, or its precheck failed); the job goes on without it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,9 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chaos", default=None, metavar="SPEC",
                    help="fault injection for tests and demos, passed to workers as STALWART_CHAOS "
                         "(e.g. kill:rank=1:step=7)")
+    g.add_argument("--precheck", action="store_true",
+                   help="before the first start and every restart, burn in this node's devices (a seeded "
+                        "matmul per local worker, checked and timed); a node that fails, or that the "
+                        "master finds slow under --straggler-policy evict, leaves the job (exit code "
+                        f"{EXIT_EVICTED}) and the others go on without it, or with a waiting spare (default off)")
     g.add_argument("--straggler-window", type=float, default=5.0,
                    help="seconds per window of compute times sent to the master (default 5)")
     stragglers.add_arguments(g)
+    eviction.add_arguments(g)
+    zygote.add_arguments(g)
     g.add_argument("--summary-json", type=Path, default=None,
                    help="write the run's outcome (exit, incidents, restarts) here as JSON")
     return parser
@@ -115,6 +125,10 @@ def run(argv: list[str]) -> int:
         _master_store(args, MasterClient(args.master, token))
     _rendezvous_defaults(args)
     config, cmd, cmd_args = torchrun.config_from_args(args)
+    warm = zygote.from_args(args, cmd, cmd_args)  # cmd_args already have the local-rank macro
+    if warm is not None:
+        cmd, cmd_args = warm.entrypoint(cmd_args)
+        os.environ.update(warm.env())
     run_dir = args.run_dir or Path("runs") / args.rdzv_id
     run_dir.mkdir(parents=True, exist_ok=True)
     node_id = args.node_id or f"{os.uname().nodename}-{os.getpid()}"
@@ -133,6 +147,7 @@ def run(argv: list[str]) -> int:
         chaos_file.unlink(missing_ok=True)  # the master delivers this job's injected faults again
     os.environ[faults.ENV_FILE] = str(chaos_file)
     os.environ.setdefault(faults.ENV_DIR, str((run_dir / "chaos" / "fired").absolute()))
+    slow = faults.due("node")  # chaos slow:at=node: this whole node computes F× slower (a straggler)
 
     master: Master | None = None
     if args.master:
@@ -141,7 +156,7 @@ def run(argv: list[str]) -> int:
         token = load_or_create_token(run_dir / "token", args.job_token)
         master = Master(run_dir / "journal.sqlite", token, job_id=args.rdzv_id,
                         restart_budget=args.max_restarts,
-                        stragglers=stragglers.from_args(args)).start()
+                        stragglers=stragglers.from_args(args), policy=eviction.from_args(args)).start()
         address = master.address
     os.environ.update({"STALWART_MASTER": address, "STALWART_JOB_ID": args.rdzv_id,
                        "STALWART_NODE_ID": node_id})
@@ -165,21 +180,37 @@ def run(argv: list[str]) -> int:
         local_addr=config.local_addr)
     agent = StalwartAgent(spec, logs_specs, master=client, node_id=node_id, run_dir=run_dir,
                           hang_policy=policy, start_method=config.start_method, window_s=args.straggler_window,
-                          on_failure=_save_on_failure(args.rdzv_id, node_id), chaos_file=chaos_file)
-    exit_code = 0
+                          on_failure=_save_on_failure(args.rdzv_id, node_id), chaos_file=chaos_file,
+                          precheck=PrecheckConfig() if args.precheck else None,
+                          slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
+                          join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
+                          zygote=warm)
+    exit_code, evicted = 0, None
     try:
         result = agent.run()
-        if result.is_failed():
+        if result is None:  # TorchElastic's graceful exit: the job closed the rendezvous while we waited
+            print(f"stalwart run: node {node_id} waited as a spare and the job finished without it", file=sys.stderr)
+        elif result.is_failed():
             exit_code = 1
             first = min(result.failures.items(), default=None, key=lambda kv: kv[1].timestamp)
             what = f"rank {first[0]} exit code {first[1].exitcode}" if first else "a hang"
             print(f"stalwart run: job failed ({what}); journal: {run_dir / 'journal.sqlite'}",
                   file=sys.stderr)
+    except NodeEvicted as err:
+        exit_code, evicted = EXIT_EVICTED, str(err)
+        agent.leave_rendezvous()  # not shutdown(): that would close the rendezvous for every node
+        print(f"stalwart run: node {node_id} left the job: {err}. The other nodes regroup without it (with a "
+              f"waiting spare if there is one); journal: {run_dir / 'journal.sqlite'}", file=sys.stderr)
+    except RendezvousClosedError:
+        print(f"stalwart run: node {node_id} waited for a place and the job finished without it", file=sys.stderr)
     except ChildFailedError:
         exit_code = 1
     finally:
-        spec.rdzv_handler.shutdown()
-        summary = _summary(client, node_id, exit_code, agent)
+        if evicted is None:
+            spec.rdzv_handler.shutdown()
+        if warm is not None:
+            warm.stop()
+        summary = {**_summary(client, node_id, exit_code, agent), "evicted": evicted, "prechecks": agent.prechecks}
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=1))
         if master is not None:

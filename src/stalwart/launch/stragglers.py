@@ -44,6 +44,12 @@ class StragglerDetector:
             self.flagged.discard(node)  # recovered
         return False, ratio
 
+    def forget(self, node: str) -> None:
+        """Drop a node that left the job: its last window must not skew the others' median."""
+        self._latest.pop(node, None)
+        self._strikes.pop(node, None)
+        self.flagged.discard(node)
+
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The master's straggler flags (shared by `stalwart master` and the in-process master of `run`)."""

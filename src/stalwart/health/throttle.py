@@ -1,0 +1,102 @@
+"""A slow node on demand: the agent stops its workers in proportion to the CPU time they use.
+
+Straggler detection compares the compute time per step that workers report; a sleep between steps
+would not show there, and a real slow node (thermal throttling, a noisy neighbour) slows the work
+itself. So, like ``cpulimit``: every few milliseconds the agent reads how much CPU time each worker's
+main thread used (``/proc/PID/schedstat``, nanoseconds) and, for every second of it, stops the workers
+(SIGSTOP … SIGCONT) for ``factor − 1`` seconds. Work then takes ``factor``× as long wherever it falls,
+and a worker that sleeps or waits costs nothing — a fixed stop/continue period would instead stretch
+sections at random, depending on how they line up with the period. Chaos ``slow:at=node[:factor=F]``
+turns it on (see ``stalwart.chaos.faults``); it exists for tests and demos only (CPU work; a GPU
+kernel would not be slowed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+
+def cpu_ns(pid: int) -> int | None:
+    """Nanoseconds the process's main thread has run on a CPU (None when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Throttle:
+    """Makes the processes `pids()` names (re-read every tick: restarted workers are throttled too)
+    `factor`× slower. `pause()` lets them run freely (while they are being stopped for good)."""
+
+    def __init__(self, pids: Callable[[], list[int]], factor: float, tick_s: float = 0.002) -> None:
+        if factor <= 1.0 or tick_s <= 0:
+            raise ValueError(f"a node slowdown needs factor > 1 and tick_s > 0 (got {factor}, {tick_s})")
+        self.pids, self.factor, self.tick_s = pids, factor, tick_s
+        self._active = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # a stop/continue completes before pause() returns
+        self._seen: dict[int, int] = {}  # pid → CPU ns at the last tick
+        self.stopped_s = 0.0  # total time the workers were held, for tests and logs
+        self._thread = threading.Thread(target=self._loop, name="stalwart-throttle", daemon=True)
+
+    def start(self) -> "Throttle":
+        self._active.set()
+        self._thread.start()
+        return self
+
+    def pause(self) -> None:
+        self._active.clear()
+        with self._lock:
+            self._signal(list(self._seen), signal.SIGCONT)
+
+    def resume(self) -> None:
+        self._active.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._active.set()
+        self._thread.join(2)
+        self._signal(list(self._seen), signal.SIGCONT)
+
+    @staticmethod
+    def _signal(pids: list[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _debt_s(self) -> float:
+        """Seconds to hold the workers for the CPU time they used since the last tick."""
+        used, seen = 0, {}
+        for pid in self.pids():
+            now = cpu_ns(pid)
+            if now is None:
+                continue
+            used = max(used, now - self._seen.get(pid, now))  # the busiest worker sets the pace
+            seen[pid] = now
+        self._seen = seen
+        return used * 1e-9 * (self.factor - 1)
+
+    def _loop(self) -> None:
+        debt = 0.0
+        while not self._stop.wait(self.tick_s):
+            if not self._active.wait(1.0):
+                continue
+            debt += self._debt_s()
+            if debt < self.tick_s:
+                continue
+            with self._lock:
+                if not self._active.is_set():
+                    continue
+                pids = list(self._seen)
+                self._signal(pids, signal.SIGSTOP)
+                self._stop.wait(debt)
+                self._signal(pids, signal.SIGCONT)
+            self.stopped_s += debt
+            debt = 0.0
+            self._debt_s()  # the held time is not CPU time: start counting afresh

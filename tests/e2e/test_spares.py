@@ -1,0 +1,228 @@
+"""Spares, eviction and the precheck in real elastic jobs (`--nnodes 1:2`, master-served store).
+
+Agents ("nodes") on this host, each `stalwart run --precheck`:
+  - with the debug trainer: node0, node1 and node2 start together; two form the round, the third
+    waits as a spare. node3 starts with them but its burn-in computes NaN (chaos ``nan:at=precheck``):
+    its precheck fails, the master evicts it, it exits 3 and never joins. A member dies as a whole
+    node (agent, worker, keeper, shared memory) and the spare takes its place. The job ends at world
+    size 2 with the same weights as a fault-free 2-rank run (bitwise hashes).
+  - with a small script whose compute is fixed work: node1 is a straggler (chaos
+    ``slow:at=node:factor=10``: its agent stops and continues its workers); once spare node2 waits,
+    the master evicts it (``--straggler-policy evict``), it leaves (exit 3), and node0 regroups with
+    node2. (The trainer cannot show this yet: under DDP its forward broadcasts the model's buffers, a
+    collective inside the section timed as compute, so every rank's compute time absorbs the slow
+    node's delay.)
+Few runs for the stories: the suite's time budget is tight.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from stalwart.checkpoint import Storage
+from stalwart.launch.client import MasterClient
+from stalwart.launch.journal import Journal
+
+from . import test_elastic
+from .test_elastic import lose_node, start_master, start_node
+from .test_master import TOKEN
+
+pytestmark = pytest.mark.e2e
+STEPS = 60
+EVICTED = 3  # stalwart run's exit code for a node that left the job
+RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a dead node is out in ~3 s
+
+
+def with_flags(helper: Callable[..., Any], *args: Any, run: tuple[str, ...] = (), train: tuple[str, ...] = ()) -> Any:
+    """Call a test_elastic helper with more flags: `run` go before the training module (``-m stalwart
+    train``; for the master, at the end), `train` after the trainer's own overrides (later ones win)."""
+    popen = subprocess.Popen
+
+    def patched(cmd: list[str], *a: Any, **kw: Any) -> subprocess.Popen:
+        cut = cmd.index("train") - 2 if "train" in cmd else len(cmd)
+        return popen([*cmd[:cut], *run, *cmd[cut:], *train], *a, **kw)
+
+    with mock.patch.object(test_elastic.subprocess, "Popen", patched):
+        return helper(*args)
+
+
+def node(tmp_path: Path, data: Path, address: str, job: str, n: int, chaos: str = "",
+         script: tuple[str, ...] = ()) -> subprocess.Popen:
+    """test_elastic's node (debug trainer, `--nnodes 1:2`), with a precheck; or running `script`."""
+    base = "slow:seconds=0.05"  # a pace that leaves time to kill a node mid-run
+    flags = ("--precheck", "--straggler-window", "1", "--rdzv-conf", RDZV,
+             "--summary-json", str(tmp_path / f"summary{n}.json"), "--chaos", f"{base};{chaos}" if chaos else base)
+    if not script:
+        return with_flags(start_node, tmp_path, data, address, job, n, run=flags, train=(f"--train.steps={STEPS}",))
+    popen = subprocess.Popen
+
+    def instead_of_the_trainer(cmd: list[str], *a: Any, **kw: Any) -> subprocess.Popen:
+        return popen([*cmd[:cmd.index("train") - 2], *flags, *script], *a, **kw)
+
+    with mock.patch.object(test_elastic.subprocess, "Popen", instead_of_the_trainer):
+        return start_node(tmp_path, data, address, job, n)
+
+
+def wait_for(what: str, condition: Callable[[], bool], nodes: dict[int, subprocess.Popen], tmp_path: Path,
+             timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        dead = {n: p.returncode for n, p in nodes.items() if p.poll() not in (None, EVICTED)}
+        logs = {n: (tmp_path / f"node{n}.log").read_text()[-2500:] for n in dead}
+        assert not dead and time.monotonic() < deadline, f"waiting for {what}: exited {dead}\n{logs}"
+        time.sleep(0.2)
+
+
+def joined(client: MasterClient, *names: str) -> Callable[[], bool]:
+    """The agents joined the master: their imports are done, and they form a round within a second,
+    while an agent started now needs seconds of imports before it can reach the rendezvous."""
+    return lambda: {n["node_id"] for n in client.status()["nodes"]} >= set(names)
+
+
+def committed_at_world_2(storage: Storage) -> bool:
+    latest = storage.latest()
+    return bool(latest) and (storage.manifest(latest) or {}).get("world_size") == 2
+
+
+def reference_run(tmp_path: Path, data: Path) -> subprocess.Popen:
+    """The fault-free run at world size 2 (two local workers, same data, batch and steps)."""
+    out = tmp_path / "reference"
+    return subprocess.Popen(
+        [sys.executable, "-m", "stalwart", "train", "--config", "configs/debug.toml", "--nproc", "2",
+         f"--data.dir={data}", "--data.seq_len=32", f"--train.steps={STEPS}", "--train.warmup_steps=2",
+         f"--train.global_batch={test_elastic.BATCH}", "--train.micro_batch=4", f"--train.out_dir={out}"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "reference.log", "w"))
+
+
+def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_joins(stdlib_data, tmp_path):
+    job = f"spares-{uuid.uuid4().hex[:8]}"
+    master, address = start_master(tmp_path)
+    client = MasterClient(address, TOKEN)
+    nodes: dict[int, subprocess.Popen] = {}
+    reference = reference_run(tmp_path, stdlib_data)  # the fault-free run, meanwhile
+    try:
+        for n in range(3):
+            nodes[n] = node(tmp_path, stdlib_data, address, job, n)
+        nodes[3] = node(tmp_path, stdlib_data, address, job, 3, "nan:at=precheck")
+        # The bad node fails its precheck, is evicted and never joins.
+        assert nodes[3].wait(timeout=90) == EVICTED, (tmp_path / "node3.log").read_text()[-3000:]
+        assert "precheck failed" in (tmp_path / "node3.log").read_text()
+        # Two nodes form the round; the third waits beyond --nnodes MAX (TorchElastic keeps it out).
+        wait_for("a round and a spare", lambda: (len(client.status()["members"]), len(client.status()["spares"]))
+                 == (2, 1), nodes, tmp_path)
+        status = client.status()
+        [spare], members = status["spares"], sorted(status["members"])
+        # A whole node dies once the job committed a checkpoint of both ranks; the spare takes its place.
+        wait_for("a 2-rank checkpoint", lambda: committed_at_world_2(Storage(str(tmp_path / "ckpt"))), nodes, tmp_path)
+        lost, survivor = int(members[1][-1]), int(members[0][-1])
+        lose_node(nodes[lost], job, lost)
+        for n in (survivor, int(spare[-1])):
+            assert nodes[n].wait(timeout=180) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
+        assert reference.wait(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    finally:
+        for n, p in nodes.items():
+            if p.poll() is None:
+                lose_node(p, job, n)
+        if reference.poll() is None:
+            reference.kill()
+        master.terminate()
+        master.wait(10)
+
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == STEPS
+    assert (summary["final_hash"], summary["optim_hash"]) == (expected["final_hash"], expected["optim_hash"])
+    assert summary["samples_consumed"] == STEPS * test_elastic.BATCH
+    ck = summary["checkpoint"]  # the last start: the survivor and the spare, from the 2-rank checkpoint
+    assert ck["restored_from"] == "storage" and ck["restore_step"] > 0, ck
+    journal = Journal(tmp_path / "journal.sqlite")
+    [evict] = [d for d in journal.decisions() if d["action"] == "evict"]
+    assert evict["details"]["node_id"] == "node3" and evict["details"]["cause"] == "precheck"
+    [bad] = [i for i in journal.incidents() if i["kind"] == "precheck"]
+    assert bad["node_id"] == "node3" and bad["class"] == "hardware"
+    assert any(d["action"] == "node_lost" and d["details"]["node_id"] == f"node{lost}" for d in journal.decisions())
+    # Every start ran the precheck (the survivor: first start and the restart) and it stayed cheap.
+    replacement = int(spare[-1])
+    prechecks = {n: json.loads((tmp_path / f"summary{n}.json").read_text())["prechecks"]
+                 for n in (survivor, replacement)}
+    assert len(prechecks[survivor]) == 2 and len(prechecks[replacement]) == 1, prechecks
+    assert all(p["ok"] and p["seconds"] < 2.0 for ps in prechecks.values() for p in ps), prechecks
+
+
+WORK = """
+import argparse, json, os, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from stalwart.launch.progress import report
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", type=Path, required=True)
+p.add_argument("--steps", type=int, required=True)
+args = p.parse_args()
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+state_file = args.out / "state.json"  # rank 0 saves every step, so a regrouped job resumes exactly
+state = json.loads(state_file.read_text()) if state_file.exists() else {"step": 0, "x": 0.0}
+w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 12
+while state["step"] < args.steps:
+    t0 = time.perf_counter()
+    x = torch.ones(128, 128)
+    for _ in range(40):  # fixed work: a slower (or stopped) node takes longer for it
+        x = torch.tanh(x @ w)
+    compute_s = time.perf_counter() - t0
+    value = torch.tensor([float(state["step"] + 1)])
+    dist.all_reduce(value)
+    state = {"step": state["step"] + 1, "x": state["x"] + value.item()}
+    if dist.get_rank() == 0:
+        (args.out / "state.tmp").write_text(json.dumps(state))
+        os.replace(args.out / "state.tmp", state_file)
+    dist.barrier()
+    report(state["step"], compute_s=compute_s)
+    time.sleep(0.05)
+"""
+
+
+def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place(tmp_path):
+    job, steps = f"straggler-{uuid.uuid4().hex[:8]}", 150
+    (tmp_path / "job").mkdir()
+    (tmp_path / "work.py").write_text(WORK)
+    script = (str(tmp_path / "work.py"), "--out", str(tmp_path / "job"), "--steps", str(steps))
+    # A 10× slow node (≈5× measured: the throttle lags) is far above a 2.5× threshold for 3 windows;
+    # ordinary noise on a busy 2-core host is not.
+    master, address = with_flags(start_master, tmp_path, run=("--straggler-policy", "evict", "--straggler-windows",
+                                                               "3", "--straggler-threshold", "2.5"))
+    client = MasterClient(address, TOKEN)
+    nodes: dict[int, subprocess.Popen] = {}
+    try:
+        nodes[0] = node(tmp_path, tmp_path, address, job, 0, script=script)
+        nodes[1] = node(tmp_path, tmp_path, address, job, 1, "slow:at=node:factor=10", script=script)
+        wait_for("node0 and node1 joining", joined(client, "node0", "node1"), nodes, tmp_path)
+        nodes[2] = node(tmp_path, tmp_path, address, job, 2, script=script)
+        assert nodes[1].wait(timeout=90) == EVICTED, (tmp_path / "node1.log").read_text()[-3000:]
+        for n in (0, 2):
+            assert nodes[n].wait(timeout=120) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
+    finally:
+        for n, p in nodes.items():
+            if p.poll() is None:
+                lose_node(p, job, n)
+        master.terminate()
+        master.wait(10)
+    assert json.loads((tmp_path / "job" / "state.json").read_text())["step"] == steps
+    journal = Journal(tmp_path / "journal.sqlite")
+    [evict] = [d for d in journal.decisions() if d["action"] == "evict"]
+    assert evict["details"]["node_id"] == "node1" and evict["details"]["cause"] == "straggler", evict
+    assert evict["details"]["spares"] == ["node2"] and evict["details"]["ratio"] > 2.5
+    flagged = [d for d in journal.decisions() if d["action"] == "straggler"]
+    assert flagged and flagged[0]["details"]["node_id"] == "node1", flagged
+    assert json.loads((tmp_path / "summary1.json").read_text())["evicted"].startswith("straggler")
+    assert "left the job: straggler" in (tmp_path / "node1.log").read_text()
