@@ -34,13 +34,12 @@ from stalwart.launch.client import MasterClient
 from stalwart.launch.journal import Journal
 
 from . import test_elastic
-from .test_elastic import lose_node, start_master, start_node
+from .test_elastic import RDZV, lose_node, start_master, start_node
 from .test_master import TOKEN
 
 pytestmark = pytest.mark.e2e
 STEPS = 60
 EVICTED = 3  # stalwart run's exit code for a node that left the job
-RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a dead node is out in ~3 s
 
 
 def with_flags(helper: Callable[..., Any], *args: Any, run: tuple[str, ...] = (), train: tuple[str, ...] = ()) -> Any:

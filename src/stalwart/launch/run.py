@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--node-id", default=None, help="this agent's name in the job (default HOST-PID)")
     g.add_argument("--hang-timeout", default="auto",
                    help="seconds without step progress before a rank is declared hung, or 'auto' = "
-                        "max(10 s, 3 × median step time); first steps and checkpoint/eval phases get "
+                        "max(9 s, 2.7 × median step time), so a hang is reported within max(10 s, 3 × step "
+                        "time); first steps and checkpoint/eval phases get "
                         "longer allowances (default auto)")
     g.add_argument("--startup-timeout", type=float, default=120.0,
                    help="allowance in seconds before the first steps report (default 120)")
