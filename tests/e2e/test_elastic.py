@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -27,11 +28,12 @@ STEPS, BATCH = 160, 16
 RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a dead node is out in ~3 s
 
 
-def start_master(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+def start_master(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     ready = tmp_path / "master.json"
     proc = subprocess.Popen([sys.executable, "-m", "stalwart", "master", "--db", str(tmp_path / "journal.sqlite"),
                              "--port", "0", "--rdzv-port", "0", "--job-token", TOKEN, "--node-timeout", "5",
-                             "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--ready-file", str(ready), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
@@ -40,10 +42,13 @@ def start_master(tmp_path: Path) -> tuple[subprocess.Popen, str]:
 
 
 def train_args(data: Path, out: Path) -> list[str]:
+    """The trainer's arguments, outputs under `out`. The learning rate is below debug.toml's 3e-3, which
+    sits at the edge of stability: there two fault-free runs at world sizes 1 and 2 (another order of
+    floating-point sums) part by 5 % per step within 160 steps; at 1e-3 by 1e-5."""
     return ["--config", "configs/debug.toml", f"--data.dir={data}", "--data.seq_len=32", f"--train.steps={STEPS}",
-            "--train.warmup_steps=2", f"--train.global_batch={BATCH}", "--train.micro_batch=4",
-            f"--train.out_dir={out / 'out'}", "--checkpoint.enabled=true", f"--checkpoint.dir={out / 'ckpt'}",
-            "--checkpoint.persist_every_steps=5"]
+            "--train.warmup_steps=2", "--train.lr=1e-3", "--train.min_lr=1e-4", f"--train.global_batch={BATCH}",
+            "--train.micro_batch=4", f"--train.out_dir={out / 'out'}", "--checkpoint.enabled=true",
+            f"--checkpoint.dir={out / 'ckpt'}", "--checkpoint.persist_every_steps=5"]
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -52,12 +57,16 @@ def losses(out: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics}
 
 
-def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> subprocess.Popen:
+def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int, run: Sequence[str] = (),
+               train: Sequence[str] = (), script: Sequence[str] = ()) -> subprocess.Popen:
+    """One node's `stalwart run` of the trainer (`train`: more overrides) or of `script`; `run`: more
+    flags for stalwart run (later ones win)."""
     cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-id", job, "--rdzv-conf", RDZV,
            "--master", address, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "3",
            "--chaos", "slow:seconds=0.1",  # every step: the node is lost mid-run, not after it
-           "--run-dir", str(tmp_path / f"run{n}"), "-m", "stalwart", "train", *train_args(data, tmp_path)]
+           "--run-dir", str(tmp_path / f"run{n}"), *run,
+           *(script or ["-m", "stalwart", "train", *train_args(data, tmp_path), *train])]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"),
                             start_new_session=True)
 
@@ -106,6 +115,11 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         assert summary["samples_consumed"] == STEPS * BATCH
         ck = summary["checkpoint"]  # the last start: grown back to 2 ranks from a 1-rank checkpoint
         assert ck["restored_from"] == "storage" and ck["restore_step"] >= shrunk_at > committed, ck
+        # The grow happens at a checkpoint boundary made for it (the agent persists the newest snapshot
+        # before the new world starts): no step after the shrink is trained twice.
+        logged = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        redone = sorted({s for s in logged if s > shrunk_at and logged.count(s) > 1})
+        assert not redone, f"steps {redone} were trained again after the grow"
         # The loss curve of a fault-free 2-rank run, within 1e-3: world 2 → 1 → 2 changes only the order
         # of floating-point sums (gradient accumulation makes up the missing rank's share of the batch).
         reference = tmp_path / "reference"
@@ -113,8 +127,8 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
                        check=True, capture_output=True, timeout=300)
         got, want = losses(tmp_path / "out"), losses(reference / "out")
         assert set(got) == set(want) == set(range(1, STEPS + 1))
-        worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
-        assert worst <= 1e-3, f"loss differs from the fault-free run by {worst:.2e} (relative)"
+        worst = max(abs(got[s] - want[s]) / want[s] for s in want)
+        assert worst <= 1e-3, f"loss differs from the fault-free run by {worst:.1e} (relative) at some step"
         journal = Journal(tmp_path / "journal.sqlite")
         decisions = journal.decisions()
         assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node1" for d in decisions)

@@ -24,8 +24,6 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
 import pytest
 
@@ -34,7 +32,7 @@ from stalwart.launch.client import MasterClient
 from stalwart.launch.journal import Journal
 
 from . import test_elastic
-from .test_elastic import RDZV, lose_node, start_master, start_node
+from .test_elastic import lose_node, start_master, start_node
 from .test_master import TOKEN
 
 pytestmark = pytest.mark.e2e
@@ -42,34 +40,13 @@ STEPS = 60
 EVICTED = 3  # stalwart run's exit code for a node that left the job
 
 
-def with_flags(helper: Callable[..., Any], *args: Any, run: tuple[str, ...] = (), train: tuple[str, ...] = ()) -> Any:
-    """Call a test_elastic helper with more flags: `run` go before the training module (``-m stalwart
-    train``; for the master, at the end), `train` after the trainer's own overrides (later ones win)."""
-    popen = subprocess.Popen
-
-    def patched(cmd: list[str], *a: Any, **kw: Any) -> subprocess.Popen:
-        cut = cmd.index("train") - 2 if "train" in cmd else len(cmd)
-        return popen([*cmd[:cut], *run, *cmd[cut:], *train], *a, **kw)
-
-    with mock.patch.object(test_elastic.subprocess, "Popen", patched):
-        return helper(*args)
-
-
 def node(tmp_path: Path, data: Path, address: str, job: str, n: int, chaos: str = "",
          script: tuple[str, ...] = ()) -> subprocess.Popen:
     """test_elastic's node (debug trainer, `--nnodes 1:2`), with a precheck; or running `script`."""
     base = "slow:seconds=0.05"  # a pace that leaves time to kill a node mid-run
-    flags = ("--precheck", "--straggler-window", "1", "--rdzv-conf", RDZV,
+    flags = ("--precheck", "--straggler-window", "1",
              "--summary-json", str(tmp_path / f"summary{n}.json"), "--chaos", f"{base};{chaos}" if chaos else base)
-    if not script:
-        return with_flags(start_node, tmp_path, data, address, job, n, run=flags, train=(f"--train.steps={STEPS}",))
-    popen = subprocess.Popen
-
-    def instead_of_the_trainer(cmd: list[str], *a: Any, **kw: Any) -> subprocess.Popen:
-        return popen([*cmd[:cmd.index("train") - 2], *flags, *script], *a, **kw)
-
-    with mock.patch.object(test_elastic.subprocess, "Popen", instead_of_the_trainer):
-        return start_node(tmp_path, data, address, job, n)
+    return start_node(tmp_path, data, address, job, n, run=flags, train=(f"--train.steps={STEPS}",), script=script)
 
 
 def wait_for(what: str, condition: Callable[[], bool], nodes: dict[int, subprocess.Popen], tmp_path: Path,
@@ -95,11 +72,9 @@ def committed_at_world_2(storage: Storage) -> bool:
 
 def reference_run(tmp_path: Path, data: Path) -> subprocess.Popen:
     """The fault-free run at world size 2 (two local workers, same data, batch and steps)."""
-    out = tmp_path / "reference"
     return subprocess.Popen(
-        [sys.executable, "-m", "stalwart", "train", "--config", "configs/debug.toml", "--nproc", "2",
-         f"--data.dir={data}", "--data.seq_len=32", f"--train.steps={STEPS}", "--train.warmup_steps=2",
-         f"--train.global_batch={test_elastic.BATCH}", "--train.micro_batch=4", f"--train.out_dir={out}"],
+        [sys.executable, "-m", "stalwart", "train", "--nproc", "2",
+         *test_elastic.train_args(data, tmp_path / "reference"), f"--train.steps={STEPS}"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "reference.log", "w"))
 
 
@@ -138,7 +113,7 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
         master.wait(10)
 
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    expected = json.loads((tmp_path / "reference" / "out" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
     assert (summary["final_hash"], summary["optim_hash"]) == (expected["final_hash"], expected["optim_hash"])
     assert summary["samples_consumed"] == STEPS * test_elastic.BATCH
@@ -198,8 +173,8 @@ def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place
     script = (str(tmp_path / "work.py"), "--out", str(tmp_path / "job"), "--steps", str(steps))
     # A 10× slow node (≈5× measured: the throttle lags) is far above a 2.5× threshold for 3 windows;
     # ordinary noise on a busy 2-core host is not.
-    master, address = with_flags(start_master, tmp_path, run=("--straggler-policy", "evict", "--straggler-windows",
-                                                               "3", "--straggler-threshold", "2.5"))
+    master, address = start_master(tmp_path, "--straggler-policy", "evict", "--straggler-windows", "3",
+                                   "--straggler-threshold", "2.5")
     client = MasterClient(address, TOKEN)
     nodes: dict[int, subprocess.Popen] = {}
     try:

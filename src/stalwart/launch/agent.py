@@ -138,7 +138,7 @@ def _tail(path: str | None) -> str:
 class StalwartAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, *, master: MasterClient, node_id: str,
                  run_dir: Path, hang_policy: HangPolicy, start_method: str = "spawn",
-                 on_failure: Callable[[Incident], dict[str, Any]] | None = None,
+                 on_failure: Callable[[Incident | None], dict[str, Any]] | None = None,
                  heartbeat_s: float = 1.0, shutdown_timeout: int = 5, window_s: float = 5.0,
                  chaos_file: Path | None = None, precheck: PrecheckConfig | None = None,
                  slowdown: float | None = None, join_info: dict[str, Any] | None = None,
@@ -272,7 +272,9 @@ class StalwartAgent(LocalElasticAgent):
         self._stop_workers(worker_group)
         stopped = time.time()
         saved: dict[str, Any] = {}
-        if incident is not None and self.on_failure is not None:
+        # A fault: persist the newest snapshot. A membership change (a node joins): the same, and the
+        # new world resumes from it — the job grows at a checkpoint boundary it makes now, losing no step.
+        if self.on_failure is not None:
             try:
                 saved = self.on_failure(incident)
             except Exception as err:  # a failed save must not stop the recovery
@@ -289,7 +291,8 @@ class StalwartAgent(LocalElasticAgent):
                 {"save_on_failure": saved} if saved else None))
         elif incident is None:
             self._journal(lambda: self.master.decide("regroup", "membership changed: workers restarted "
-                                                     "without a fault", {"node_id": self.node_id}))
+                                                     "without a fault", {"node_id": self.node_id,
+                                                                         "save_on_failure": saved}))
 
     # -- detection ------------------------------------------------------------------------------
     def _progress(self, worker_group: WorkerGroup) -> list[Progress]:

@@ -219,16 +219,18 @@ def run(argv: list[str]) -> int:
     return exit_code
 
 
-def _save_on_failure(job_id: str, node_id: str) -> Callable[[Incident], dict[str, Any]]:
+def _save_on_failure(job_id: str, node_id: str) -> Callable[[Incident | None], dict[str, Any]]:
     """The agent's hook: persist the newest snapshot all ranks agree on before workers restart
-    (flash checkpoints of this job live under /dev/shm/stalwart/JOB_ID, see stalwart.checkpoint)."""
+    (flash checkpoints of this job live under /dev/shm/stalwart/JOB_ID, see stalwart.checkpoint).
+    ``incident`` is None for a membership change: the new world size restores from storage, so the save
+    is made here and waited for, even where the keeper would make it."""
 
     # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
     from stalwart.checkpoint.checkpointer import job_dir_for
     from stalwart.checkpoint.keeper import keeper_alive, save_on_failure
     from stalwart.checkpoint.snapshot import JobPaths
 
-    def hook(incident: Incident) -> dict[str, Any]:
+    def hook(incident: Incident | None) -> dict[str, Any]:
         job_dir = job_dir_for("", job_id=job_id, node_id=node_id)
         if not (job_dir / "job.json").exists():
             return {"persisted": False, "detail": "no flash checkpoints in this job"}
@@ -237,7 +239,7 @@ def _save_on_failure(job_id: str, node_id: str) -> Callable[[Incident], dict[str
             # Memory-only (no keeper on any node; multi-node waits would time out): nothing to persist,
             # the restarted workers restore from memory.
             return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
-        if keeper_alive(JobPaths(job_dir)):
+        if incident is not None and keeper_alive(JobPaths(job_dir)):
             # It saw the worker die and saves on failure itself, in parallel with the restart (which
             # restores from memory); waiting for it here would only delay the restart.
             return {"persisted": False, "detail": "the node's keeper saves on failure"}
