@@ -99,12 +99,15 @@ def reference(args: argparse.Namespace, data: TokenDataset) -> dict:
 
 
 def save(module: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
-    """Plain DCP: sharded model and optimizer state under the unsplit model's names."""
+    """Plain DCP: sharded model and optimizer state under the unsplit model's names (the optimizer's
+    flattened, per-parameter keys, as the trainer's checkpoints: pipeline stages never collide)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    dcp.save({"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, opt)},
-             checkpoint_id=path)
+    from stalwart.checkpoint.state import FLAT_OPTIM
+
+    dcp.save({"model": get_model_state_dict(module),
+              "optim": get_optimizer_state_dict(module, opt, options=FLAT_OPTIM)}, checkpoint_id=path)
 
 
 def restore(module: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
@@ -113,10 +116,12 @@ def restore(module: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> N
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    state = {"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, opt)}
+    from stalwart.checkpoint.state import FLAT_OPTIM
+
+    state = {"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, opt, options=FLAT_OPTIM)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, state["model"])
-    set_optimizer_state_dict(module, opt, state["optim"])
+    set_optimizer_state_dict(module, opt, state["optim"], options=FLAT_OPTIM)
 
 
 def parse_layout(text: str) -> dict[str, int]:

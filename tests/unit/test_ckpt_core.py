@@ -115,6 +115,45 @@ def test_capture_before_first_step_leaves_optimizer_untouched():
     assert not any(k.startswith("optim.state") for k in captured.tensors)
 
 
+def test_optimizer_state_is_keyed_per_parameter_and_the_cache_reads_fresh_hyperparameters():
+    """Hyperparameters are stored per parameter name (a pipeline stage holds different parameters than
+    its peer, so group-indexed keys would collide in one checkpoint), one object per parameter, and
+    the capture cache, which reuses DCP's dict across steps, still reports the scheduler's current lr."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from stalwart.checkpoint.state import FLAT_OPTIM, unpack_hyperparameters
+
+    model, opt, sched = tiny()
+    ts = TrainingState({"model": model, "optim": opt}, 0, rng=False)
+    step(model, opt, sched)
+    first = ts.capture()
+    step(model, opt, sched)  # lr changes; AdamW updates its state tensors in place (a cache hit)
+    second = ts.capture()
+    names = [n for n, _ in model.named_parameters()]
+    assert {k for k in second.objects if k.startswith("optim.")} == {f"optim.param_groups.{n}" for n in names}
+    assert {k for k in second.tensors if k.startswith("optim.")} == {
+        f"optim.state.{n}.{s}" for n in names for s in ("step", "exp_avg", "exp_avg_sq")}
+    key = f"optim.param_groups.{names[0]}"
+    lr = dict(second.objects[key])["lr"]
+    assert lr == opt.param_groups[0]["lr"] == pytest.approx(dict(first.objects[key])["lr"] * 2 / 3)
+    # exactly what DCP gives and takes with flatten_optimizer_state_dict=True
+    fresh = get_optimizer_state_dict(model, opt, options=FLAT_OPTIM)
+    ours = unpack_hyperparameters({k.removeprefix("optim."): v for k, v in (second.objects | second.tensors).items()
+                                   if k.startswith("optim.")})
+    assert ours.keys() == fresh.keys()
+    assert all(ours[k] is v if isinstance(v, torch.Tensor) else ours[k] == v for k, v in fresh.items())
+
+
+def test_a_checkpoint_without_per_parameter_hyperparameters_is_refused_with_the_reason():
+    model, opt, _ = tiny()
+    step(model, opt)
+    ts = TrainingState({"model": model, "optim": opt}, 0, rng=False)
+    nested = ts.state_dict(for_load=True)
+    nested["optim"] = {k: v for k, v in nested["optim"].items() if not k.startswith("param_groups.")}
+    with pytest.raises(ValueError, match="predates the flattened optimizer state"):
+        ts.load(nested)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple of checkpoint.memory_every"):
         load_config(None, {"checkpoint.memory_every": "3", "checkpoint.persist_every_steps": "5"}).validate()

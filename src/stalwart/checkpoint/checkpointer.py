@@ -294,6 +294,15 @@ class Checkpointer:
             for e in status.get("events", []):
                 if e.get("step") == step and e.get("kind") in ("failed", "skipped"):
                     raise RuntimeError(f"the keeper could not persist step {step}: {e['detail']}")
+            if all(slot.step != step for slot in complete_slots(self.paths, self.rank)):
+                # Newer snapshots overwrote it before the keeper took it (the keeper was still busy
+                # with an older step): nobody will persist it, so waiting would only run out the timeout.
+                status = read_json(self.paths.keeper_status) or {}
+                if int(status.get("last_committed", -1)) >= step:
+                    self.pending_persist = None
+                    return
+                raise RuntimeError(f"step {step} is no longer held in memory (overwritten before the keeper "
+                                   "persisted it)")
             if self.local_rank == 0:
                 before = self._keeper_proc
                 self._ensure_keeper()

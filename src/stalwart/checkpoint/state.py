@@ -4,6 +4,14 @@
 
 The nested state dict is flattened with DCP's own flattening, so the keys we write into a checkpoint
 are exactly the keys ``torch.distributed.checkpoint.load`` derives from the same nested dict.
+
+Optimizer states use DCP's *flattened* form (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): every
+key names its parameter. The nested form keys hyperparameters by group index (``param_groups.0.*``,
+with the group's parameter list as one object), which is per rank under pipeline parallelism — stages
+hold different parameters — so a checkpoint could keep only one stage's groups and the others failed
+to load (``KeyError: 'betas'``). One parameter's hyperparameters are stored as one object,
+``param_groups.<fqn>`` = ((name, value), ...), not one per name: a dozen times fewer small objects to
+copy at every snapshot and to write at every persist.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from torch import nn
 # DCP's flattening is private API; torch is pinned (constraints.txt) and the keys must match DCP's.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _flatten_optim_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -29,6 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 RNG_KEY = "rng"
 Path_ = tuple[str | int, ...]
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: see the module doc
+_PG_PREFIX = "param_groups."
 
 
 @dataclass
@@ -133,8 +145,7 @@ class TrainingState:
         out: dict[str, Any] = {}
         for name, value in self.items.items():
             if isinstance(value, torch.optim.Optimizer):
-                out[name] = (_optimizer_state_dict(self.owner[name], value, True) if for_load
-                             else self._optimizer_state_dict(name, value))
+                out[name] = self._optimizer_state_dict(name, value, for_load)
             elif isinstance(value, nn.Module):
                 out[name] = self._model_state_dict(name, value) if not for_load else get_model_state_dict(value)
             elif isinstance(value, dict):
@@ -159,11 +170,16 @@ class TrainingState:
             cached = self._model_cache[name] = (key, sd)
         return dict(cached[1])
 
-    def _optimizer_state_dict(self, name: str, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """DCP's optimizer state dict, reused while the optimizer holds the same state tensors (it
-        updates them in place); hyperparameters (lr, ...) are read fresh from ``param_groups``."""
-        if not optim.state:
-            return _optimizer_state_dict(self.owner[name], optim, False)
+    def _optimizer_state_dict(self, name: str, optim: torch.optim.Optimizer, for_load: bool = False
+                              ) -> dict[str, Any]:
+        """DCP's flattened optimizer state dict (``FLAT_OPTIM``) with packed hyperparameters."""
+        return pack_hyperparameters(_flatten_optim_state_dict(self._nested_optimizer_state_dict(name, optim, for_load)))
+
+    def _nested_optimizer_state_dict(self, name: str, optim: torch.optim.Optimizer, for_load: bool) -> dict[str, Any]:
+        """DCP's nested optimizer state dict, reused while the optimizer holds the same state tensors
+        (it updates them in place); hyperparameters (lr, ...) are read fresh from ``param_groups``."""
+        if for_load or not optim.state:
+            return _optimizer_state_dict(self.owner[name], optim, for_load)
         key = (len(optim.param_groups), *((id(p), *(id(v) for v in st.values())) for p, st in optim.state.items()))
         cached = self._optim_cache.get(name)
         if cached is None or cached[0] != key:
@@ -173,9 +189,10 @@ class TrainingState:
                 return sd  # e.g. a float step counter: not a reference that follows the optimizer
             cached = self._optim_cache[name] = (key, sd)
         sd = cached[1]
+        # fresh group dicts: flattening pops their "params", the cached ones must stay whole
         groups = [{**g, **{k: v for k, v in live.items() if k != "params"}}
                   for g, live in zip(sd["param_groups"], optim.param_groups)]
-        return {"state": dict(sd["state"]), "param_groups": groups}
+        return {"state": sd["state"], "param_groups": groups}
 
     def capture(self) -> Captured:
         flat, mappings = flatten_state_dict(self.state_dict())
@@ -190,7 +207,13 @@ class TrainingState:
                 continue
             sd = nested[name]
             if isinstance(value, torch.optim.Optimizer):
-                set_optimizer_state_dict(self.owner[name], value, sd)
+                if any(g["params"] for g in value.param_groups) and not any(k.startswith(_PG_PREFIX) for k in sd):
+                    raise ValueError(
+                        f"the checkpoint holds no hyperparameters of optimizer {name!r} under per-parameter keys "
+                        f"({name}.{_PG_PREFIX}<parameter>): it predates the flattened optimizer state "
+                        "(docs/parallelism.md); resume it with the stalwart version that wrote it, or point "
+                        "checkpoint.dir elsewhere to start fresh")
+                set_optimizer_state_dict(self.owner[name], value, unpack_hyperparameters(sd), options=FLAT_OPTIM)
             elif isinstance(value, nn.Module):
                 set_model_state_dict(value, sd)
             elif isinstance(value, dict):
@@ -208,7 +231,7 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 
 def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, for_load: bool) -> dict[str, Any]:
-    """DCP's optimizer state dict. DCP initialises an optimizer without state and gradients by
+    """DCP's nested optimizer state dict. DCP initialises an optimizer without state and gradients by
     running a zero-lr step; a load needs that (tensors to load into), a save must not change the
     optimizer, so it shows DCP one placeholder gradient and gets the honest, empty state instead."""
     if for_load or optim.state or any(p.grad is not None for g in optim.param_groups for p in g["params"]):
@@ -219,6 +242,31 @@ def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, for_lo
         return get_optimizer_state_dict(model, optim)
     finally:
         first.grad = None
+
+
+def pack_hyperparameters(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """DCP's flattened optimizer dict with the ``param_groups.<fqn>.<name>`` entries of one parameter
+    merged into ``param_groups.<fqn>`` = ((name, value), ...) (a tuple: DCP stores it as one item)."""
+    out: dict[str, Any] = {}
+    packed: dict[str, list[tuple[str, Any]]] = {}
+    for key, value in flat.items():
+        if key.startswith(_PG_PREFIX):
+            param, _, name = key.rpartition(".")
+            packed.setdefault(param, []).append((name, value))
+        else:
+            out[key] = value
+    return out | {param: tuple(pairs) for param, pairs in packed.items()}
+
+
+def unpack_hyperparameters(packed: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`pack_hyperparameters`: the dict ``set_optimizer_state_dict`` takes."""
+    out: dict[str, Any] = {}
+    for key, value in packed.items():
+        if key.startswith(_PG_PREFIX):
+            out.update((f"{key}.{name}", v) for name, v in value)
+        else:
+            out[key] = value
+    return out
 
 
 def set_path(nested: dict[str, Any], path: Path_, value: Any) -> None:

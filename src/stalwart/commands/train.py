@@ -19,19 +19,27 @@ EPILOG = """\
 config overrides:
   Any config key can be set as --section.key VALUE (or --section.key=VALUE), e.g.
     --train.steps 50 --train.global_batch 32 --parallel.dp_mode fsdp --data.seq_len 256
-  Sections: model, data, train, parallel (see configs/debug.toml for every key and its meaning).
+  Sections: model, data, train, parallel, checkpoint, guard (see configs/debug.toml for every key;
+  layouts: docs/parallelism.md).
 
 examples:
   stalwart train --config configs/debug.toml                 # one process
   stalwart train --config configs/debug.toml --nproc 2       # two local workers (DDP over gloo)
+  stalwart train --nproc 4 --parallel.dp_mode fsdp --parallel.tp 2    # FSDP2 x TP2 (2-D mesh)
+  stalwart train --nproc 2 --parallel.pp 2 --parallel.schedule interleaved_1f1b --parallel.virtual_stages 2
+  stalwart train --nproc 2 --model.name debug-moe --parallel.dp_mode fsdp --parallel.ep 2
+  stalwart train --nproc 4 --parallel.layout auto             # the planner picks (and explains) the layout
   torchrun --nproc-per-node 2 -m stalwart train --config configs/debug.toml
 """
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="train a LLaMA-style model (DDP or FSDP2)",
-        description="Train a LLaMA-style decoder on prepared token data. Under a launcher (torchrun, "
+        "train", help="train a LLaMA-style model (DDP, FSDP2, TP+SP, PP, MoE EP, or an auto layout)",
+        description="Train a LLaMA-style decoder on prepared token data under any parallel layout of the "
+                    "[parallel] section: DDP or FSDP2/HSDP data parallel, tensor + sequence parallel, "
+                    "pipeline stages (1F1B, interleaved 1F1B, GPipe), MoE expert parallel, combined on one "
+                    "device mesh, or parallel.layout=auto (the planner's choice). Under a launcher (torchrun, "
                     "stalwart run) it uses the launcher's environment; otherwise --nproc N spawns N "
                     "local workers. Metrics go to OUT_DIR/metrics.jsonl, the summary to OUT_DIR/summary.json.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -291,7 +291,9 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, options: Par
         apply_recompute(part.layers, options.recompute, options.recompute_every)
     hook_state = None
     if layout.uses_ddp:
-        ddp = DDP(model, process_group=mesh["dp_replicate"].get_group(),
+        # No buffer broadcast: the model's buffers (RoPE tables) are computed alike on every rank, and a
+        # broadcast in every forward would hide a slow peer's delay inside each rank's compute time.
+        ddp = DDP(model, process_group=mesh["dp_replicate"].get_group(), broadcast_buffers=False,
                   device_ids=[device.index] if device.type == "cuda" else None)
         hook_state = compress_mod.register(ddp, options.compress, powersgd_rank=options.powersgd_rank,
                                            powersgd_start_iter=options.powersgd_start_iter)

@@ -1,0 +1,97 @@
+"""Elastic shrink with a layout change: a TP2 × DP2 job on two nodes (two workers each, `--nnodes 1:2`)
+loses a whole node and goes on as TP2 on the node left, from the last checkpoint both nodes committed,
+resharded from four ranks to two, with the global batch unchanged. The master, its rendezvous store
+and the node-loss helper are those of test_elastic.py; the model and data are test_train_layouts.py's
+(constant learning rate), so the shrunk run is compared with a 1-process run step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from stalwart.checkpoint import Storage
+from stalwart.launch.journal import Journal
+
+from .test_elastic import RDZV, lose_node, start_master
+from .test_master import TOKEN
+from .test_train_layouts import COMMON, RTOL, train
+
+pytestmark = pytest.mark.e2e
+STEPS, BATCH, WORKERS = 10, 8, 2  # BATCH: test_train_layouts' global batch
+
+
+def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> subprocess.Popen:
+    """One node of the TP2 job: an agent with two workers; dp is whatever the ranks allow (2, then 1)."""
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "1:2", "--nproc-per-node", str(WORKERS),
+           "--rdzv-backend", "c10d", "--rdzv-id", job, "--rdzv-conf", RDZV,
+           "--master", address, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "3",
+           "--chaos", "slow:seconds=0.2",  # every step: the node is lost mid-run, not after it
+           "--run-dir", str(tmp_path / f"run{n}"),
+           "-m", "stalwart", "train", *COMMON, f"--data.dir={data}", f"--train.steps={STEPS}",
+           "--parallel.tp=2", f"--train.out_dir={tmp_path / 'out'}", "--checkpoint.enabled=true",
+           f"--checkpoint.dir={tmp_path / 'ckpt'}", "--checkpoint.persist_every_steps=2",
+           f"--checkpoint.keep_last={STEPS}", "--checkpoint.keeper_idle_s=20"]  # keep the one shrunk from
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"),
+                            start_new_session=True)
+
+
+def node_log(tmp_path: Path, n: int) -> str:
+    return (tmp_path / f"node{n}.log").read_text()[-4000:]
+
+
+def test_losing_a_node_shrinks_tp2_dp2_to_tp2_and_training_continues_on_the_curve(stdlib_data, tmp_path):
+    job = f"elastic-tp-{uuid.uuid4().hex[:8]}"
+    master, address = start_master(tmp_path)
+    nodes = [start_node(tmp_path, stdlib_data, address, job, n) for n in range(2)]
+    pool = ThreadPoolExecutor(1)  # the 1-process reference runs while the job waits on rendezvous
+    reference = pool.submit(train, tmp_path / "ref", stdlib_data, nproc=1, steps=STEPS)
+    try:
+        storage = Storage(str(tmp_path / "ckpt"))
+        deadline = time.monotonic() + 150
+        committed = None
+        while committed is None:  # a checkpoint of both nodes' four ranks to shrink from
+            assert time.monotonic() < deadline, "no four-rank checkpoint was committed"
+            assert all(p.poll() is None for p in nodes), node_log(tmp_path, 0)
+            latest = storage.latest()
+            manifest = storage.manifest(latest) if latest else None
+            committed = latest if manifest and manifest["world_size"] == 2 * WORKERS else None
+            time.sleep(0.1)
+        assert committed < STEPS - 2, f"the job was nearly done ({committed}) before the node was lost"
+        lose_node(nodes[1], job, 1)
+        assert nodes[0].wait(timeout=180) == 0, node_log(tmp_path, 0)
+
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert summary["world_size"] == WORKERS and summary["steps"] == STEPS
+        assert {k: v for k, v in summary["layout"]["degrees"].items() if v > 1} == {"tp": 2}
+        ck = summary["checkpoint"]  # the last start: two ranks, from a committed four-rank checkpoint
+        assert ck["restored_from"] == "storage" and ck["restore_step"] >= committed, ck
+        assert storage.manifest(ck["restore_step"])["world_size"] == 2 * WORKERS
+        # The global batch is unchanged (grad accumulation doubled): every sample of the order once.
+        assert summary["samples_consumed"] == STEPS * BATCH and summary["global_batch"] == BATCH
+        # Steps redone after the restart are logged again; the later record wins, and every step is there.
+        records = {}
+        for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            records[record["step"]] = record
+        assert sorted(records) == list(range(1, STEPS + 1))
+        assert all(r["samples_consumed"] == s * BATCH for s, r in records.items())
+        ref = reference.result()["losses"]  # on the 1-process curve before and after the shrink
+        for s, r in records.items():
+            assert abs(r["loss"] - ref[s - 1]) <= RTOL * abs(ref[s - 1]), f"step {s}: {r['loss']} vs {ref[s - 1]}"
+        decisions = Journal(tmp_path / "journal.sqlite").decisions()
+        assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node1" for d in decisions)
+    finally:
+        for n, p in enumerate(nodes):
+            if p.poll() is None:
+                lose_node(p, job, n)
+        master.terminate()
+        master.wait(10)
+        pool.shutdown()
