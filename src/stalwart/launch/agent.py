@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
@@ -49,6 +50,7 @@ from stalwart.launch.zygote import Zygote
 
 log = logging.getLogger("stalwart.agent")
 LOG_TAIL_BYTES = 256 << 10
+ENV_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # stalwart run sets it: a fresh store per round
 
 
 class NodeEvicted(RuntimeError):
@@ -173,6 +175,7 @@ class StalwartAgent(LocalElasticAgent):
         self._leave: str | None = None  # set when the master evicts this node
         # chaos slow:at=node: a straggler on demand (stops and continues the workers, see health.throttle)
         self.throttle = Throttle(self._worker_pids, slowdown) if slowdown else None
+        self._worker_store: TCPStore | None = None  # this round's worker store, on group rank 0's node
         self._stop_beats = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat_loop, name="stalwart-heartbeat", daemon=True)
 
@@ -192,6 +195,7 @@ class StalwartAgent(LocalElasticAgent):
             self._stop_beats.set()
             self._beats.join(5)
             self.reader.close()
+            self._worker_store = None
 
     def _worker_pids(self) -> list[int]:
         return [self.worker_pid(p) for p in self._pcontext.pids().values()] if self._pcontext is not None else []
@@ -262,10 +266,33 @@ class StalwartAgent(LocalElasticAgent):
         if self.zygote is not None:
             self.zygote.ensure()  # a zygote that exited (stale code) is replaced for this start
         self._started_at = time.time()
-        started = super()._start_workers(worker_group)
+        if self._serve_worker_store(worker_group):
+            # TorchElastic tells workers to use the agent's store when the rendezvous shares its own;
+            # ours is fresh per round, so the flag is raised for this call only.
+            os.environ[ENV_NO_SHARED_STORE] = "0"
+            try:
+                started = super()._start_workers(worker_group)
+            finally:
+                os.environ[ENV_NO_SHARED_STORE] = "1"
+        else:
+            started = super()._start_workers(worker_group)
         if self.throttle is not None:
             self.throttle.resume()
         return started
+
+    def _serve_worker_store(self, worker_group: WorkerGroup) -> bool:
+        """Host this round's worker store (the TCPStore of the workers' process group) on the node of
+        group rank 0, before any worker starts. Otherwise rank 0 hosts it, and restarted ranks that
+        start together race it: a client that connects first backs off for up to ~0.7 s, the largest
+        share of a warm restart. A new store per round: torch's shared store keeps the previous
+        round's keys (see run.py). False where torch shares its rendezvous store (the user's choice)."""
+        if os.environ.get(ENV_NO_SHARED_STORE) != "1":
+            return False
+        self._worker_store = None  # the previous round's server stops with it
+        if worker_group.group_rank == 0:
+            self._worker_store = TCPStore(host_name=worker_group.master_addr, port=worker_group.master_port,
+                                          is_master=True, multi_tenant=True, wait_for_workers=False)
+        return True
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         incident = self._pending

@@ -172,7 +172,8 @@ def run(argv: list[str]) -> int:
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     # A fresh worker store every round. torch shares the rendezvous TCP store with the workers
     # across rounds without a per-round prefix, so restarted workers read their predecessors' gloo
-    # addresses and fail with "connectFullMesh ... Connection refused", burning a restart.
+    # addresses and fail with "connectFullMesh ... Connection refused", burning a restart. The agent
+    # of group rank 0 hosts each round's store itself (StalwartAgent._serve_worker_store).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
