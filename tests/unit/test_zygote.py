@@ -31,6 +31,7 @@ if what == "segv":
     os.kill(os.getpid(), signal.SIGSEGV)
 if what == "graceful":
     signal.signal(signal.SIGTERM, lambda *_: (open("graceful.txt", "w").write("saved"), sys.exit(7)))
+    open("handler-ready", "w").close()
 if what == "stop":
     os.kill(os.getpid(), signal.SIGSTOP)
 if what in ("graceful", "sleep"):
@@ -47,6 +48,7 @@ def zygote(tmp_path, monkeypatch):
     (tmp_path / "job.py").write_text(SCRIPT)
     z = Zygote(["zyg_probe"], tmp_path / "z")
     z.ensure()
+    assert z.socket.exists(), "the zygote is listening"
     yield z
     z.stop()
     assert z.proc.poll() is not None
@@ -96,7 +98,10 @@ def test_death_by_signal_is_reported_as_the_same_signal(zygote, tmp_path):
 def test_sigterm_reaches_the_workers_own_handler(zygote, tmp_path):
     p = start(zygote, tmp_path, "graceful")
     worker_of(zygote, p)
-    time.sleep(0.5)  # let it install its handler
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "handler-ready").exists():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.02)
     os.killpg(p.pid, signal.SIGTERM)  # what TorchElastic does to stop a worker
     assert p.wait(30) == 7
     assert (tmp_path / "graceful.txt").read_text() == "saved"

@@ -285,7 +285,7 @@ class Checkpointer:
             self._keeper_proc = spawn_keeper(self.paths, self.keeper_log)
 
     def _wait_persisted(self, step: int) -> None:
-        t0, spawned = time.monotonic(), 0
+        t0, spawned, gone_since = time.monotonic(), 0, 0.0
         while time.monotonic() - t0 < self.persist_timeout_s:
             status = read_json(self.paths.keeper_status) or {}
             if int(status.get("last_committed", -1)) >= step:
@@ -297,12 +297,11 @@ class Checkpointer:
             if all(slot.step != step for slot in complete_slots(self.paths, self.rank)):
                 # Newer snapshots overwrote it before the keeper took it (the keeper was still busy
                 # with an older step): nobody will persist it, so waiting would only run out the timeout.
-                status = read_json(self.paths.keeper_status) or {}
-                if int(status.get("last_committed", -1)) >= step:
-                    self.pending_persist = None
-                    return
-                raise RuntimeError(f"step {step} is no longer held in memory (overwritten before the keeper "
-                                   "persisted it)")
+                # A grace period covers a keeper that had copied it and is committing.
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > 2.0:
+                    raise RuntimeError(f"step {step} is no longer held in memory (overwritten before the "
+                                       "keeper persisted it)")
             if self.local_rank == 0:
                 before = self._keeper_proc
                 self._ensure_keeper()

@@ -290,8 +290,13 @@ class StalwartAgent(LocalElasticAgent):
             return False
         self._worker_store = None  # the previous round's server stops with it
         if worker_group.group_rank == 0:
-            self._worker_store = TCPStore(host_name=worker_group.master_addr, port=worker_group.master_port,
-                                          is_master=True, multi_tenant=True, wait_for_workers=False)
+            try:
+                self._worker_store = TCPStore(host_name=worker_group.master_addr, port=worker_group.master_port,
+                                              is_master=True, multi_tenant=True, wait_for_workers=False)
+            except (RuntimeError, OSError) as err:  # the free port was taken meanwhile: rank 0 hosts it,
+                log.warning("could not host the worker store on port %s (%s); rank 0 hosts it",  # clients
+                            worker_group.master_port, err)  # elsewhere connect to it the same way
+                return False
         return True
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

@@ -185,6 +185,7 @@ class Server:
         self.path, self.parent = path, parent
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
+        self.inode = os.stat(path).st_ino
         self.listener.listen(128)  # clients may connect while the preload runs; they queue here
         # The first module before any fork; the rest while idle, so the first start waits only for what
         # every worker needs (a script may fail before it imports anything else) and restarts find all.
@@ -234,10 +235,12 @@ class Server:
         os.set_blocking(wake_w, False)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(wake_w)
-        while os.getppid() == self.parent:
+        retiring = False  # no more forks (stale code): serve the running workers to their end, then exit
+        while os.getppid() == self.parent and not (retiring and not self.sessions):
             conns = {s.conn.fileno(): s for s in self.sessions.values() if s.conn is not None}
-            readable, _, _ = select.select([self.listener, wake_r, *(s.conn for s in conns.values())], [], [],
-                                           0.05 if self.pending else 1.0)
+            listen = [] if retiring else [self.listener]
+            readable, _, _ = select.select([*listen, wake_r, *(s.conn for s in conns.values())], [], [],
+                                           0.05 if self.pending and not retiring else 1.0)
             if not readable and self.pending:
                 self.preload_next()
             for r in readable:
@@ -245,7 +248,9 @@ class Server:
                     os.read(wake_r, 4096)
                 elif r is self.listener:
                     if not self.accept():
-                        return
+                        retiring = True
+                        self.listener.close()
+                        os.unlink(self.path)  # the agent starts a fresh zygote for the next start
                 else:  # the only thing a client ever sends after its request is EOF: it died
                     session = conns[r.fileno()]
                     try:
@@ -262,6 +267,7 @@ class Server:
         """Fork a worker for one client; False when this zygote must go (stale code)."""
         conn, _ = self.listener.accept()
         conn.settimeout(10)
+        fds: list[int] = []
         try:
             head, fds, _, _ = socket.recv_fds(conn, 4, 3)
             size = struct.unpack("!I", head)[0]
@@ -277,6 +283,8 @@ class Server:
         except (OSError, ValueError, AssertionError, KeyError, struct.error) as err:
             _reply(conn, {"cold": f"zygote cannot run this worker: {err}"})
             conn.close()
+            for fd in fds:
+                os.close(fd)
             return True
         reason = self.stale() or _unforkable()
         if reason:
@@ -285,6 +293,9 @@ class Server:
             for fd in fds:
                 os.close(fd)
             return False
+        for stream in (sys.stdout, sys.stderr):  # nothing of the zygote's buffers may reach a worker's log
+            stream.flush()
+        zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             for fd in self._wake:
@@ -294,7 +305,7 @@ class Server:
                 if s.conn is not None:
                     s.conn.close()
             conn.close()
-            become_worker(request, fds, os.getppid())
+            become_worker(request, fds, zygote_pid)
         for fd in fds:
             os.close(fd)
         conn.settimeout(None)
@@ -324,7 +335,8 @@ class Server:
             _kill(session.pid)
         self.listener.close()
         try:
-            os.unlink(self.path)
+            if os.stat(self.path).st_ino == self.inode:  # not a successor's socket
+                os.unlink(self.path)
         except OSError:
             pass
 
@@ -347,10 +359,14 @@ def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
 
 
 def _kill(pid: int) -> None:
+    """The worker and what it started (it leads its own process group, as a cold worker does)."""
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # -- the launcher's side --------------------------------------------------------------------------
@@ -398,13 +414,13 @@ class Zygote:
         e.g. on stale code), and the previous workers' pid records are gone."""
         for old in self.pids_dir.iterdir():
             old.unlink(missing_ok=True)
-        if self.proc is not None and self.proc.poll() is None:
-            return
+        if self.proc is not None and self.proc.poll() is None and self.socket.exists():
+            return  # (a retiring zygote has removed its socket; it exits when its workers have)
         self.socket.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stalwart.launch.zygote", "--socket", str(self.socket),
              "--parent", str(os.getpid()), *(f"--preload={m}" for m in self.preload)],
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, start_new_session=True)  # a Ctrl-C to the agent's group is the agent's
         deadline = time.monotonic() + 10  # the socket exists before the preload starts
         while not self.socket.exists() and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -436,6 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent(args.parent)
     server = Server(args.socket, args.preload, args.parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers are stopped by the agent, through their stand-ins
     try:
         server.serve()
     finally:

@@ -43,13 +43,19 @@ def open_fds() -> list[int]:
 
 
 def forward(child: int):
-    def handler(signum: int, _frame) -> None:
+    def send(sig: int) -> None:  # to the worker's process group, as TorchElastic's killpg would
         try:
-            os.kill(child, signum)
-            if signum != signal.SIGUSR1 and signum != signal.SIGUSR2:
-                os.kill(child, signal.SIGCONT)  # a stopped worker keeps a pending SIGTERM forever
-        except ProcessLookupError:
-            pass
+            os.killpg(child, sig)
+        except OSError:
+            try:
+                os.kill(child, sig)
+            except ProcessLookupError:
+                pass
+
+    def handler(signum: int, _frame) -> None:
+        send(signum)
+        if signum != signal.SIGUSR1 and signum != signal.SIGUSR2:
+            send(signal.SIGCONT)  # a stopped worker keeps a pending SIGTERM forever
     return handler
 
 
