@@ -305,7 +305,8 @@ class StalwartAgent(LocalElasticAgent):
         stopped = time.time()
         saved: dict[str, Any] = {}
         # A fault: persist the newest snapshot. A membership change (a node joins): the same, and the
-        # new world resumes from it — the job grows at a checkpoint boundary it makes now, losing no step.
+        # new world resumes from it: the job grows at a checkpoint boundary made now (only a step whose
+        # snapshot was in flight is redone).
         if self.on_failure is not None:
             try:
                 saved = self.on_failure(incident)
