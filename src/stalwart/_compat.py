@@ -1,0 +1,28 @@
+"""Every private PyTorch API stalwart relies on, in one place.
+
+Supported torch range: see ``SUPPORTED_TORCH`` (pyproject.toml pins the tested bounds). Each
+reach-in below has a test in ``tests/unit/test_compat.py`` that fails loudly when torch changes it,
+so a torch upgrade breaks one module and one test file, not the agent or the checkpoint at run time.
+Nothing outside this module imports a private torch name (``torch.*._x``) or patches a torch object.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_TORCH = ("2.11", "2.13")  # lowest and highest minor version tested
+
+# --- elastic agent, launcher, process helpers (torch.distributed.elastic / launcher) ---------------
+
+
+# --- end of elastic agent section -------------------------------------------------------------
+
+
+# --- distributed checkpoint (torch.distributed.checkpoint) -----------------------------------------
+
+
+# --- end of distributed checkpoint section ----------------------------------------------------
+
+
+# --- training (determinism, activation checkpointing) --------------------------------------------
+
+
+# --- end of training section ------------------------------------------------------------------
