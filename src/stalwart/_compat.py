@@ -22,6 +22,12 @@ SUPPORTED_TORCH = ("2.11", "2.13")  # lowest and highest minor version tested
 # --- end of distributed checkpoint section ----------------------------------------------------
 
 
+# --- device mesh (torch.distributed.device_mesh) ---------------------------------------------
+
+
+# --- end of device mesh section ---------------------------------------------------------------
+
+
 # --- training (determinism, activation checkpointing) --------------------------------------------
 
 

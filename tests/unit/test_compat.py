@@ -27,6 +27,12 @@ def test_torch_version_in_supported_range() -> None:
 # --- end of distributed checkpoint section ----------------------------------------------------
 
 
+# --- device mesh (torch.distributed.device_mesh) ---------------------------------------------
+
+
+# --- end of device mesh section ---------------------------------------------------------------
+
+
 # --- training ---------------------------------------------------------------------------------
 
 
