@@ -12,285 +12,20 @@ import json
 import logging
 import re
 import secrets
-import statistics
 import threading
-import time
-from collections import Counter
-from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
-from stalwart.launch import eviction
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
+from stalwart.launch.master_state import ApiError, MasterState
 from stalwart.launch.stragglers import StragglerDetector
 
 log = logging.getLogger("stalwart.master")
 MAX_BODY = 1 << 20
 API = "/v1"
-
-
-class ApiError(Exception):
-    def __init__(self, status: HTTPStatus, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
-    if body.get(name) is None:
-        if required:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"missing field {name!r}")
-        return None
-    value = body[name]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"field {name!r} has the wrong type")
-    return value
-
-
-class MasterState:
-    """Request handling separated from HTTP plumbing, so it reads as the API it is."""
-
-    def __init__(self, journal: Journal, job_id: str, restart_budget: int, node_timeout_s: float,
-                 stragglers: StragglerDetector | None = None, policy: EvictionPolicy | None = None) -> None:
-        self.journal = journal
-        self.job_id = journal.get("job_id") or job_id
-        journal.set("job_id", self.job_id)
-        if journal.get("created") is None:
-            journal.set("created", time.time())
-        journal.set("restart_budget", restart_budget)
-        self.node_timeout_s = node_timeout_s
-        self.rdzv_endpoint: str | None = None  # set when the master serves the rendezvous store
-        self._lock = threading.Lock()  # restart decisions: check-and-spend must be atomic
-        self.stragglers = stragglers or StragglerDetector()
-        self.policy = policy or EvictionPolicy()
-        self.started = time.time()  # this master process; heartbeats older than this are not counted
-        self.compute_s: dict[str, float] = {}  # node → median compute seconds per step, last window
-        journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
-
-    def join(self, body: dict[str, Any]) -> dict[str, Any]:
-        node_id = _field(body, "node_id", str)
-        self.journal.join(node_id, _field(body, "host", str), _field(body, "nproc", int),
-                          _field(body, "info", dict, required=False) or {})
-        self.journal.set(f"evicted.{node_id}", None)  # a node that comes back (repaired) is welcome again
-        return {"job_id": self.job_id, "heartbeat_s": 1.0}
-
-    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
-        node_id = _field(body, "node_id", str)
-        known = self.journal.heartbeat(node_id, _field(body, "progress", dict, required=False) or {},
-                                       _field(body, "info", dict, required=False))
-        if not known:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"node {node_id!r} has not joined this job")
-        window = (body.get("progress") or {}).get("window")
-        if isinstance(window, dict) and isinstance(window.get("compute_s"), (int, float)):
-            self.compute_s[node_id] = float(window["compute_s"])
-            flagged, ratio = self.stragglers.observe(node_id, float(window["compute_s"]))
-            if flagged:
-                self.journal.decide("straggler", f"node {node_id} computes {ratio:.2f}× slower than the "
-                                    f"others for {self.stragglers.k} windows", {"node_id": node_id, "ratio": ratio})
-            if node_id in self.stragglers.flagged and self.policy.stragglers == "evict":
-                self._evict_straggler(node_id, ratio)
-        after = _field(body, "chaos_after", int, required=False)
-        reply: dict[str, Any] = {"ok": True, "chaos": self.journal.chaos_after(after) if after is not None else []}
-        leave = self.leave_reason(node_id)
-        if leave:
-            reply["leave"] = leave
-        return reply
-
-    # -- eviction (the rules are in ``eviction``) -------------------------------------------------
-    def leave_reason(self, node_id: Any) -> str | None:
-        """Why `node_id` must leave the job, if it was evicted (its agent learns it from the reply)."""
-        return self.journal.get(f"evicted.{node_id}") if isinstance(node_id, str) else None
-
-    def evict(self, node_id: str, reason: str, details: dict[str, Any]) -> bool:
-        """Take a node out of the job: journaled, and its agent told to leave; False if it already was."""
-        with self._lock:
-            if self.leave_reason(node_id) is not None:
-                return False
-            self.journal.set(f"evicted.{node_id}", reason)
-            self.journal.set_node_state(node_id, "evicted")
-        self.stragglers.forget(node_id)
-        self.journal.decide("evict", reason, {"node_id": node_id, "acted": True, **details})
-        log.warning("evicted node %s: %s", node_id, reason)
-        return True
-
-    def _waiting_spares(self, nodes: list[dict[str, Any]], leaving: str) -> list[str]:
-        return [n for n in eviction.spares(nodes, fresh_s=self.policy.fresh_s) if n != leaving]
-
-    def _evict_straggler(self, node_id: str, ratio: float | None) -> None:
-        waiting = self._waiting_spares(self.journal.nodes(), node_id)
-        if waiting:
-            self.evict(node_id, f"straggler ({ratio or 0:.2f}× the others for {self.stragglers.k} windows); "
-                       f"spare {waiting[0]} takes its place", {"cause": "straggler", "ratio": ratio, "spares": waiting})
-
-    def precheck(self, body: dict[str, Any]) -> dict[str, Any]:
-        """An agent's node check before it joins a rendezvous round: a failed one evicts the node; a slow
-        one (against the other nodes' prechecks) is a straggler, evicted under the straggler policy."""
-        node_id = _field(body, "node_id", str)
-        ok, matmul_s = _field(body, "ok", bool), float(_field(body, "matmul_s", (int, float)))
-        reasons = [str(r) for r in _field(body, "reasons", list, required=False) or []]
-        details = {"matmul_s": matmul_s, "seconds": body.get("seconds"), "devices": body.get("devices"),
-                   "reasons": reasons, "source": "precheck"}
-        nodes = self.journal.nodes()
-        others = [p["matmul_s"] for n in nodes if n["node_id"] != node_id
-                  and isinstance(p := self.journal.get(f"precheck.{n['node_id']}"), dict) and p.get("ok")]
-        self.journal.set(f"precheck.{node_id}", {"matmul_s": matmul_s, "ok": ok, "time": time.time()})
-        if not ok:
-            incident = self.journal.open_incident(node_id, "precheck", "hardware", {"detected": time.time()}, details)
-            reason = f"precheck failed on node {node_id}: {'; '.join(reasons) or 'no reason given'}"
-            self.evict(node_id, reason, {"cause": "precheck", "incident": incident})
-            return {"admit": False, "reason": reason}
-        ratio = eviction.precheck_ratio(matmul_s, others)
-        if ratio is not None and ratio > self.policy.precheck_slow_factor:
-            self.journal.decide("straggler", f"node {node_id}'s precheck matmul is {ratio:.2f}× the other "
-                                "nodes' median", {"node_id": node_id, "ratio": ratio, "source": "precheck"})
-            waiting = self._waiting_spares(nodes, node_id)
-            if self.policy.stragglers == "evict" and waiting:
-                reason = f"precheck {ratio:.2f}× slower than the other nodes; spare {waiting[0]} takes its place"
-                self.evict(node_id, reason, {"cause": "precheck_slow", "ratio": ratio, "spares": waiting})
-                return {"admit": False, "reason": reason}
-        return {"admit": True, "ratio": ratio}
-
-    def _count_failure(self, node_id: str | None, cls: str | None, details: dict[str, Any]) -> None:
-        """--evict-after-failures: a node that keeps causing failures goes, if ≥ MIN nodes stay."""
-        limit = self.policy.after_failures
-        if not limit or not node_id or cls not in ("system", "hardware") or details.get("consequential"):
-            return
-        caused = [i for i in self.journal.incidents() if i["node_id"] == node_id and i["kind"] != "precheck"
-                  and i["class"] in ("system", "hardware") and not i["details"].get("consequential")]
-        if len(caused) >= limit and eviction.keeps_minimum(self.journal.nodes(), node_id, fresh_s=self.policy.fresh_s):
-            self.evict(node_id, f"node {node_id} caused {len(caused)} failures (limit {limit})",
-                       {"cause": "failures", "incidents": [i["id"] for i in caused]})
-
-    def add_chaos(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Queue a fault for the running job; agents pick it up with their next heartbeat."""
-        from stalwart.chaos import faults
-
-        spec = _field(body, "spec", str)
-        try:
-            parsed = faults.parse(spec)
-        except ValueError as err:
-            raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
-        if not parsed or "\n" in spec:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "spec must be one line with at least one fault")
-        chaos_id = self.journal.add_chaos(spec)
-        self.journal.decide("chaos", f"fault injected: {spec}", {"spec": spec, "chaos_id": chaos_id})
-        return {"id": chaos_id}
-
-    def open_incident(self, body: dict[str, Any]) -> dict[str, Any]:
-        node_id, cls = _field(body, "node_id", str, required=False), _field(body, "class", str, required=False)
-        details = _field(body, "details", dict, required=False) or {}
-        try:
-            incident = self.journal.open_incident(node_id, _field(body, "kind", str), cls,
-                                                  _field(body, "times", dict, required=False) or {}, details)
-        except ValueError as err:
-            raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
-        self._count_failure(node_id, cls, details)
-        return {"id": incident}
-
-    def update_incident(self, incident_id: int, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            found = self.journal.update_incident(incident_id, _field(body, "times", dict, required=False) or {},
-                                                 _field(body, "details", dict, required=False))
-        except ValueError as err:
-            raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
-        if not found:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"no incident {incident_id}")
-        return {"ok": True}
-
-    def request_restart(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One restart from the job-wide budget (not per node: pytorch#108158). Every agent of a
-        job fails together and asks for the same restart round; the first request decides the round
-        and the others get the same answer without spending the budget again."""
-        reason = _field(body, "reason", str)
-        round_ = _field(body, "round", int, required=False)
-        key = f"restart_round.{round_}" if round_ is not None else None
-        with self._lock:
-            leave = self.leave_reason(body.get("node_id"))  # an evicted node restarts nothing: it leaves
-            if key is not None and (earlier := self.journal.get(key)) is not None:
-                return {**earlier, "shared": True, **({"leave": leave} if leave else {})}
-            budget = int(self.journal.get("restart_budget", 0))
-            used = int(self.journal.get("restarts_used", 0))
-            allowed = used < budget
-            if allowed:
-                used = self.journal.increment("restarts_used")
-            answer = {"allowed": allowed, "used": used, "budget": budget}
-            if key is not None:
-                self.journal.set(key, answer)
-            self.journal.decide("restart" if allowed else "give_up", reason,
-                                {"node_id": body.get("node_id"), "round": round_, **answer})
-        return {**answer, "leave": leave} if leave else answer
-
-    def decide(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.journal.decide(_field(body, "action", str), _field(body, "reason", str),
-                                          _field(body, "details", dict, required=False))}
-
-    def status(self) -> dict[str, Any]:
-        now = time.time()
-        nodes = self.journal.nodes()
-        for node in nodes:
-            node["heartbeat_age_s"] = now - node["last_heartbeat"]
-        fresh = self.policy.fresh_s
-        return {"members": eviction.members(nodes, now, fresh), "spares": eviction.spares(nodes, now, fresh),
-                "evicted": [n["node_id"] for n in nodes if n["state"] == "evicted"],
-                "job_id": self.job_id, "created": self.journal.get("created"),
-                "master_starts": self.journal.get("master_starts"),
-                "restart_budget": self.journal.get("restart_budget"),
-                "restarts_used": self.journal.get("restarts_used", 0),
-                "stragglers": sorted(self.stragglers.flagged), "rdzv_endpoint": self.rdzv_endpoint,
-                "nodes": nodes, "incidents": self.journal.incidents(), "decisions": self.journal.decisions()}
-
-    def collect(self) -> Iterator[Any]:
-        """Prometheus metric families, read from the journal at scrape time (no second copy of state)."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        nodes = self.journal.nodes()
-        by_state = GaugeMetricFamily("stalwart_nodes", "Nodes of the job by state", labels=["state"])
-        for node_state in sorted({"alive", "lost", *(n["state"] for n in nodes)}):
-            by_state.add_metric([node_state], sum(n["state"] == node_state for n in nodes))
-        yield by_state
-        yield GaugeMetricFamily("stalwart_restarts_used", "Restarts spent from the job-wide budget",
-                                value=self.journal.get("restarts_used", 0))
-        yield GaugeMetricFamily("stalwart_restart_budget", "Restarts allowed for the whole job",
-                                value=self.journal.get("restart_budget", 0))
-        incidents = CounterMetricFamily("stalwart_incidents", "Journaled incidents by kind and class",
-                                        labels=["kind", "class"])
-        counts = Counter((i["kind"], i["class"] or "") for i in self.journal.incidents())
-        for (kind, cls), count in sorted(counts.items()):
-            incidents.add_metric([kind, cls], count)
-        yield incidents
-        decisions = CounterMetricFamily("stalwart_decisions", "Journaled decisions by action", labels=["action"])
-        for action, count in sorted(Counter(d["action"] for d in self.journal.decisions()).items()):
-            decisions.add_metric([action], count)
-        yield decisions
-        steps = [r["step"] for n in nodes for r in n["progress"].get("ranks", []) if isinstance(r.get("step"), int)]
-        yield GaugeMetricFamily("stalwart_last_step", "Newest step any rank reported (-1 before the first)",
-                                value=max(steps, default=-1))
-        step_time = GaugeMetricFamily("stalwart_step_compute_seconds", "Median over nodes of each node's median "
-                                      "compute time per step in its last window")
-        if self.compute_s:
-            step_time.add_metric([], statistics.median(self.compute_s.values()))
-        yield step_time
-        yield GaugeMetricFamily("stalwart_stragglers", "Nodes flagged as stragglers", value=len(self.stragglers.flagged))
-        yield GaugeMetricFamily("stalwart_master_starts", "Times a master served this journal",
-                                value=self.journal.get("master_starts", 1))
-
-    def sweep(self) -> list[str]:
-        """Mark nodes without a heartbeat for node_timeout_s as lost (after this master has been up
-        that long, so a restarted master does not condemn nodes that were waiting for it)."""
-        now = time.time()
-        if now - self.started < self.node_timeout_s:
-            return []
-        lost = []
-        for node in self.journal.nodes():
-            if node["state"] == "alive" and now - node["last_heartbeat"] > self.node_timeout_s:
-                self.journal.set_node_state(node["node_id"], "lost")
-                self.journal.decide("node_lost", f"no heartbeat for {now - node['last_heartbeat']:.1f} s",
-                                    {"node_id": node["node_id"]})
-                lost.append(node["node_id"])
-        return lost
-
 
 Route = Callable[[MasterState, dict[str, Any], re.Match], dict[str, Any]]
 ROUTES: list[tuple[str, re.Pattern, Route]] = [
@@ -371,9 +106,11 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
             nonlocal registry
             from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+            from stalwart.launch.master_metrics import JournalCollector
+
             if registry is None:
                 registry = CollectorRegistry(auto_describe=False)
-                registry.register(state)  # type: ignore[arg-type]  # a collector: it has collect()
+                registry.register(JournalCollector(state))
             self._reply(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
 
         def do_GET(self) -> None:
