@@ -210,8 +210,8 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         out["error"] = "no step after the restart"
         return out
     resumed = restart_starts[0]["resume_step"]
-    figures = recovery([r for r, e in zip(records, steps) if e["attempt"] <= attempt],
-                       [r for r, e in zip(records, steps) if e["attempt"] > attempt], t_fault,
+    figures = recovery([r for r, e in zip(records, steps, strict=True) if e["attempt"] <= attempt],
+                       [r for r, e in zip(records, steps, strict=True) if e["attempt"] > attempt], t_fault,
                        last_step=k, resumed_step=resumed)
     out["killed_step"], out["resume_step"] = k, resumed
     out["lost_steps"], out["mttr_s"], out["regain_s"] = figures.lost_steps, figures.mttr_s, figures.regain_s

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from stalwart import runtime
 from stalwart.launch.client import MasterClient
 from stalwart.launch.journal import Journal
-from stalwart import runtime
 
 from .test_run import SCRIPT
 

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
+from stalwart import runtime
 from stalwart.health.log_rules import diagnose, last_traceback
 from stalwart.launch.hang import HangDetector, HangPolicy
-from stalwart import runtime
 from stalwart.launch.progress import Progress, ProgressReader
 from stalwart.runtime import ProgressWriter, incident
 

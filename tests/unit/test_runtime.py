@@ -51,7 +51,7 @@ def test_writer_reads_directory_and_rank_from_the_contract_until_reset(tmp_path,
     from stalwart.launch.progress import ProgressReader
 
     monkeypatch.delenv(runtime.ENV_PROGRESS_DIR, raising=False)
-    runtime.report(1, loss=0.5)  # no agent: a no-op, and the writer stays unresolved only until reset
+    runtime.report(1, loss=0.5)  # no agent: a no-op
     assert runtime.writer() is None
     monkeypatch.setenv(runtime.ENV_PROGRESS_DIR, str(tmp_path / "a"))
     monkeypatch.setenv("RANK", "3")

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stalwart.runtime import ENV_PROGRESS_DIR
-from stalwart.runtime.progress import BODY, PHASES, SEQ, SIZE, record_path
+from stalwart.runtime.progress import BODY, PHASES, SEQ, SIZE, incident, phase, record_path
 
-# Shims for callers outside this package's owner, until the merge moves them to stalwart.runtime:
-# launch/agent.py (ENV_DIR), train/rollback.py (incident, phase). Delete after the merge.
-from stalwart.runtime.progress import incident, phase  # noqa: F401  (shim)
-
-ENV_DIR = ENV_PROGRESS_DIR  # shim: launch/agent.py
+# Shims until the merge points their callers at stalwart.runtime, then delete: launch/agent.py imports
+# ENV_DIR from here, train/rollback.py incident and phase.
+ENV_DIR = ENV_PROGRESS_DIR
+__all__ = ["ENV_DIR", "Progress", "ProgressReader", "incident", "phase"]
 
 
 @dataclass(frozen=True)
