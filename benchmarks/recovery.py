@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.demo.recovery_metrics import StepRecord, final_trajectory, goodput, recovery
+from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR, ENV_CHAOS_FILE
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"
@@ -110,9 +111,9 @@ def launch(config: str, args: argparse.Namespace, work: Path, chaos: str, steps:
     """Run the job once under ``config``; returns the launcher's exit code, wall time and paths."""
     work.mkdir(parents=True)
     log_dir, ckpt_dir = work / "log", work / "ckpt"
-    env = dict(os.environ, STALWART_CHAOS=chaos, STALWART_CHAOS_DIR=str(work / "chaos"), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    env.pop("STALWART_CHAOS_FILE", None)
+    env = {**os.environ, ENV_CHAOS: chaos, ENV_CHAOS_DIR: str(work / "chaos"), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop(ENV_CHAOS_FILE, None)
     # Plain torchrun shares its rendezvous store with the workers across restarts without a per-round
     # prefix, so a restarted gloo worker may read its predecessor's address: the first restart then
     # fails ("connectFullMesh ... Connection refused", one more restart) or hangs in init. The baseline

@@ -99,3 +99,17 @@ def test_runtime_imports_nothing_of_stalwart_outside_itself() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not name.startswith("stalwart") or name.startswith("stalwart.runtime"), (path.name, name)
+
+
+def test_every_stalwart_variable_is_named_in_the_contract() -> None:
+    import ast
+    import re
+    from pathlib import Path
+
+    named = {getattr(runtime, n) for n in runtime.__all__ if n.startswith("ENV_")}
+    src = Path(runtime.__file__).parents[1]
+    used = {(path.relative_to(src).as_posix(), node.value) for path in src.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and re.fullmatch(r"STALWART_[A-Z_]+", node.value)}
+    assert {value for _, value in used} <= named, sorted(u for u in used if u[1] not in named)

@@ -31,6 +31,9 @@ ENV_RANKS_PER_NODE = "STALWART_RANKS_PER_NODE"
 ENV_CHECK_SERIAL = "STALWART_CHECK_SERIAL"
 # Set by the user (or a test): the default of `stalwart check --fault`.
 ENV_CHECK_FAULT = "STALWART_CHECK_FAULT"
+# Set by the agent for the zygote client (the warm-start worker command), not read by workers.
+ENV_ZYGOTE_SOCKET = "STALWART_ZYGOTE"
+ENV_ZYGOTE_PIDS = "STALWART_ZYGOTE_PIDS"  # directory: client pid → the forked worker's pid (stack dumps)
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
