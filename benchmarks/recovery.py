@@ -20,15 +20,16 @@ just before firing, so every launcher is timed the same way. Configurations:
                    (stalwart's Checkpointer without stalwart's agent): a DLRover-style flash checkpoint
                    baseline (DLRover itself is not installed), for the issue's regain target.
 
-Definitions (times are wall clock, from the job's own per-step log on rank 0):
+Definitions (times are wall clock, from the job's own per-step log on rank 0). MTTR, regain, lost
+steps and goodput are ``stalwart.demo.recovery_metrics``' (the same as ``stalwart demo``'s):
 
 * **MTTR** = fault time (kill) → first step completed after the restart.
 * **regain** = fault time → first completion of a step past the killed step (step K+1).
 * **lost_steps** = killed step K − step the restarted job resumed from.
-* **goodput** = Σ step time (forward+backward+all-reduce+optimizer, without checkpoint calls) of the
-  steps in the final trajectory (the last completion of each step 1..N) ÷ wall time of the whole job
-  (launcher start → launcher exit, so cold start and teardown count). The job is short (one fault in
-  ~25 s of work, harsher than one per minute) so the benchmark fits in minutes.
+* **goodput** = productive time of the final trajectory (the last completion of each step 1..N; a
+  step's ``dt`` = forward+backward+all-reduce+optimizer, the checkpoint call timed apart) ÷ wall time
+  of the whole job (launcher start → launcher exit, so cold start and teardown count). The job is
+  short (one fault in ~25 s of work, harsher than one per minute) so the benchmark fits in minutes.
 * **goodput_1fpm** = steady efficiency × (1 − fault_cost / 60 s): one fault per minute of a long job,
   where steady efficiency = Σ step time ÷ Σ step-to-step wall time over fault-free steps (checkpoint
   stalls included, startup amortised) and fault_cost = wall time from the first completion of the step
@@ -72,6 +73,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.demo.recovery_metrics import StepRecord, final_trajectory, goodput, recovery
+from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR, ENV_CHAOS_FILE
+
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"
 LAUNCHERS = ("stalwart", "torchrun_dcp", "torchrun_flash", "stalwart_cold")
@@ -107,9 +111,9 @@ def launch(config: str, args: argparse.Namespace, work: Path, chaos: str, steps:
     """Run the job once under ``config``; returns the launcher's exit code, wall time and paths."""
     work.mkdir(parents=True)
     log_dir, ckpt_dir = work / "log", work / "ckpt"
-    env = dict(os.environ, STALWART_CHAOS=chaos, STALWART_CHAOS_DIR=str(work / "chaos"), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    env.pop("STALWART_CHAOS_FILE", None)
+    env = {**os.environ, ENV_CHAOS: chaos, ENV_CHAOS_DIR: str(work / "chaos"), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop(ENV_CHAOS_FILE, None)
     # Plain torchrun shares its rendezvous store with the workers across restarts without a per-round
     # prefix, so a restarted gloo worker may read its predecessor's address: the first restart then
     # fails ("connectFullMesh ... Connection refused", one more restart) or hangs in init. The baseline
@@ -174,17 +178,15 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     steps = [e for e in logs[0] if e["ev"] == "step"]
     faults = [e for r in logs for e in logs[r] if e["ev"] == "fault"]
     starts = [e for r in logs for e in logs[r] if e["ev"] == "start"]
-    final: dict[int, dict[str, Any]] = {}
-    for e in steps:  # appended in time order: a redone step's later record wins
-        final[e["step"]] = e
+    records = [StepRecord(e["step"], e["t"], e["dt"]) for e in steps]  # dt excludes the checkpoint call
+    final = final_trajectory(records)
     out: dict[str, Any] = {"rc": run["rc"], "wall_s": run["t_end"] - run["t_start"],
                            "finished": run["rc"] == 0 and sorted(final) == list(range(1, run["steps"] + 1)),
                            "attempts": len({e["attempt"] for e in starts})}
-    useful = sum(e["dt"] for e in final.values())
     if steps:
         out["startup_s"] = steps[0]["t"] - run["t_start"]  # launcher start → first step done
         out["teardown_s"] = run["t_end"] - steps[-1]["t"]  # last step done → launcher exit
-    out["goodput"] = useful / out["wall_s"]
+    out["goodput"] = goodput(records, out["wall_s"])
     tokens_per_step = args.nproc * args.batch * args.seq_len
     first = [e for e in steps if e["attempt"] == 0]
     gaps = [(b["t"] - a["t"], b["dt"]) for a, b in zip(first, first[1:])
@@ -209,17 +211,17 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         out["error"] = "no step after the restart"
         return out
     resumed = restart_starts[0]["resume_step"]
+    figures = recovery([r for r, e in zip(records, steps, strict=True) if e["attempt"] <= attempt],
+                       [r for r, e in zip(records, steps, strict=True) if e["attempt"] > attempt], t_fault,
+                       last_step=k, resumed_step=resumed)
     out["killed_step"], out["resume_step"] = k, resumed
-    out["lost_steps"] = k - resumed
-    out["mttr_s"] = after[0]["t"] - t_fault
-    past = [e for e in after if e["step"] > k]
-    out["regain_s"] = past[0]["t"] - t_fault if past else None
+    out["lost_steps"], out["mttr_s"], out["regain_s"] = figures.lost_steps, figures.mttr_s, figures.regain_s
     # fault cost for goodput_1fpm: wall from the first completion of the resumed step to the regain,
     # minus the final trajectory's step time in that interval
     base = next((e["t"] for e in first if e["step"] == resumed), t_fault if resumed == 0 else None)
-    if past and base is not None and efficiency:
-        redo = sum(final[s]["dt"] for s in range(resumed + 1, k + 2) if s in final)
-        out["fault_cost_s"] = past[0]["t"] - base - redo
+    if figures.regain_s is not None and base is not None and efficiency:
+        redo = sum(final[s].productive_s for s in range(resumed + 1, k + 2) if s in final)
+        out["fault_cost_s"] = t_fault + figures.regain_s - base - redo
         out["goodput_1fpm"] = efficiency * max(0.0, 1 - out["fault_cost_s"] / 60.0)
     # what the restart was spent on: journal (stalwart) + the restarted workers' own log
     r0 = restart_starts

@@ -7,12 +7,13 @@ a world of one over an in-memory store, so DDP/FSDP code need not special-case i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from stalwart.runtime import worker_env
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,8 @@ class DistEnv:
 
 
 def launched() -> bool:
-    """True when a launcher set up the torch.distributed environment variables."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    """True when a launcher set up the torch.distributed environment variables (RANK and WORLD_SIZE)."""
+    return worker_env().launched
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
@@ -40,20 +41,17 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv
         backend = "nccl" if use_cuda else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("parallel.backend='nccl' needs CUDA; use 'gloo' (or 'auto') on a CPU machine")
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    env = worker_env()
+    device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        if launched():
+        if env.launched:
             dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistEnv(rank, world, local_rank, local_world, device, backend)
+    return DistEnv(env.rank, env.world_size, env.local_rank, env.local_world_size, device, backend)
 
 
 def shutdown() -> None:

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from stalwart import runtime
 from stalwart.launch.client import MasterClient
 from stalwart.launch.journal import Journal
-from stalwart.launch.progress import incident
 
 from .test_run import SCRIPT
 
@@ -74,7 +74,11 @@ def test_injected_kill_recovers_and_worker_incidents_are_journaled(tmp_path, mon
         # ... and one through the workers' own API, as rank 1 would call it.
         monkeypatch.setenv("STALWART_PROGRESS_DIR", str(incidents.parent))
         monkeypatch.setenv("RANK", "1")
-        assert incident("sdc", "hardware", step=5, evict=True)
+        runtime.reset()  # the contract is read once per process (as in a freshly forked worker)
+        try:
+            assert runtime.incident("sdc", "hardware", step=5, evict=True)
+        finally:
+            runtime.reset()
         wait_for("the sdc", lambda: any(i["kind"] == "sdc" for i in client.status()["incidents"]))
 
         before = step()

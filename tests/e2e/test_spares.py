@@ -137,7 +137,7 @@ WORK = """
 import argparse, json, os, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from stalwart.launch.progress import report
+from stalwart import report
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", type=Path, required=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from stalwart.launch.demo import JobResult, lost_steps, recoveries, report
+from stalwart.demo.job import JobResult
+from stalwart.demo.report import lost_steps, recoveries, report
 
 
 def incident(node: str, kind: str, fault: float | None, detected: float, first_step: float | None,
@@ -44,6 +45,8 @@ def test_report_goodput_and_comparison():
     assert [(i["injected"], i["kind"], i["lost_steps"]) for i in result["incidents"]] == \
         [("kill", "sigkill", 2), ("hang", "hang", 0)]
     assert result["incidents"][0]["detected_s"] == 0.2 and result["incidents"][0]["mttr_s"] == 5.0
+    assert result["incidents"][0]["regain_s"] == 7.0  # step 6 (past step 5) at t=17
+    assert result["incidents"][1]["mttr_s"] == result["incidents"][1]["regain_s"] == 21.1  # step 9 at t=41
     assert result["goodput"] == 10 / 50  # 10 surviving steps of 1 s (redone steps 4, 5 count once)
     assert result["stall_s"] == 0.75 and result["bitwise_equal"] is True
     assert report(job, [], "other", False)["bitwise_equal"] is False

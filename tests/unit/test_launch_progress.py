@@ -4,9 +4,11 @@ import time
 
 import pytest
 
+from stalwart import runtime
 from stalwart.health.log_rules import diagnose, last_traceback
 from stalwart.launch.hang import HangDetector, HangPolicy
-from stalwart.launch.progress import Progress, ProgressReader, ProgressWriter, incident
+from stalwart.launch.progress import Progress, ProgressReader
+from stalwart.runtime import ProgressWriter, incident
 
 
 def _hammer(directory, n):
@@ -145,15 +147,25 @@ def test_progress_carries_compute_time(tmp_path):
     assert ProgressReader(tmp_path).read(0).compute_s == 0.25
 
 
-def test_incident_appends_one_json_line_per_call_for_the_agent(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_runtime():
+    """The contract is read once per process: forget it before and after a test that changes it."""
+    runtime.reset()
+    yield
+    runtime.reset()
+
+
+def test_incident_appends_one_json_line_per_call_for_the_agent(tmp_path, monkeypatch, fresh_runtime):
     import json
 
     import stalwart
 
     monkeypatch.delenv("STALWART_PROGRESS_DIR", raising=False)
+    runtime.reset()
     assert stalwart.incident("rollback", step=3) is False
     monkeypatch.setenv("STALWART_PROGRESS_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "2")
+    runtime.reset()  # the contract is read once per process; a forked worker resets it
     assert stalwart.incident is incident
     assert incident("rollback", step=12, verdict="nan", value=float("nan"), skipped_samples=[32, 48])
     assert incident("sdc", "hardware", step=12, evict=True, rank=2)

@@ -38,3 +38,78 @@ def test_read_lazily_once_until_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     runtime.reset()
     assert runtime.worker_env().rank == 6
     runtime.reset()
+
+
+@pytest.fixture
+def fresh_runtime():
+    runtime.reset()
+    yield
+    runtime.reset()
+
+
+def test_writer_reads_directory_and_rank_from_the_contract_until_reset(tmp_path, monkeypatch, fresh_runtime) -> None:
+    from stalwart.launch.progress import ProgressReader
+
+    monkeypatch.delenv(runtime.ENV_PROGRESS_DIR, raising=False)
+    runtime.report(1, loss=0.5)  # no agent: a no-op
+    assert runtime.writer() is None
+    monkeypatch.setenv(runtime.ENV_PROGRESS_DIR, str(tmp_path / "a"))
+    monkeypatch.setenv("RANK", "3")
+    assert runtime.writer() is None, "read once: a running worker's contract does not change"
+    runtime.reset()  # what the zygote's forked child does before running the worker
+    runtime.report(7, loss=0.25)
+    with runtime.phase("eval"):
+        seen = ProgressReader(tmp_path / "a").read(3)
+        assert (seen.step, seen.loss, seen.phase) == (7, 0.25, "eval")
+    runtime.finished()
+    assert ProgressReader(tmp_path / "a").read(3).phase == "done"
+    assert runtime.record_path(tmp_path / "a", 3).exists()
+    runtime.fault_fired(123.5)
+    assert float(runtime.fault_path(tmp_path / "a", 3).read_text()) == 123.5
+
+
+def test_chaos_variables_are_read_live(monkeypatch, fresh_runtime) -> None:
+    monkeypatch.setenv(runtime.ENV_CHAOS, "kill:step=1")
+    monkeypatch.delenv(runtime.ENV_CHAOS_FILE, raising=False)
+    assert runtime.worker_env().chaos == "kill:step=1"
+    monkeypatch.setenv(runtime.ENV_CHAOS, "kill:step=2")  # e.g. `stalwart run --chaos` in the agent's process
+    monkeypatch.setenv(runtime.ENV_CHAOS_DIR, "/markers")
+    assert runtime.chaos_now() == ("kill:step=2", "")
+    assert runtime.chaos_marker_dir() == "/markers"
+
+
+def test_import_stalwart_is_stdlib_only_and_reads_nothing() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, stalwart, stalwart.runtime as r; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'rich')); "
+            "assert not bad, bad; assert r.env._current is None and not r.progress._resolved; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_runtime_imports_nothing_of_stalwart_outside_itself() -> None:
+    import ast
+    from pathlib import Path
+
+    for path in Path(runtime.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("stalwart") or name.startswith("stalwart.runtime"), (path.name, name)
+
+
+def test_every_stalwart_variable_is_named_in_the_contract() -> None:
+    import ast
+    import re
+    from pathlib import Path
+
+    named = {getattr(runtime, n) for n in runtime.__all__ if n.startswith("ENV_")}
+    src = Path(runtime.__file__).parents[1]
+    used = {(path.relative_to(src).as_posix(), node.value) for path in src.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and re.fullmatch(r"STALWART_[A-Z_]+", node.value)}
+    assert {value for _, value in used} <= named, sorted(u for u in used if u[1] not in named)

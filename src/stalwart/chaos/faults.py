@@ -38,9 +38,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_SPEC = "STALWART_CHAOS"
-ENV_DIR = "STALWART_CHAOS_DIR"
-ENV_FILE = "STALWART_CHAOS_FILE"
+from stalwart import runtime
+
+# The contract's names (stalwart.runtime), under the names chaos callers and tests know them by.
+ENV_SPEC = runtime.ENV_CHAOS
+ENV_DIR = runtime.ENV_CHAOS_DIR
+ENV_FILE = runtime.ENV_CHAOS_FILE
 ACTIONS = ("kill", "segv", "exit", "raise", "exception", "hang", "stop", "delay", "slow", "nan", "spike",
            "node-fail")
 ALIASES = {"exception": "raise", "slow": "delay"}
@@ -80,7 +83,7 @@ class Fault:
 
     @property
     def marker(self) -> Path:
-        root = Path(os.environ.get(ENV_DIR) or Path(tempfile.gettempdir()) / "stalwart-chaos")
+        root = Path(runtime.chaos_marker_dir() or Path(tempfile.gettempdir()) / "stalwart-chaos")
         return root / (hashlib.sha1(self.text.encode()).hexdigest()[:16] + ".fired")
 
     def claim(self) -> bool:
@@ -99,9 +102,8 @@ class Fault:
     def fire(self) -> None:
         assert self.action not in NUMERIC + NODE, "numeric and node faults are applied by the caller"
         print(f"stalwart chaos: firing {self.text!r} in pid {os.getpid()}", file=sys.stderr, flush=True)
-        progress_dir = os.environ.get("STALWART_PROGRESS_DIR")
-        if progress_dir and self.action != "delay":  # the agent reads when the fault began (exact MTTR)
-            Path(progress_dir, f"rank{os.environ.get('RANK', '0')}.fault").write_text(repr(time.time()))
+        if self.action != "delay":  # the agent reads when the fault began (exact MTTR)
+            runtime.fault_fired()
         if self.action in ("kill", "segv", "stop"):
             sig = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "stop": signal.SIGSTOP}[self.action]
             os.kill(os.getpid(), sig)
@@ -168,10 +170,9 @@ def reset_cache() -> None:
     _cache = _file_cache = None
 
 
-def _file_faults() -> list[Fault]:
+def _file_faults(path: str) -> list[Fault]:
     """Faults from ``STALWART_CHAOS_FILE``; a bad line is reported once and skipped, never fatal."""
     global _file_cache
-    path = os.environ.get(ENV_FILE, "")
     if not path:
         return []
     try:
@@ -192,13 +193,14 @@ def _file_faults() -> list[Fault]:
 def due(point: str, step: int | None = None, rank: int | None = None) -> Fault | None:
     """The fault to fire now at ``point`` (claimed, so it will not fire again), or None.
 
-    Cheap when neither ``STALWART_CHAOS`` nor ``STALWART_CHAOS_FILE`` is set: two dict lookups.
+    Cheap when neither ``STALWART_CHAOS`` nor ``STALWART_CHAOS_FILE`` is set: two dict lookups, read
+    live (``runtime.chaos_now``) because the agent sets them in its own process after start.
     """
     global _cache
-    spec = os.environ.get(ENV_SPEC, "")
+    spec, path = runtime.chaos_now()
     if spec and (_cache is None or _cache[0] != spec):
         _cache = (spec, parse(spec))
-    for fault in (_cache[1] if spec and _cache else []) + _file_faults():
+    for fault in (_cache[1] if spec and _cache else []) + _file_faults(path):
         if fault.matches(point, step, rank) and fault.claim():
             return fault
     return None

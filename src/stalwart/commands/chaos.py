@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from stalwart.chaos import faults
+from stalwart.runtime import ENV_CHAOS, ENV_JOB_TOKEN, worker_env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "the given rank after the given step (omit either to mean any). Name the job by "
                     "--run-dir (the master address and token the run wrote there) or by --master and "
                     "--job-token. With --print, or no target, only print the spec for `stalwart run "
-                    "--chaos SPEC` / STALWART_CHAOS.",
+                    f"--chaos SPEC` / {ENV_CHAOS}.",
         epilog="examples:  stalwart chaos kill --rank 1 --at-step 120 --run-dir runs/demo/job\n"
                "           stalwart chaos slow --rank 0 --seconds 0.5 --master http://127.0.0.1:29600\n"
                "           stalwart run --chaos \"$(stalwart chaos hang --rank 1 --at-step 50 --print)\" ...",
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="the job's run directory (reads master.json and, for a single-host job, token)")
     target.add_argument("--master", default=None, help="job master URL (http://HOST:PORT)")
     target.add_argument("--job-token", default=None,
-                        help="job token (default $STALWART_JOB_TOKEN, else RUN_DIR/token)")
+                        help=f"job token (default ${ENV_JOB_TOKEN}, else RUN_DIR/token)")
     p.add_argument("--print", action="store_true", dest="print_only", help="print the spec; inject nothing")
     p.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
     p.set_defaults(handler=run)
@@ -84,11 +84,11 @@ def resolve_target(run_dir: Path | None, master: str | None, token: str | None) 
             raise ValueError(f"{address_file} does not exist: is a `stalwart run --run-dir {run_dir}` job running? "
                              "Or name the master with --master URL --job-token TOKEN")
         master = json.loads(address_file.read_text())["address"]
-    token = token or os.environ.get("STALWART_JOB_TOKEN")
+    token = token or worker_env().job_token
     if not token and run_dir is not None and (run_dir / "token").exists():
         token = (run_dir / "token").read_text().strip()
     if not token:
-        raise ValueError("no job token: pass --job-token or set STALWART_JOB_TOKEN (a job with a separate "
+        raise ValueError(f"no job token: pass --job-token or set {ENV_JOB_TOKEN} (a job with a separate "
                          "`stalwart master` keeps its token next to the master's --db)")
     assert master is not None
     return master, token

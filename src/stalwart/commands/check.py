@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from stalwart.commands.train import QUIET_ENV
+from stalwart.runtime import ENV_CHECK_FAULT, ENV_CHECK_SERIAL, ENV_PARENT_REPORTS, ENV_RANKS_PER_NODE, worker_env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slow-factor", type=float, default=2.0,
                    help="burn-in: a node slower than this × the median node is a straggler (default 2.0; "
                         "one-shot timings vary by 1.4× on a shared host)")
-    p.add_argument("--fault", default=os.environ.get("STALWART_CHECK_FAULT"),
-                   help="inject a fault for tests: node-fail:node=N | slow:node=N[:factor=F] | nan:node=N")
+    p.add_argument("--fault", default=None,
+                   help="inject a fault for tests: node-fail:node=N | slow:node=N[:factor=F] | nan:node=N "
+                        f"(default ${ENV_CHECK_FAULT})")
     p.add_argument("--out", type=Path, help="write the JSON report here (rank 0)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(handler=run)
@@ -44,7 +44,7 @@ def _worker(args: argparse.Namespace, cfg) -> dict[str, Any] | None:
 
     env = init_distributed()
     torch.set_num_threads(1)
-    ranks_per_node = int(os.environ.get("STALWART_RANKS_PER_NODE", env.local_world_size))
+    ranks_per_node = worker_env().ranks_per_node or env.local_world_size
     try:
         report = summarize(run_check(cfg, ranks_per_node, env.device))
     finally:
@@ -60,26 +60,27 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     from stalwart.dist import launched
     from stalwart.health.check import CheckConfig, Fault
 
+    contract = worker_env()
+    fault = args.fault or contract.check_fault or None
     cfg = CheckConfig(matmul_size=args.matmul_size, iters=args.iters,
                       collective_elems=max(1, int(args.collective_mb * (1 << 20) / 4)),
-                      slow_factor=args.slow_factor, fault=Fault.parse(args.fault),
-                      serial=bool(os.environ.get("STALWART_CHECK_SERIAL")))
+                      slow_factor=args.slow_factor, fault=Fault.parse(fault), serial=contract.check_serial)
     if launched():
         report = _worker(args, cfg)
-        if os.environ.get(QUIET_ENV):  # spawned by a local parent, which prints the report
+        if contract.parent_reports:  # spawned by a local parent, which prints the report
             return 0
     else:
         if args.nodes < 2 or args.nproc_per_node < 1:
             raise ValueError("need --nodes ≥ 2 and --nproc-per-node ≥ 1 for a paired check")
-        from stalwart.train.launch import spawn_local
+        from stalwart.launch.local import spawn_local
 
         out = args.out or Path(tempfile.mkdtemp(prefix="stalwart-check-")) / "report.json"
         spawn_local(args.nodes * args.nproc_per_node,
                     ["check", "--matmul-size", str(args.matmul_size), "--iters", str(args.iters),
                      "--collective-mb", str(args.collective_mb), "--slow-factor", str(args.slow_factor),
-                     "--out", str(out), *(["--fault", args.fault] if args.fault else [])],
-                    env={"STALWART_RANKS_PER_NODE": str(args.nproc_per_node), QUIET_ENV: "1",
-                         "STALWART_CHECK_SERIAL": "1"})
+                     "--out", str(out), *(["--fault", fault] if fault else [])],
+                    env={ENV_RANKS_PER_NODE: str(args.nproc_per_node), ENV_PARENT_REPORTS: "1",
+                         ENV_CHECK_SERIAL: "1"})
         report = json.loads(out.read_text())
     if report is None:
         return 0

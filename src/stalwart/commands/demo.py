@@ -1,6 +1,7 @@
 """`stalwart demo`: the main job of `make demo` — a 2-node job that survives injected faults.
 
-Thin on purpose: the orchestration and the report's definitions live in `stalwart.launch.demo`.
+Thin on purpose: the orchestration lives in `stalwart.demo`, the figures' definitions in
+`stalwart.demo.recovery_metrics`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Start a job master and two `stalwart run` agents (\"nodes\", one worker each) on this "
                     "host, train the debug model with flash checkpoints, and inject a SIGKILL, an exception and "
                     "a hang on rank 1 at 1/4, 1/2 and 3/4 of the steps. Incidents print as the master journals "
-                    "them. The report gives, per incident, detection time, MTTR (fault → next completed step) "
-                    "and lost steps; goodput (surviving step time ÷ wall time); checkpoint stall; and whether "
+                    "them. The report gives, per incident, detection time, MTTR (fault → next completed step), "
+                    "regain (fault → back past the step before the fault) and lost steps; goodput (productive "
+                    "step time of the final trajectory ÷ wall time); checkpoint stall; and whether "
                     "the final weights are bitwise equal to a fault-free run (run once, cached in "
                     "OUT_DIR/reference.json).")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
@@ -55,7 +57,8 @@ def _faults(text: str, no_faults: bool) -> tuple[str, ...]:
 def run(args: argparse.Namespace, *_: Any) -> int:
     from rich.console import Console
 
-    from stalwart.launch.demo import DemoOptions, run_demo
+    from stalwart.demo.job import DemoOptions
+    from stalwart.demo.run import run_demo
 
     opts = DemoOptions(steps=args.steps, out_dir=args.out_dir, faults=_faults(args.faults, args.no_faults),
                        hang_timeout_s=args.hang_timeout, reference=not args.no_reference)
@@ -75,12 +78,12 @@ def _print_report(console: Any, result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="incidents")
-    for column in ("injected", "at step", "detected as", "detected (s)", "MTTR (s)", "lost steps"):
+    for column in ("injected", "at step", "detected as", "detected (s)", "MTTR (s)", "regain (s)", "lost steps"):
         table.add_column(column)
     for inc in result["incidents"]:
         table.add_row(*(str(v) if v is not None else "-" for v in (
             inc["injected"], inc["at_step"], f"{inc['kind']} ({inc['class']})", inc["detected_s"], inc["mttr_s"],
-            inc["lost_steps"])))
+            inc["regain_s"], inc["lost_steps"])))
     console.print(table)
     equal = {True: "[bold green]yes[/]", False: "[bold red]NO[/]", None: "not compared"}[result["bitwise_equal"]]
     console.print(f"steps {result['steps']} · wall {result['wall_s']:.1f} s · restarts {result['restarts_used']} · "

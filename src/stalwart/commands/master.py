@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.launch import eviction, stragglers
+from stalwart.runtime import ENV_JOB_TOKEN, worker_env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--db", type=Path, default=Path("runs/master/journal.sqlite"),
                    help="SQLite journal; reuse it to resume after a master restart")
     p.add_argument("--job-id", default="job", help="job name recorded in the journal (default job)")
-    p.add_argument("--job-token", default=os.environ.get("STALWART_JOB_TOKEN"),
-                   help="job token (default: $STALWART_JOB_TOKEN, else read from or created in "
+    p.add_argument("--job-token", default=None,
+                   help=f"job token (default: ${ENV_JOB_TOKEN}, else read from or created in "
                         "DB_DIR/token with mode 0600)")
     p.add_argument("--restart-budget", type=int, default=3, help="restarts allowed for the whole job (default 3)")
     p.add_argument("--node-timeout", type=float, default=30.0,
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     if args.restart_budget < 0:
         raise ValueError(f"--restart-budget must be ≥ 0, got {args.restart_budget}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    token = load_or_create_token(args.db.parent / "token", args.job_token)
+    token = load_or_create_token(args.db.parent / "token", args.job_token or worker_env().job_token or None)
     master = Master(args.db, token, args.host, args.port, args.job_id, args.restart_budget, args.node_timeout,
                     stragglers.from_args(args), rdzv_port=args.rdzv_port, policy=eviction.from_args(args))
     master.start()

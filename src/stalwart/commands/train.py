@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.commands.common import emit
-
-QUIET_ENV = "STALWART_PARENT_REPORTS"  # set by a parent that prints the summary itself
+from stalwart.runtime import ENV_PARENT_REPORTS, worker_env
 
 EPILOG = """\
 config overrides:
@@ -75,11 +74,11 @@ def train(config: Path | None, overrides: dict[str, Any], nproc: int = 1,
     if nproc == 1:
         return _train_worker(cfg)
     from stalwart.data import ensure_default_corpus
-    from stalwart.train.launch import spawn_local
+    from stalwart.launch.local import spawn_local
 
     if cfg.data.prepare_default:
         ensure_default_corpus(cfg.data.dir)
-    spawn_local(nproc, ["train", *(worker_argv or [])], env={QUIET_ENV: "1"})
+    spawn_local(nproc, ["train", *(worker_argv or [])], env={ENV_PARENT_REPORTS: "1"})  # the parent prints the summary
     return json.loads((Path(cfg.train.out_dir) / "summary.json").read_text())
 
 
@@ -109,6 +108,6 @@ def _train_worker(cfg) -> dict[str, Any] | None:
 def run(args: argparse.Namespace, overrides: dict[str, Any], raw_argv: list[str]) -> int:
     worker_argv = _strip(_strip(raw_argv, "--nproc", True), "--json", False)
     summary = train(args.config, overrides, args.nproc, worker_argv)
-    if summary is not None and not os.environ.get(QUIET_ENV):
+    if summary is not None and not worker_env().parent_reports:
         emit(summary, args.json, "training summary")
     return 0

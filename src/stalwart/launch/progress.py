@@ -1,44 +1,33 @@
-"""Worker → agent progress over shared memory: one tiny memory-mapped record per rank.
+"""The agent's half of the progress channel: consistent reads of every local rank's record.
 
-`stalwart.report(step, loss=...)` writes step, wall time, phase and loss into a 64-byte record with a
-seqlock (an odd sequence number means "being written"), so a step costs one `struct.pack_into` and no
-system call, let alone a network round trip. The node agent reads every rank's record when it
-heartbeats and when it checks for hangs. Extra metrics go to a per-rank JSONL file, flushed at most
-once a second, for the agent to forward in batches.
-
-Incidents (a rollback, a hardware fault found by the worker itself) are rare and must not be lost:
-`stalwart.incident(...)` appends one JSON line to ``rank<r>.incidents.jsonl`` at once, and the agent
-forwards them to the job journal.
-
-Without a stalwart agent (no ``STALWART_PROGRESS_DIR``) every call is a cheap no-op.
+Workers write their records with ``stalwart.report`` (``stalwart.runtime.progress``: a 64-byte
+seqlocked record per rank in ``STALWART_PROGRESS_DIR``); the node agent reads them here when it
+heartbeats and when it checks for hangs. The record format and file naming live in the runtime, the
+one contract both sides import.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import mmap
 import os
-import struct
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-ENV_DIR = "STALWART_PROGRESS_DIR"
-PHASES = ("init", "train", "checkpoint", "eval", "done")
-# The sequence number (offset 0) is written on its own: struct.pack_into zero-fills its target first,
-# so packing it together with the body would briefly show seq = 0 (even) to a reader mid-write.
-_SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qdIxxxxdQd")  # step, time, phase, pad, loss, steps_reported, compute_s
-SIZE = 64
-assert _SEQ.size + _BODY.size <= SIZE
+from stalwart.runtime import ENV_PROGRESS_DIR
+from stalwart.runtime.progress import BODY, PHASES, SEQ, SIZE, incident, phase, record_path
+
+# Shims until the merge points their callers at stalwart.runtime, then delete: launch/agent.py imports
+# ENV_DIR from here, train/rollback.py incident and phase.
+ENV_DIR = ENV_PROGRESS_DIR
+__all__ = ["ENV_DIR", "Progress", "ProgressReader", "incident", "phase"]
 
 
 @dataclass(frozen=True)
 class Progress:
+    """One rank's record as the agent read it."""
+
     rank: int
     step: int  # -1 before the first report
     time: float  # wall-clock time of the last report (or of channel creation)
@@ -49,68 +38,6 @@ class Progress:
 
     def age(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.time
-
-
-def record_path(directory: str | Path, rank: int) -> Path:
-    return Path(directory) / f"rank{rank}.progress"
-
-
-class ProgressWriter:
-    """The worker side. One per process; create through `writer()`."""
-
-    def __init__(self, directory: str | Path, rank: int) -> None:
-        path = record_path(directory, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, SIZE)
-            self._map = mmap.mmap(fd, SIZE)
-        finally:
-            os.close(fd)
-        self.rank = rank
-        # Continue the sequence of a previous writer of this record (a restarted worker): starting
-        # over at 0 would let a reader see the same even number before and after a torn copy.
-        previous = _SEQ.unpack_from(self._map, 0)[0]
-        self._seq = previous + (previous % 2)
-        self._step, self._phase, self._loss, self._reports, self._compute = -1, 0, math.nan, 0, math.nan
-        self._metrics_path = Path(directory) / f"rank{rank}.metrics.jsonl"
-        self._pending: list[str] = []
-        self._flushed = time.monotonic()
-        self._publish()
-
-    def _publish(self) -> None:
-        self._seq += 1  # odd: write in progress
-        _SEQ.pack_into(self._map, 0, self._seq)
-        _BODY.pack_into(self._map, _SEQ.size, self._step, time.time(), self._phase, self._loss,
-                        self._reports, self._compute)
-        self._seq += 1  # even: consistent
-        _SEQ.pack_into(self._map, 0, self._seq)
-
-    def report(self, step: int, loss: float | None = None, compute_s: float | None = None,
-               **metrics: Any) -> None:
-        self._step, self._reports = step, self._reports + 1
-        self._loss = math.nan if loss is None else float(loss)
-        self._compute = math.nan if compute_s is None else float(compute_s)
-        if self._phase == 0:
-            self._phase = 1  # a report means training has started
-        self._publish()
-        if metrics:
-            self._pending.append(json.dumps({"step": step, "time": time.time(), "loss": loss, **metrics}))
-            if time.monotonic() - self._flushed > 1.0:
-                self.flush()
-
-    def set_phase(self, phase: str) -> None:
-        if phase not in PHASES:
-            raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
-        self._phase = PHASES.index(phase)
-        self._publish()
-
-    def flush(self) -> None:
-        if self._pending:
-            with open(self._metrics_path, "a") as f:
-                f.write("\n".join(self._pending) + "\n")
-            self._pending.clear()
-        self._flushed = time.monotonic()
 
 
 class ProgressReader:
@@ -138,13 +65,13 @@ class ProgressReader:
         if m is None:
             return None
         for _ in range(1000):
-            before = _SEQ.unpack_from(m, 0)[0]
+            before = SEQ.unpack_from(m, 0)[0]
             data = m[:SIZE]
-            after = _SEQ.unpack_from(m, 0)[0]
+            after = SEQ.unpack_from(m, 0)[0]
             if before == after and before % 2 == 0:
-                step, stamp, phase, loss, reports, compute = _BODY.unpack_from(data, _SEQ.size)
-                return Progress(rank, step, stamp, PHASES[phase] if phase < len(PHASES) else "train",
-                                loss, reports, compute)
+                step, stamp, phase_index, loss, reports, compute = BODY.unpack_from(data, SEQ.size)
+                name = PHASES[phase_index] if phase_index < len(PHASES) else "train"
+                return Progress(rank, step, stamp, name, loss, reports, compute)
         return None
 
     def forget(self, rank: int) -> None:
@@ -156,77 +83,3 @@ class ProgressReader:
     def close(self) -> None:
         for rank in list(self._maps):
             self.forget(rank)
-
-
-_writer: ProgressWriter | None = None
-_resolved = False
-
-
-def writer() -> ProgressWriter | None:
-    """This process's writer, created on first use when an agent set STALWART_PROGRESS_DIR."""
-    global _writer, _resolved
-    if not _resolved:
-        _resolved = True
-        directory = os.environ.get(ENV_DIR)
-        if directory:
-            _writer = ProgressWriter(directory, int(os.environ.get("RANK", "0")))
-    return _writer
-
-
-def report(step: int, loss: float | None = None, compute_s: float | None = None, **metrics: Any) -> None:
-    """Tell the agent that `step` completed (call once per optimizer step, after it). `compute_s`:
-    the step's own work without communication waits (e.g. from `observe.timers.SectionTimer`),
-    which lets the master spot a slow node although synchronous training paces every rank alike."""
-    w = writer()
-    if w is not None:
-        w.report(step, loss, compute_s, **metrics)
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Mark a long non-step phase (checkpoint, eval) so hang detection allows for it."""
-    w = writer()
-    if w is None:
-        yield
-        return
-    w.set_phase(name)
-    try:
-        yield
-    finally:
-        w.set_phase("train")
-
-
-def finished() -> None:
-    """This rank will report no more steps (teardown may take a while without being a hang)."""
-    w = writer()
-    if w is not None:
-        w.set_phase("done")
-
-
-def _strict(value: Any) -> Any:
-    """Non-finite floats as "nan"/"inf" strings: strict JSON for any reader."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {str(k): _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value
-
-
-def incident(kind: str, cls: str = "training", step: int | None = None, **detail: Any) -> bool:
-    """Journal an incident the worker detected itself (``kind`` e.g. rollback, rollback_limit, sdc;
-    ``cls`` training | hardware | ...). Appends ``{"time", "rank", "kind", "class", "step", "detail"}``
-    as one line to ``$STALWART_PROGRESS_DIR/rank<RANK>.incidents.jsonl`` for the agent to forward;
-    returns False (and writes nothing) without an agent. ``detail`` must be JSON-serialisable."""
-    directory = os.environ.get(ENV_DIR)
-    if not directory:
-        return False
-    rank = int(os.environ.get("RANK", "0"))
-    line = json.dumps({"time": time.time(), "rank": rank, "kind": kind, "class": cls, "step": step,
-                       "detail": _strict(detail)})
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    with open(Path(directory) / f"rank{rank}.incidents.jsonl", "a") as f:
-        f.write(line + "\n")
-        f.flush()
-    return True

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stalwart import chaos
-from stalwart.launch.progress import report
+from stalwart import chaos, report, runtime
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
@@ -38,7 +37,7 @@ while state["step"] < args.steps:
     step = state["step"] + 1
     if args.fault != "none" and rank == args.rank and step == args.at_step and not marker.exists():
         marker.touch()
-        Path(os.environ["STALWART_PROGRESS_DIR"], f"rank{rank}.fault").write_text(repr(time.time()))
+        runtime.fault_fired()  # when the fault began, for the agent's incident
         if args.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif args.fault == "segv":

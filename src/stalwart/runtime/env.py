@@ -1,11 +1,12 @@
-"""The worker ↔ agent contract: every environment variable a worker reads, in one typed place.
+"""The environment half of the worker ↔ agent contract: every variable a worker reads, in one typed place.
 
-Stdlib only, and it imports nothing of stalwart, so any layer (the trainer, the checkpointer, a user's
-script, the launcher's reader side) can depend on it. Variables are read once per process, lazily:
-a worker forked from the node's zygote gets its environment after the fork, so nothing may be read at
-import time (the zygote imports this module) — and the zygote calls ``reset()`` in each forked child.
+Variables are read once per process, lazily: a worker forked from the node's zygote gets its environment
+after the fork, so nothing may be read at import time (the zygote imports this module) — and the zygote
+calls ``stalwart.runtime.reset()`` in each forked child.
 
-Names: torchrun's own (``RANK``, ``WORLD_SIZE``, ...) plus ``STALWART_*`` set by ``stalwart run``.
+Names: torchrun's own (``RANK``, ``WORLD_SIZE``, ...) plus ``STALWART_*`` set by ``stalwart run`` or by a
+parent command for its local workers. The chaos variables are the exception to "read once": see
+``chaos_now()``. Stdlib only; imports nothing of stalwart.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ ENV_CHAOS_FILE = "STALWART_CHAOS_FILE"  # faults injected into a running job (`s
 ENV_CHAOS_DIR = "STALWART_CHAOS_DIR"  # markers of once-faults that fired (survive restarts)
 # Set by a parent command that prints the workers' report itself (`stalwart train --nproc`, check).
 ENV_PARENT_REPORTS = "STALWART_PARENT_REPORTS"
+# Set by `stalwart check` for its local workers: ranks per simulated node, and burn-ins one node at a time.
+ENV_RANKS_PER_NODE = "STALWART_RANKS_PER_NODE"
+ENV_CHECK_SERIAL = "STALWART_CHECK_SERIAL"
+# Set by the user (or a test): the default of `stalwart check --fault`.
+ENV_CHECK_FAULT = "STALWART_CHECK_FAULT"
+# Set by the agent for the zygote client (the warm-start worker command), not read by workers.
+ENV_ZYGOTE_SOCKET = "STALWART_ZYGOTE"
+ENV_ZYGOTE_PIDS = "STALWART_ZYGOTE_PIDS"  # directory: client pid → the forked worker's pid (stack dumps)
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -56,6 +65,9 @@ class WorkerEnv:
     chaos_file: str = ""
     chaos_dir: str = ""
     parent_reports: bool = False
+    ranks_per_node: int = 0  # 0: not set (one node = local_world_size ranks)
+    check_serial: bool = False
+    check_fault: str = ""
 
     @property
     def under_agent(self) -> bool:
@@ -81,6 +93,9 @@ class WorkerEnv:
             chaos_file=e.get(ENV_CHAOS_FILE, ""),
             chaos_dir=e.get(ENV_CHAOS_DIR, ""),
             parent_reports=bool(e.get(ENV_PARENT_REPORTS)),
+            ranks_per_node=_int(e, ENV_RANKS_PER_NODE, 0),
+            check_serial=bool(e.get(ENV_CHECK_SERIAL)),
+            check_fault=e.get(ENV_CHECK_FAULT, ""),
         )
 
 
@@ -96,6 +111,21 @@ def worker_env() -> WorkerEnv:
 
 
 def reset() -> None:
-    """Forget what was read (the zygote's forked child, tests that change the environment)."""
+    """Forget what was read (``stalwart.runtime.reset()`` also drops the progress writer)."""
     global _current
     _current = None
+
+
+def chaos_now() -> tuple[str, str]:
+    """(spec, spec file) of fault injection as the environment says *now*: two dict lookups per check.
+
+    Not cached, unlike ``worker_env()``: ``stalwart run`` sets ``STALWART_CHAOS*`` in its own process
+    after start and applies node faults there itself, and tests change them between checks.
+    """
+    e = os.environ
+    return e.get(ENV_CHAOS, ""), e.get(ENV_CHAOS_FILE, "")
+
+
+def chaos_marker_dir() -> str:
+    """``STALWART_CHAOS_DIR`` as the environment says now ("" = not set), read when a fault fires."""
+    return os.environ.get(ENV_CHAOS_DIR, "")

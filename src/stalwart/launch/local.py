@@ -1,8 +1,9 @@
-"""`stalwart train --nproc N` without a launcher: spawn N local workers with TorchElastic.
+"""Local workers without a launcher (`stalwart train --nproc N`, `stalwart check`): TorchElastic.
 
-The parent validates the config and prepares data first, so a mistake fails once, before any worker
-starts; the workers are plain `python -m stalwart train ...` processes under torch's own
-elastic agent (c10d rendezvous on a free local port), exactly as `torchrun --standalone` runs them.
+The parent command validates its input first (the trainer's config, its data), so a mistake fails
+once, before any worker starts; the workers are plain `python -m stalwart COMMAND ...` processes under
+torch's own elastic agent (c10d rendezvous on a free local port), exactly as `torchrun --standalone`
+runs them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from stalwart.errors import WorkersFailed
 
 
 def spawn_local(nproc: int, worker_argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Run ``python -m stalwart *worker_argv`` in ``nproc`` local workers with ``env`` added to their
+    environment; WorkersFailed names the rank that most likely caused a failure."""
     if nproc < 1:
         raise ValueError(f"--nproc must be ≥ 1, got {nproc}")
     config = LaunchConfig(

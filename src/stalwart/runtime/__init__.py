@@ -1,0 +1,66 @@
+"""The worker ↔ agent contract, in one place that any layer may import.
+
+- ``env``: every environment variable a worker is told by its launcher (``WorkerEnv``, read lazily
+  once by ``worker_env()``) and the ``ENV_*`` names the launcher sets them by;
+- ``progress``: the worker's half of the progress channel (the 64-byte seqlocked record per rank, its
+  file naming, ``report``/``phase``/``finished``/``incident``); the agent reads it with
+  ``stalwart.launch.progress.ProgressReader``.
+
+Stdlib only, and it imports nothing of stalwart outside this package, so the trainer, the
+checkpointer, a user's script and the launcher's reader side can all depend on it. A worker forked
+from the node's zygote calls ``reset()`` first: the zygote imported this package before the fork.
+"""
+
+from stalwart.runtime.env import (
+    ENV_CHAOS,
+    ENV_CHAOS_DIR,
+    ENV_CHAOS_FILE,
+    ENV_CHECK_FAULT,
+    ENV_CHECK_SERIAL,
+    ENV_JOB_ID,
+    ENV_JOB_TOKEN,
+    ENV_MASTER,
+    ENV_NODE_ID,
+    ENV_PARENT_REPORTS,
+    ENV_PROGRESS_DIR,
+    ENV_RANKS_PER_NODE,
+    ENV_ZYGOTE_PIDS,
+    ENV_ZYGOTE_SOCKET,
+    WorkerEnv,
+    chaos_marker_dir,
+    chaos_now,
+    worker_env,
+)
+from stalwart.runtime.progress import (
+    PHASES,
+    ProgressWriter,
+    fault_fired,
+    fault_path,
+    finished,
+    incident,
+    incidents_path,
+    metrics_path,
+    phase,
+    record_path,
+    report,
+    writer,
+)
+
+
+def reset() -> None:
+    """Forget everything read from the environment and the progress writer built from it (the
+    zygote's forked child, before it runs the worker; tests that change the environment)."""
+    from stalwart.runtime import env, progress
+
+    env.reset()
+    progress.reset_writer()
+
+
+__all__ = [
+    "ENV_CHAOS", "ENV_CHAOS_DIR", "ENV_CHAOS_FILE", "ENV_CHECK_FAULT", "ENV_CHECK_SERIAL", "ENV_JOB_ID",
+    "ENV_JOB_TOKEN", "ENV_MASTER", "ENV_NODE_ID", "ENV_PARENT_REPORTS", "ENV_PROGRESS_DIR", "ENV_RANKS_PER_NODE",
+    "ENV_ZYGOTE_PIDS", "ENV_ZYGOTE_SOCKET",
+    "PHASES", "ProgressWriter", "WorkerEnv", "chaos_marker_dir", "chaos_now", "fault_fired", "fault_path",
+    "finished", "incident", "incidents_path", "metrics_path", "phase", "record_path", "report", "reset",
+    "worker_env", "writer",
+]
