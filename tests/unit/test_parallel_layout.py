@@ -8,8 +8,9 @@ import itertools
 import pytest
 
 from stalwart.models import model_args, moe_args
-from stalwart.train.parallel import (CP_UNSUPPORTED, Layout, ParallelOptions, auto_layout, layout_from_config,
-                                     split_layers, stage_layers)
+from stalwart.plan.auto import auto_layout
+from stalwart.plan.parallel import CP_UNSUPPORTED, Layout, layout_from_config
+from stalwart.train.parallel import ParallelOptions, split_layers, stage_layers
 from stalwart.train.parallel.pipeline import stage_ids
 
 DEBUG = model_args("debug", vocab_size=257, max_seq_len=32)  # 4 layers, 4 heads, 2 kv heads
@@ -26,7 +27,6 @@ def test_layout_sizes_and_description():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(cp=2), "context parallel"),
     (dict(dp_shard=2, ep=4), "must divide parallel.dp_shard"),
     (dict(ep=2), "must divide parallel.dp_shard=1"),
     (dict(tp=0), "positive integer"),
@@ -35,6 +35,14 @@ def test_layout_rejects_with_actionable_message(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Layout(**kwargs)
     assert "CPU" in CP_UNSUPPORTED and "cp = 1" in CP_UNSUPPORTED
+
+
+def test_context_parallel_is_planned_but_not_built():
+    assert Layout(cp=2).world_size == 2  # the planner models cp; the trainer refuses to build it
+    with pytest.raises(ValueError, match="context parallel"):
+        Layout(cp=2).check_model(DEBUG)
+    with pytest.raises(ValueError, match="context parallel"):
+        layout_from_config({"cp": 2}, 2)
 
 
 def test_world_mismatch_names_both_numbers():
