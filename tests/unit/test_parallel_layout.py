@@ -69,6 +69,27 @@ def test_moe_model_checks():
         Layout(tp=2).check_model(DEBUG, moe)
 
 
+def test_mesh_owns_its_flattened_axes():
+    """build_mesh returns a Mesh that holds the flattened axes itself (no module-level cache)."""
+    import torch.distributed as dist
+
+    from stalwart.train.parallel import Mesh, build_mesh, coords
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(Layout())
+        assert isinstance(mesh, Mesh) and set(mesh.flat) == {"dp", "dp_shard", "dp_replicate,dp_shard"}
+        assert mesh["dp"] is mesh.flat["dp"] and mesh["dp_replicate", "dp_shard"].mesh_dim_names == (
+            "dp_replicate", "dp_shard")
+        assert mesh["tp"].mesh_dim_names == ("tp",) and coords(mesh).dp_size == 1
+        assert build_mesh(Layout()).flat["dp"] is not None  # a second mesh gets its own
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
 # -- config → layout ------------------------------------------------------------------------------
 def test_layout_from_config():
     assert layout_from_config({"dp": 2, "tp": 2}, 4) == Layout(dp_shard=2, tp=2)

@@ -16,6 +16,7 @@ from stalwart.plan.memory import (ActivationOptions, MemoryBreakdown, MemoryOpti
 from stalwart.plan.parallel import CP_UNSUPPORTED, Layout, Strategy, layout_from_config
 from stalwart.plan.shape import ModelShape, shape_for
 
-__all__ = ["PlanInputs", "plan", "AutoLayout", "auto_layout", "CP_UNSUPPORTED", "Strategy", "layout_from_config", "GPUS", "Cluster", "GPUSpec", "custom_gpu", "get_gpu", "SearchResult",
-           "StepModel", "search", "step_time", "ActivationOptions", "MemoryBreakdown", "MemoryOptions",
-           "Precision", "memory_per_gpu", "Layout", "ModelShape", "shape_for"]
+__all__ = ["PlanInputs", "plan", "AutoLayout", "auto_layout", "GPUS", "Cluster", "GPUSpec", "custom_gpu", "get_gpu",
+           "SearchResult", "StepModel", "search", "step_time", "ActivationOptions", "MemoryBreakdown",
+           "MemoryOptions", "Precision", "memory_per_gpu", "CP_UNSUPPORTED", "Layout", "Strategy",
+           "layout_from_config", "ModelShape", "shape_for"]
