@@ -105,7 +105,7 @@ def predict(name: str, args: dict) -> dict:
     """The planner's estimate for the trainer's configuration ``name``."""
     from stalwart.models import ModelArgs
     from stalwart.plan.memory import ActivationOptions, MemoryOptions, Precision, memory_per_gpu
-    from stalwart.plan.parallel import Layout
+    from stalwart.plan.parallel import Strategy
     from stalwart.plan.shape import ModelShape
 
     _, seq, gb, mb, _ = CONFIGS[name]
@@ -116,7 +116,7 @@ def predict(name: str, args: dict) -> dict:
         activations=ActivationOptions(sequence_parallel=False, flash_attention=True, dropout=False,
                                       fused_norm=False),
         headroom=0.0)
-    bd = memory_per_gpu(shape, Layout(micro_batch=mb, zero=0, recompute="none"), seq, gb, trainer_profile)
+    bd = memory_per_gpu(shape, Strategy(micro_batch=mb, zero=0, recompute="none"), seq, gb, trainer_profile)
     return {"predicted_bytes": bd.total, "shape_params": shape.total_params(),
             "breakdown_mb": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in bd.gb().items()}}
 

@@ -8,6 +8,11 @@ Nothing outside this module imports a private torch name (``torch.*._x``) or pat
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 SUPPORTED_TORCH = ("2.11", "2.13")  # lowest and highest minor version tested
 
 # --- elastic agent, launcher, process helpers (torch.distributed.elastic / launcher) ---------------
@@ -23,6 +28,23 @@ SUPPORTED_TORCH = ("2.11", "2.13")  # lowest and highest minor version tested
 
 
 # --- device mesh (torch.distributed.device_mesh) ---------------------------------------------
+
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """The axes ``dims`` of ``mesh`` as one axis called ``name`` (FSDP2/HSDP need "dp_shard" and "dp" as
+    single axes). ``DeviceMesh._flatten`` is private in torch 2.11 and 2.13 (torchtitan relies on it too);
+    same signature in both, so no version branch."""
+    return mesh[dims]._flatten(name)
+
+
+def slice_flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """``mesh[dims]`` where some of ``dims`` were made by :func:`flatten_mesh` (HSDP's
+    (dp_replicate, dp_shard) mesh). Torch 2.11 and 2.13 allow it with a deprecation warning and no
+    public replacement; the warning is silenced here, and test_compat fails once torch removes it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh[dims]
 
 
 # --- end of device mesh section ---------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Typed run configuration: TOML file + dotted command-line overrides, validated up front.
+"""Typed run configuration: TOML file + dotted command-line overrides, with per-field checks.
 
     stalwart train --config configs/debug.toml --train.steps 50 --parallel.dp_mode fsdp
 
-Every mistake (unknown key, wrong type, impossible batch split) raises ``ValueError`` with a message
-that says what to change, before any process is started.
+Every mistake (unknown key, wrong type, out-of-range value) raises ``ValueError`` with a message that
+says what to change. A leaf module: it imports nothing of stalwart. What depends on the world size
+and the model (layout, batch split) is checked by ``stalwart.train.resolve.resolve``, before any
+process is started.
 """
 
 from __future__ import annotations
@@ -185,8 +187,10 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def validate(self, world_size: int = 1) -> None:
-        """Check values that do not depend on types alone; `world_size` = all ranks of the job."""
+    def validate(self) -> None:
+        """Check values that types alone do not: choices, signs, ranges, and the checkpoint and guard
+        sections. The layout (degrees × world size × model × batch split) is checked where it is
+        planned, by ``stalwart.train.resolve.resolve``."""
         t, d, p = self.train, self.data, self.parallel
         _choice("parallel.layout", p.layout, ("manual", "auto"))
         _choice("parallel.dp_mode", p.dp_mode, ("ddp", "fsdp"))
@@ -201,27 +205,8 @@ class Config:
             raise ValueError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
             raise ValueError(f"need 0 < train.lr and 0 ≤ train.min_lr ≤ train.lr (got {t.lr}, {t.min_lr})")
-        from stalwart.train.parallel.configure import plan_parallel
-
-        plan_parallel(self, world_size)  # degrees × world size × model × batch split (or the planner's)
         self.checkpoint.validate()
-        from stalwart.data.sampler import parse_skip_ranges
-
-        parse_skip_ranges(d.skip_samples)
         self.guard.validate(self.checkpoint)
-
-
-def grad_accum(global_batch: int, micro_batch: int, dp_world: int) -> int:
-    """Micro-batches per rank per step; re-derived whenever the data-parallel world changes."""
-    per_step = dp_world * micro_batch
-    if global_batch % per_step:
-        fits = [m for m in range(1, global_batch + 1) if global_batch % (dp_world * m) == 0]
-        hint = f"micro_batch in {fits}" if fits else f"a global_batch divisible by {dp_world}"
-        raise ValueError(
-            f"train.global_batch={global_batch} is not divisible by data-parallel ranks ({dp_world}) × "
-            f"train.micro_batch ({micro_batch}) = {per_step}; use {hint}"
-        )
-    return global_batch // per_step
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -136,7 +136,9 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
     import torch.distributed as dist
 
     from stalwart.dist import init_distributed
-    from stalwart.train.parallel import ParallelOptions, auto_layout, build_mesh, layout_from_config, parallelize
+    from stalwart.plan.auto import auto_layout
+    from stalwart.plan.parallel import layout_from_config
+    from stalwart.train.parallel import ParallelOptions, build_mesh, parallelize
 
     env = init_distributed("gloo")
     model = make_model(args, data.vocab_size)

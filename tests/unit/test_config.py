@@ -1,6 +1,11 @@
 import pytest
 
-from stalwart.config import Config, grad_accum, load_config, parse_overrides
+import subprocess
+import sys
+
+from stalwart.config import Config, load_config, parse_overrides
+from stalwart.plan.parallel import Layout
+from stalwart.train.resolve import grad_accum, resolve
 
 
 def test_toml_and_overrides_layer_over_defaults(tmp_path):
@@ -14,7 +19,7 @@ def test_toml_and_overrides_layer_over_defaults(tmp_path):
 
 def test_shipped_configs_load_and_validate():
     for name in ("configs/debug.toml", "configs/small.toml"):
-        load_config(name).validate(world_size=2)
+        resolve(load_config(name), world_size=2)
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -63,7 +68,7 @@ def test_batch_divisibility_is_explained():
 def test_validate_rejects_bad_values(key, value, match):
     cfg = load_config(None, {key: value})
     with pytest.raises(ValueError, match=match):
-        cfg.validate(1)
+        cfg.validate()
 
 
 def test_parse_overrides_forms():
@@ -89,7 +94,7 @@ def test_guard_settings_must_make_a_rollback_possible(overrides, match):
         base = {}
     cfg = load_config(None, {**base, **overrides})
     with pytest.raises(ValueError, match=match):
-        cfg.validate(1)
+        resolve(cfg, 1)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -98,7 +103,7 @@ def test_guard_settings_must_make_a_rollback_possible(overrides, match):
     {"checkpoint.persist_every_steps": "10", "checkpoint.keep_last": "11", "guard.rollback_steps": "100"},
 ])
 def test_guard_settings_that_can_roll_back_validate(overrides):
-    load_config(None, {"guard.enabled": "true", "checkpoint.enabled": "true", **overrides}).validate(1)
+    resolve(load_config(None, {"guard.enabled": "true", "checkpoint.enabled": "true", **overrides}), 1)
 
 
 # -- [parallel]: degrees, model and batch checked before any process starts --------------------------
@@ -120,21 +125,32 @@ def test_guard_settings_that_can_roll_back_validate(overrides):
 ])
 def test_parallel_mistakes_are_explained(overrides, world, match):
     with pytest.raises(ValueError, match=match):
-        load_config(None, overrides).validate(world)
+        resolve(load_config(None, overrides), world)
 
 
 def test_parallel_plan_from_config():
-    from stalwart.train.parallel import Layout, plan_parallel
-
     cfg = load_config(None, {"parallel.dp_mode": "fsdp", "parallel.tp": "2", "parallel.recompute": "selective"})
-    plan = plan_parallel(cfg, 4)
+    plan = resolve(cfg, 4)
     assert plan.layout == Layout(dp_shard=2, tp=2) and plan.options.recompute == "selective"
     assert plan.summary()["describe"] == "dp_shard=2 × tp=2" and "auto" not in plan.summary()
-    hsdp = plan_parallel(load_config(None, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}), 4)
+    assert plan.grad_accum == 16 // (2 * 4) and plan.model_args.n_layers == 4 and plan.moe is None
+    hsdp = resolve(load_config(None, {"parallel.dp_replicate": "2", "parallel.dp_shard": "2"}), 4)
     assert hsdp.layout == Layout(dp_replicate=2, dp_shard=2)
-    pp = plan_parallel(load_config(None, {"parallel.pp": "2", "parallel.layer_split": "1, 3"}), 2)
+    pp = resolve(load_config(None, {"parallel.pp": "2", "parallel.layer_split": "1, 3"}), 2)
     assert pp.options.layer_split == (1, 3) and pp.summary()["schedule"] == "1f1b"
-    auto = plan_parallel(load_config(None, {"parallel.layout": "auto", "train.global_batch": "8",
-                                            "train.micro_batch": "2", "data.seq_len": "32"}), 2)
+    auto = resolve(load_config(None, {"parallel.layout": "auto", "train.global_batch": "8",
+                                      "train.micro_batch": "2", "data.seq_len": "32"}), 2)
     assert auto.layout.world_size == 2 and auto.why.startswith("parallel = 'auto' chose")
     assert auto.summary()["auto"] == auto.why
+    assert resolve(cfg, 4, vocab_size=300).model_args.vocab_size == 300  # the data's vocabulary
+
+
+def test_config_is_a_leaf():
+    """``stalwart.config`` imports nothing above it (no train, data, plan or models module), not even
+    when it validates."""
+    code = ("import sys, stalwart.config as c; c.load_config(None, {'data.skip_samples': '1:2'}).validate(); "
+            "print(' '.join(m for m in sys.modules if m.startswith('stalwart.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "stalwart.config" in loaded
+    above = [m for m in loaded if m.split(".")[1] in ("train", "data", "plan", "models", "checkpoint", "commands")]
+    assert not above, above

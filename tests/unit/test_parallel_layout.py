@@ -8,8 +8,9 @@ import itertools
 import pytest
 
 from stalwart.models import model_args, moe_args
-from stalwart.train.parallel import (CP_UNSUPPORTED, Layout, ParallelOptions, auto_layout, layout_from_config,
-                                     split_layers, stage_layers)
+from stalwart.plan.auto import auto_layout
+from stalwart.plan.parallel import CP_UNSUPPORTED, Layout, layout_from_config
+from stalwart.train.parallel import ParallelOptions, split_layers, stage_layers
 from stalwart.train.parallel.pipeline import stage_ids
 
 DEBUG = model_args("debug", vocab_size=257, max_seq_len=32)  # 4 layers, 4 heads, 2 kv heads
@@ -26,7 +27,6 @@ def test_layout_sizes_and_description():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(cp=2), "context parallel"),
     (dict(dp_shard=2, ep=4), "must divide parallel.dp_shard"),
     (dict(ep=2), "must divide parallel.dp_shard=1"),
     (dict(tp=0), "positive integer"),
@@ -35,6 +35,14 @@ def test_layout_rejects_with_actionable_message(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Layout(**kwargs)
     assert "CPU" in CP_UNSUPPORTED and "cp = 1" in CP_UNSUPPORTED
+
+
+def test_context_parallel_is_planned_but_not_built():
+    assert Layout(cp=2).world_size == 2  # the planner models cp; the trainer refuses to build it
+    with pytest.raises(ValueError, match="context parallel"):
+        Layout(cp=2).check_model(DEBUG)
+    with pytest.raises(ValueError, match="context parallel"):
+        layout_from_config({"cp": 2}, 2)
 
 
 def test_world_mismatch_names_both_numbers():
@@ -59,6 +67,27 @@ def test_moe_model_checks():
         Layout(dp_shard=3, ep=3).check_model(DEBUG, moe)
     with pytest.raises(ValueError, match="tensor parallelism of MoE blocks is not implemented"):
         Layout(tp=2).check_model(DEBUG, moe)
+
+
+def test_mesh_owns_its_flattened_axes():
+    """build_mesh returns a Mesh that holds the flattened axes itself (no module-level cache)."""
+    import torch.distributed as dist
+
+    from stalwart.train.parallel import Mesh, build_mesh, coords
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = build_mesh(Layout())
+        assert isinstance(mesh, Mesh) and set(mesh.flat) == {"dp", "dp_shard", "dp_replicate,dp_shard"}
+        assert mesh["dp"] is mesh.flat["dp"] and mesh["dp_replicate", "dp_shard"].mesh_dim_names == (
+            "dp_replicate", "dp_shard")
+        assert mesh["tp"].mesh_dim_names == ("tp",) and coords(mesh).dp_size == 1
+        assert build_mesh(Layout()).flat["dp"] is not None  # a second mesh gets its own
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 # -- config → layout ------------------------------------------------------------------------------

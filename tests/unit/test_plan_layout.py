@@ -7,7 +7,7 @@ from stalwart.plan.compute import flops_per_token
 from stalwart.plan.hardware import Cluster, custom_gpu, get_gpu
 from stalwart.plan.layout import StepModel, search, step_time
 from stalwart.plan.memory import ActivationOptions, MemoryOptions, Precision, memory_per_gpu
-from stalwart.plan.parallel import Layout, partition_layers
+from stalwart.plan.parallel import Strategy, partition_layers
 from stalwart.plan.shape import ModelShape, shape_for
 
 
@@ -29,7 +29,7 @@ def test_bloom_published_layout_ranks_top10():
     rank = found.rank_of(dp=8, tp=4, pp=12)
     assert rank is not None and rank <= 10, [c.layout for c in found.layouts[:10]]
     # the exact published variant (micro-batch 2, full recompute) fits in 80 GB
-    exact = Layout(8, 4, 12, micro_batch=2, zero=1, recompute="full")
+    exact = Strategy.of(8, 4, 12, micro_batch=2, zero=1, recompute="full")
     assert memory_per_gpu(shape, exact, 2048, 2048, BLOOM_MEM).total <= cluster.gpu.memory_bytes * 0.9
 
 
@@ -63,7 +63,7 @@ def test_rejections_carry_reasons():
 
 def test_pins_are_respected():
     _, _, found = run_search("llama2-7b", "h100", 64, 256, 1, 50, fixed={"tp": 2, "micro_batch": 1})
-    assert found.layouts and all(c.layout.tp == 2 and c.layout.micro_batch == 1 for c in found.layouts)
+    assert found.layouts and all(c.layout.tp == 2 and c.strategy.micro_batch == 1 for c in found.layouts)
 
 
 @pytest.mark.parametrize("pp,v,m", [(4, 1, 8), (8, 1, 32), (4, 2, 16)])
@@ -71,7 +71,7 @@ def test_pipeline_bubble_fraction(pp, v, m):
     # Narayanan et al. 2021: bubble / ideal time = (p - 1) / (v·m) when communication is free
     shape = ModelShape("even", dim=1024, n_layers=16, n_heads=8, kv_heads=8, ffn_hidden=4096, vocab_size=1000)
     fast = custom_gpu(get_gpu("h100"), intra_node_gbps=1e12, inter_node_gbps=1e12)
-    lay = Layout(dp=1, pp=pp, micro_batch=1, virtual_stages=v, zero=1)
+    lay = Strategy.of(dp=1, pp=pp, micro_batch=1, virtual_stages=v, zero=1)
     st = step_time(shape, lay, Cluster(fast, pp), 1024, m, 6e9, model=StepModel())
     assert st.bubble / st.compute == pytest.approx((pp - 1) / (v * m), rel=1e-6)
 

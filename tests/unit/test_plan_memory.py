@@ -12,7 +12,7 @@ from stalwart.models import SPECS, ModelArgs, meta_param_count
 from stalwart.plan.memory import (ActivationOptions, MemoryOptions, Precision, korthikanti_layer_bytes,
                                   layer_activation_bytes, memory_per_gpu, min_nodes_for, model_state_bytes,
                                   stage_memory)
-from stalwart.plan.parallel import Layout, partition_layers
+from stalwart.plan.parallel import Strategy, partition_layers
 from stalwart.plan.shape import ModelShape, shape_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,19 +82,19 @@ def test_tiny_shape_count():
     (3, 2 * N_TINY / 8, 2 * N_TINY / 8, 12 * N_TINY / 8),
 ])
 def test_zero_stages_by_hand(zero, weights, grads, optimizer):
-    bd = memory_per_gpu(TINY, Layout(dp=8, zero=zero), 64, 8)
+    bd = memory_per_gpu(TINY, Strategy.of(dp=8, zero=zero), 64, 8)
     assert (bd.weights, bd.grads, bd.optimizer) == pytest.approx((weights, grads, optimizer))
     assert bd.zero3_buffers == (2 * LAYER * 2 if zero == 3 else 0)
 
 
 def test_pipeline_and_tensor_sharding_by_hand():
-    lay = Layout(pp=2, zero=0)
+    lay = Strategy.of(pp=2, zero=0)
     assert partition_layers(2, 2) == [1, 1]
     first = stage_memory(TINY, lay, 64, 4, 0)
     last = stage_memory(TINY, lay, 64, 4, 1)
     assert first.weights == 2 * (EMB + LAYER)  # embedding on the first stage
     assert last.weights == 2 * (LAYER + HEAD)  # final norm + LM head on the last
-    tp2 = memory_per_gpu(TINY, Layout(tp=2, zero=0), 64, 1)
+    tp2 = memory_per_gpu(TINY, Strategy.of(tp=2, zero=0), 64, 1)
     # matrices halve, the two norms per layer and the final norm stay whole
     assert tp2.weights == 2 * ((EMB + 6400) / 2 + 2 * ((16384 + 49152) / 2 + 128) + 64)
 
@@ -102,10 +102,10 @@ def test_pipeline_and_tensor_sharding_by_hand():
 def test_first_stage_holds_more_micro_batches():
     # 1F1B: stage 0 keeps p micro-batches in flight, the last stage one (Narayanan et al. 2021)
     shape = ModelShape("even", dim=64, n_layers=4, n_heads=4, kv_heads=4, ffn_hidden=256, vocab_size=100)
-    lay = Layout(pp=4, zero=0)
+    lay = Strategy.of(pp=4, zero=0)
     per_layer = layer_activation_bytes(shape, 64, 1, recompute="selective")
     assert stage_memory(shape, lay, 64, 8, 0).activations == pytest.approx(4 * per_layer)
-    inter = Layout(pp=4, zero=0, virtual_stages=2)
+    inter = Strategy.of(pp=4, zero=0, virtual_stages=2)
     assert stage_memory(shape, inter, 64, 8, 0).activations == pytest.approx(4 * per_layer * (1 + 3 / 8))
 
 
@@ -116,7 +116,7 @@ def test_moe_experts_shard_over_ep():
     dense = EMB + 2 * (16384 + 128 + 64 * 8) + HEAD
     assert moe.total_params() == dense + 2 * 8 * expert
     assert moe.active_params() == dense + 2 * 2 * expert
-    bd = memory_per_gpu(moe, Layout(dp=8, ep=4, zero=1), 64, 8)
+    bd = memory_per_gpu(moe, Strategy.of(dp=8, ep=4, zero=1), 64, 8)
     assert bd.weights == 2 * (dense + 2 * 2 * expert)  # 8 experts / ep 4 = 2 per GPU per layer
     assert bd.optimizer == pytest.approx(12 * (dense / 8 + 2 * 2 * expert / 2))  # experts: dp/ep = 2 replicas
 
@@ -126,7 +126,7 @@ def test_bloom_published_setting_fits_like_reported():
     # BigScience reported ~60 GB used per 80 GB GPU (allocator reserve included, so ≥ our tensor peak).
     opts = MemoryOptions(Precision(grad_bytes=4.0), ActivationOptions(sequence_parallel=False,
                                                                       flash_attention=False))
-    bd = memory_per_gpu(shape_for("bloom-176b"), Layout(8, 4, 12, micro_batch=2, zero=1, recompute="full"),
+    bd = memory_per_gpu(shape_for("bloom-176b"), Strategy.of(8, 4, 12, micro_batch=2, zero=1, recompute="full"),
                         2048, 2048, opts)
     assert 0.5 * 60 < bd.total / GB < 1.1 * 60
 

@@ -68,13 +68,13 @@ def train(config: Path | None, overrides: dict[str, Any], nproc: int = 1,
     from stalwart.dist import launched
 
     cfg = load_config(config, overrides)
-    if launched():
-        return _train_worker(cfg)
-    cfg.validate(nproc)
-    if nproc == 1:
+    if launched() or nproc == 1:  # this process trains: its Trainer resolves the plan, once
         return _train_worker(cfg)
     from stalwart.data import ensure_default_corpus
     from stalwart.launch.local import spawn_local
+    from stalwart.train.resolve import resolve
+
+    resolve(cfg, nproc)  # every mistake fails here, before a worker is spawned
 
     if cfg.data.prepare_default:
         ensure_default_corpus(cfg.data.dir)

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from stalwart.demo.job import NODES, DemoOptions, run_job
 from stalwart.demo.report import report
+from stalwart.train.resolve import resolve
 
 
 def _reference_key(opts: DemoOptions, data_dir: Path) -> str:
@@ -50,7 +51,7 @@ def run_demo(opts: DemoOptions, console: Console) -> tuple[dict[str, Any], bool]
     if opts.hang_timeout_s <= 0:
         raise ValueError("--hang-timeout must be > 0 seconds")
     cfg = load_config(None, opts.train_overrides())
-    cfg.validate(NODES)
+    resolve(cfg, NODES)  # every mistake fails here, before the master and agents start
     data_dir = ensure_default_corpus(cfg.data.dir)  # once here, not racing in both workers
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     ref, cached = reference_hash(opts, data_dir, console) if opts.reference else (None, False)

@@ -20,7 +20,7 @@ from typing import Any
 
 from stalwart.plan.hardware import GB, Cluster
 from stalwart.plan.memory import MemoryBreakdown, MemoryOptions, memory_per_gpu
-from stalwart.plan.parallel import RECOMPUTE, Layout, moe_layers_in, partition_layers
+from stalwart.plan.parallel import RECOMPUTE, Layout, Strategy, moe_layers_in, partition_layers
 from stalwart.plan.shape import ModelShape
 
 
@@ -64,13 +64,17 @@ class StepTime:
 
 @dataclass(frozen=True)
 class Candidate:
-    layout: Layout
+    strategy: Strategy
     num_micro_batches: int
     memory: MemoryBreakdown
     step: StepTime
 
+    @property
+    def layout(self) -> Layout:
+        return self.strategy.layout
+
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = self.layout.as_dict()
+        out: dict[str, Any] = self.strategy.as_dict()
         out.update(num_micro_batches=self.num_micro_batches, memory_gb=self.memory.total / GB,
                    step_time_s=self.step.total, tokens_per_s=self.step.tokens_per_s,
                    mfu=self.step.mfu, hfu=self.step.hfu,
@@ -86,7 +90,7 @@ class SearchResult:
     rejected: Counter = field(default_factory=Counter)  # reason -> count of variants
     examples: dict[str, str] = field(default_factory=dict)  # reason -> one concrete message
     evaluated: int = 0
-    smallest_oom: tuple[Layout, MemoryBreakdown] | None = None  # the closest miss, for advice
+    smallest_oom: tuple[Strategy, MemoryBreakdown] | None = None  # the closest miss, for advice
 
     def rank_of(self, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> int | None:
         """1-based rank of a parallel layout among the feasible ones (None: infeasible/absent)."""
@@ -102,7 +106,7 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
+def step_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, seq_len: int, global_batch: int,
               model_flops_per_token: float, act_bytes: float = 2.0, grad_bytes: float = 2.0,
               weight_bytes: float = 2.0, sequence_parallel: bool = True,
               model: StepModel = StepModel()) -> StepTime:
@@ -111,8 +115,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, seq_len: int,
     gpn = cluster.gpus_per_node
     intra = gpu.intra_node_gbps * GB * model.bandwidth_efficiency
     inter = gpu.inter_node_gbps * GB * model.bandwidth_efficiency
-    tp, cp, pp, ep, v, b = layout.tp, layout.cp, layout.pp, layout.ep, layout.virtual_stages, layout.micro_batch
-    m = layout.num_micro_batches(global_batch)
+    tp, cp, pp, ep, v, b = strategy.tp, strategy.cp, strategy.pp, strategy.ep, strategy.virtual_stages, strategy.micro_batch
+    m = strategy.num_micro_batches(global_batch)
     s_loc = seq_len / cp
     tokens_mb = b * seq_len
     h = shape.dim
@@ -124,7 +128,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, seq_len: int,
     core = 12 * h * seq_len
     counts = partition_layers(shape.n_layers, pp, shape.head_flop_share())
     head = 6 * shape.vocab_size * h
-    recompute_factor = {"none": 1.0, "selective": 1.0, "full": 8 / 6}[layout.recompute]
+    recompute_factor = {"none": 1.0, "selective": 1.0, "full": 8 / 6}[strategy.recompute]
     stage_flops = []
     for i, n in enumerate(counts):
         n_moe = moe_layers_in(shape, n)
@@ -140,7 +144,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, seq_len: int,
     # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward per layer,
     # 2 more when the forward is recomputed; ring volume 2(t-1)/t of the activation.
     act = b * s_loc * h * act_bytes
-    n_ar = 4 + (2 if layout.recompute == "full" else 0)
+    n_ar = 4 + (2 if strategy.recompute == "full" else 0)
     tp_mb = n_layers_worst * n_ar * 2 * _ring(tp) * act / intra if tp > 1 else 0.0
 
     # CP: ring passes K and V (cp-1) times forward, ~2x that backward; hidden under attention compute.
@@ -161,15 +165,15 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, seq_len: int,
     # PP: send activations forward and gradients backward at each chunk boundary.
     pp_mb = 0.0
     if pp > 1:
-        bw = intra if tp * cp * layout.dp < gpn else inter
+        bw = intra if tp * cp * strategy.dp < gpn else inter
         pp_mb = 2 * v * act / tp / bw
 
     t_mb = compute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (pp - 1) / v * t_mb
 
     # DP: reduce gradients (and gather updated weights under ZeRO-1/2) across dp×cp replicas.
-    dense_local, expert_local = _local_params(shape, layout, counts)
-    z, z_exp = layout.zero_group, max(1, layout.zero_group // ep)
+    dense_local, expert_local = _local_params(shape, strategy, counts)
+    z, z_exp = strategy.zero_group, max(1, strategy.zero_group // ep)
     group_per_node = max(1, gpn // (tp * cp))
     dp_bw = intra if z <= group_per_node else min(intra, inter * min(group_per_node, z))
 
@@ -178,9 +182,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, seq_len: int,
 
     dp_exposed = z3_exposed = 0.0
     bwd_window = compute_mb * (2 / 3) / recompute_factor if model.overlap_dp else 0.0
-    if layout.zero == 0:
+    if strategy.zero == 0:
         dp_exposed = max(0.0, volume(grad_bytes, 2) / dp_bw - bwd_window)
-    elif layout.zero in (1, 2):
+    elif strategy.zero in (1, 2):
         dp_exposed = (max(0.0, volume(grad_bytes, 1) / dp_bw - bwd_window)
                       + volume(weight_bytes, 1) / dp_bw)
     else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, per micro-batch
@@ -199,18 +203,18 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, seq_len: int,
                     hfu=hw_flops / (total * peak))
 
 
-def _local_params(shape: ModelShape, layout: Layout, counts: list[int]) -> tuple[float, float]:
+def _local_params(shape: ModelShape, strategy: Strategy, counts: list[int]) -> tuple[float, float]:
     """(dense, expert) parameters on one GPU of the largest stage (for gradient traffic)."""
     best = (0.0, 0.0)
     for i, n in enumerate(counts):
         n_moe = moe_layers_in(shape, n)
         dense = ((n - n_moe) * (shape.attention_params() + shape.mlp_params())
-                 + n_moe * shape.attention_params()) / layout.tp
+                 + n_moe * shape.attention_params()) / strategy.tp
         if i == 0:
-            dense += shape.embedding_params() / layout.tp
-        if i == layout.pp - 1 and (not shape.tie_embeddings or layout.pp > 1):
-            dense += shape.vocab_size * shape.dim / layout.tp
-        expert = n_moe * math.ceil(shape.num_experts / layout.ep) * shape.expert_params() / layout.tp
+            dense += shape.embedding_params() / strategy.tp
+        if i == strategy.pp - 1 and (not shape.tie_embeddings or strategy.pp > 1):
+            dense += shape.vocab_size * shape.dim / strategy.tp
+        expert = n_moe * math.ceil(shape.num_experts / strategy.ep) * shape.expert_params() / strategy.tp
         if dense + expert > sum(best):
             best = (dense, expert)
     return best
@@ -311,8 +315,8 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                             continue
                         for rc in recomputes:
                             result.evaluated += 1
-                            lo = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch=mb,
-                                        virtual_stages=virtual_stages, zero=zero, recompute=rc)
+                            lo = Strategy.of(dp, tp, pp, cp, ep, micro_batch=mb, virtual_stages=virtual_stages,
+                                             zero=zero, recompute=rc)
                             m = lo.num_micro_batches(global_batch)
                             if virtual_stages > 1 and m % pp:
                                 reject("interleaving needs micro-batches divisible by pp", f"m={m}, pp={pp}")

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from stalwart.plan.hardware import GB
-from stalwart.plan.parallel import Layout, moe_layers_in, partition_layers
+from stalwart.plan.parallel import Strategy, moe_layers_in, partition_layers
 from stalwart.plan.shape import ModelShape
 
 
@@ -167,16 +167,16 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 
 # -- per-stage totals ----------------------------------------------------------------------------
-def _stage_params(shape: ModelShape, layout: Layout, n_layers: int, first: bool, last: bool
+def _stage_params(shape: ModelShape, strategy: Strategy, n_layers: int, first: bool, last: bool
                   ) -> tuple[float, float, float]:
     """(dense, expert, largest layer) parameters held by one GPU of a stage, before ZeRO."""
-    tp = layout.tp
+    tp = strategy.tp
     n_moe = moe_layers_in(shape, n_layers)
     norms = 2 * shape.norm_params()
     dense_layer = (shape.attention_params() + shape.mlp_params()) / tp + norms
     moe_layer = shape.attention_params() / tp + norms + shape.router_params()
     dense = (n_layers - n_moe) * dense_layer + n_moe * moe_layer
-    experts_local = math.ceil(shape.num_experts / layout.ep) if shape.is_moe else 0
+    experts_local = math.ceil(shape.num_experts / strategy.ep) if shape.is_moe else 0
     expert = n_moe * experts_local * shape.expert_params() / tp
     largest = max(dense_layer if n_layers > n_moe else 0.0,
                   moe_layer + experts_local * shape.expert_params() / tp if n_moe else 0.0)
@@ -184,60 +184,60 @@ def _stage_params(shape: ModelShape, layout: Layout, n_layers: int, first: bool,
         dense += shape.embedding_params() / tp
     if last:
         dense += shape.norm_params()
-        if not shape.tie_embeddings or (layout.pp > 1 and not first):
+        if not shape.tie_embeddings or (strategy.pp > 1 and not first):
             dense += shape.vocab_size * shape.dim / tp
     return dense, expert, largest
 
 
-def stage_memory(shape: ModelShape, layout: Layout, seq_len: int, num_micro: int, stage: int,
+def stage_memory(shape: ModelShape, strategy: Strategy, seq_len: int, num_micro: int, stage: int,
                  opts: MemoryOptions = MemoryOptions()) -> MemoryBreakdown:
     """Peak memory of one GPU in pipeline stage ``stage`` (0-based)."""
-    p, prec, act = layout.pp, opts.precision, opts.activations
+    p, prec, act = strategy.pp, opts.precision, opts.activations
     counts = partition_layers(shape.n_layers, p, shape.head_flop_share())
     first, last = stage == 0, stage == p - 1
     n_layers = counts[stage]
-    dense, expert, largest = _stage_params(shape, layout, n_layers, first, last)
-    z = layout.zero_group
-    z_exp = max(1, z // layout.ep)
+    dense, expert, largest = _stage_params(shape, strategy, n_layers, first, last)
+    z = strategy.zero_group
+    z_exp = max(1, z // strategy.ep)
     local = dense + expert
 
     def sharded(stage_min: int) -> float:
-        return dense / z + expert / z_exp if layout.zero >= stage_min else local
+        return dense / z + expert / z_exp if strategy.zero >= stage_min else local
 
     weights = prec.weight_bytes * sharded(3)
     grads = prec.grad_bytes * sharded(2)
     optimizer = (prec.master_bytes + prec.optimizer_bytes) * sharded(1)
     grad_buffer = prec.grad_buffer_bytes * local
-    zero3 = 2 * largest * prec.weight_bytes if layout.zero == 3 else 0.0
+    zero3 = 2 * largest * prec.weight_bytes if strategy.zero == 3 else 0.0
     opt_temp = prec.optimizer_temp_bytes * sharded(1)
 
     # Activations: 1F1B keeps min(m, p - stage) micro-batches in flight; interleaving (v chunks)
     # raises the first stage's share by (1 + (p - 1) / (p·v)) (Korthikanti et al. 2022, §4.2.3).
     in_flight = min(num_micro, p - stage)
-    if first and layout.virtual_stages > 1 and p > 1:
-        in_flight *= 1 + (p - 1) / (p * layout.virtual_stages)
+    if first and strategy.virtual_stages > 1 and p > 1:
+        in_flight *= 1 + (p - 1) / (p * strategy.virtual_stages)
     n_moe = moe_layers_in(shape, n_layers)
-    kw = dict(tp=layout.tp, cp=layout.cp, opts=act, act_bytes=prec.activation_bytes)
-    b = layout.micro_batch
-    per_mb = ((n_layers - n_moe) * layer_activation_bytes(shape, seq_len, b, recompute=layout.recompute, **kw)
-              + n_moe * layer_activation_bytes(shape, seq_len, b, recompute=layout.recompute,
+    kw = dict(tp=strategy.tp, cp=strategy.cp, opts=act, act_bytes=prec.activation_bytes)
+    b = strategy.micro_batch
+    per_mb = ((n_layers - n_moe) * layer_activation_bytes(shape, seq_len, b, recompute=strategy.recompute, **kw)
+              + n_moe * layer_activation_bytes(shape, seq_len, b, recompute=strategy.recompute,
                                                moe_layer=True, **kw))
     activations = per_mb * in_flight
-    s_loc = seq_len / layout.cp
-    rep_div = layout.tp if act.sequence_parallel else 1
+    s_loc = seq_len / strategy.cp
+    rep_div = strategy.tp if act.sequence_parallel else 1
     logits = 0.0
     working = 0.0
     one_layer_full = layer_activation_bytes(shape, seq_len, b, recompute="none", moe_layer=n_moe > 0, **kw)
-    if layout.recompute == "full":  # a layer's activations are rebuilt during its backward
+    if strategy.recompute == "full":  # a layer's activations are rebuilt during its backward
         working = one_layer_full
-    elif layout.recompute == "selective" and not act.flash_attention:  # one attention core rebuilt
-        working = shape.n_heads * s_loc * b * seq_len * prec.activation_bytes / layout.tp
+    elif strategy.recompute == "selective" and not act.flash_attention:  # one attention core rebuilt
+        working = shape.n_heads * s_loc * b * seq_len * prec.activation_bytes / strategy.tp
     widest = max(shape.ffn_hidden if not shape.is_moe else shape.top_k * shape.expert_ffn, shape.dim)
-    working += 2 * s_loc * b * widest * prec.activation_bytes / layout.tp  # gradients in flight
+    working += 2 * s_loc * b * widest * prec.activation_bytes / strategy.tp  # gradients in flight
     if last:
         norm_tensors = 2 if act.fused_norm else 3
         activations += norm_tensors * s_loc * b * shape.dim * prec.activation_bytes / rep_div
-        vocab_local = s_loc * b * shape.vocab_size / layout.tp
+        vocab_local = s_loc * b * shape.vocab_size / strategy.tp
         logits = vocab_local * (prec.activation_bytes + 4)  # logits + fp32 log-probs for the loss
         working = max(working, 8 * vocab_local)  # fp32 gradients of log-probs and logits
     name = "only" if p == 1 else ("first" if first else "last" if last else f"stage{stage}")
@@ -246,17 +246,17 @@ def stage_memory(shape: ModelShape, layout: Layout, seq_len: int, num_micro: int
     return replace(bd, phase="forward-backward" if bd.forward_backward >= bd.optimizer_step else "optimizer-step")
 
 
-def memory_per_gpu(shape: ModelShape, layout: Layout, seq_len: int, global_batch: int | None = None,
+def memory_per_gpu(shape: ModelShape, strategy: Strategy, seq_len: int, global_batch: int | None = None,
                    opts: MemoryOptions = MemoryOptions()) -> MemoryBreakdown:
     """Peak over pipeline stages (the first holds embeddings and the most in-flight micro-batches,
     the last the LM head and logits). ``global_batch`` sets the micro-batch count (default: many)."""
     if seq_len <= 0:
         raise ValueError(f"sequence length must be positive, got {seq_len}")
-    if layout.pp > shape.n_layers:
-        raise ValueError(f"pipeline stages ({layout.pp}) exceed the model's layers ({shape.n_layers})")
-    num_micro = layout.num_micro_batches(global_batch) if global_batch else layout.pp
-    stages = {0, layout.pp - 1}
-    return max((stage_memory(shape, layout, seq_len, num_micro, s, opts) for s in stages),
+    if strategy.pp > shape.n_layers:
+        raise ValueError(f"pipeline stages ({strategy.pp}) exceed the model's layers ({shape.n_layers})")
+    num_micro = strategy.num_micro_batches(global_batch) if global_batch else strategy.pp
+    stages = {0, strategy.pp - 1}
+    return max((stage_memory(shape, strategy, seq_len, num_micro, s, opts) for s in stages),
                key=lambda m: m.total)
 
 

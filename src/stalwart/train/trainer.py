@@ -25,18 +25,18 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import stalwart
 from stalwart import chaos
-from stalwart.config import Config, grad_accum
+from stalwart.config import Config
 from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
-from stalwart.models import build_model, count_params, moe_args
+from stalwart.models import build_model, count_params
 from stalwart.observe.progress import MetricsWriter, ProgressDisplay
 from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
 from stalwart.train.guard import Verdict
 from stalwart.train.optim import build_optimizer, build_scheduler
-from stalwart.train.parallel import build_mesh, parallelize, plan_parallel, resolve_model_args
-from stalwart.train.parallel.configure import rank0_plan
+from stalwart.train.parallel import build_mesh, parallelize
+from stalwart.train.resolve import rank0_plan, resolve
 from stalwart.utils import state_dict_hash
 
 
@@ -74,15 +74,15 @@ class StepResult:
 
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv) -> None:
-        cfg.validate(env.world_size)
+        cfg.validate()  # field checks before any work; the layout is checked by resolve() below
         self.cfg, self.env = cfg, env
         configure_determinism(cfg, env)
         if cfg.data.prepare_default and env.local_rank == 0:
             ensure_default_corpus(cfg.data.dir)
         dist.barrier()
         self.dataset = TokenDataset(cfg.data.dir, cfg.data.seq_len)
-        self.model_args = resolve_model_args(cfg, self.dataset.vocab_size)
-        self.plan = rank0_plan(plan_parallel(cfg, env.world_size, self.model_args, moe_args(cfg.model.name)))
+        self.plan = rank0_plan(resolve(cfg, env.world_size, self.dataset.vocab_size))  # the only planning
+        self.model_args = self.plan.model_args
         if self.plan.why and env.is_main:
             print(self.plan.why, file=sys.stderr, flush=True)
 
@@ -93,7 +93,7 @@ class Trainer:
         # parameter names (what the optimizer and checkpoints see); self.pm runs the step.
         self.pm = parallelize(model, self.plan.layout, build_mesh(self.plan.layout), self.plan.options, env.device)
         self.model = self.pm.module
-        self.accum = grad_accum(cfg.train.global_batch, cfg.train.micro_batch, self.pm.dp_size)
+        self.accum = self.plan.grad_accum
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalSampler(len(self.dataset), cfg.train.global_batch, cfg.data.seed,

@@ -30,9 +30,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stalwart.models.moe import moe_modules, set_aux_grad_scale
+from stalwart.plan.parallel import Layout
 from stalwart.train.parallel import compress as compress_mod
 from stalwart.train.parallel.expert import apply_expert_parallel, expert_fsdp_divide_factor, expert_modules
-from stalwart.train.parallel.mesh import Coords, Layout, axis, coords
+from stalwart.train.parallel.mesh import Coords, Mesh, axis, coords
 from stalwart.train.parallel.pipeline import SCHEDULES, PipelineRunner, lm_loss, split_model
 from stalwart.train.parallel.recompute import MODES as RECOMPUTE_MODES
 from stalwart.train.parallel.recompute import apply_recompute
@@ -75,7 +76,7 @@ class ParallelOptions:
 class ParallelModel:
     """The parallelised model on this rank plus the step logic its layout needs."""
 
-    def __init__(self, module: nn.Module, parts: list[nn.Module], layout: Layout, mesh: DeviceMesh,
+    def __init__(self, module: nn.Module, parts: list[nn.Module], layout: Layout, mesh: Mesh,
                  options: ParallelOptions, device: torch.device, loss_parallel: bool,
                  pipeline: PipelineRunner | None, hook_state: Any = None) -> None:
         self.module = module  # optimizer + checkpoint view (original FQNs; DDP wrapper under DDP)
@@ -240,16 +241,16 @@ def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float,
 
 
 # -- composition ------------------------------------------------------------------------------------
-def _dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+def _dp_mesh(mesh: Mesh, layout: Layout) -> DeviceMesh:
     return axis(mesh, "dp_replicate", "dp_shard") if layout.dp_replicate > 1 else axis(mesh, "dp_shard")
 
 
-def _expert_dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+def _expert_dp_mesh(mesh: Mesh, layout: Layout) -> DeviceMesh:
     return (mesh["dp_replicate", "dp_shard_mod_ep"] if layout.dp_replicate > 1
             else mesh["dp_shard_mod_ep"])
 
 
-def _apply_fsdp(part: nn.Module, mesh: DeviceMesh, layout: Layout, options: ParallelOptions) -> None:
+def _apply_fsdp(part: nn.Module, mesh: Mesh, layout: Layout, options: ParallelOptions) -> None:
     dtype = compress_mod.fsdp_reduce_dtype(options.compress)
     mp = MixedPrecisionPolicy(reduce_dtype=dtype) if dtype is not None else MixedPrecisionPolicy()
     dp_mesh = _dp_mesh(mesh, layout)
@@ -264,7 +265,7 @@ def _apply_fsdp(part: nn.Module, mesh: DeviceMesh, layout: Layout, options: Para
     fully_shard(part, mesh=dp_mesh, **kwargs)
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, options: ParallelOptions = ParallelOptions(),
+def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, options: ParallelOptions = ParallelOptions(),
                 device: torch.device | None = None) -> ParallelModel:
     """Parallelise an initialised ``Transformer``/``MoETransformer`` (same weights on every rank) in
     place for ``layout`` over ``mesh`` (from ``build_mesh``)."""

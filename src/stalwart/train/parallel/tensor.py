@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from stalwart.train.parallel.mesh import Layout
+from stalwart.plan.parallel import Layout
 
 
 def check_tp_model(model: nn.Module, tp: int) -> None:

@@ -1,11 +1,14 @@
-"""The trainer's side of the library: the ``[parallel]`` config section → a checked Layout and
-ParallelOptions, once, with every mistake a ``ValueError`` before a process starts.
+"""A run's plan, resolved once per process: ``resolve(config, world_size) -> RunPlan``.
 
-Explicit degrees (``parallel.dp/tp/pp/ep``, or ``dp_replicate``/``dp_shard`` for HSDP) go through
-``layout_from_config``; ``parallel.layout = "auto"`` asks the planner (``auto_layout``) for the
-fastest layout that fits this model, world size and batch, with ``train.micro_batch`` pinned.
-The checks are the library's own (``Layout.check_model``, ``ParallelOptions.check``,
-``stage_layers``, ``check_microbatches``) plus the batch split over the *data-parallel* degree.
+The ``[parallel]`` section becomes a checked :class:`~stalwart.plan.parallel.Layout` and
+``ParallelOptions``, with the model's shape and the gradient accumulation it implies. Explicit degrees
+(``parallel.dp/tp/pp/ep``, or ``dp_replicate``/``dp_shard`` for HSDP) go through
+``layout_from_config``; ``parallel.layout = "auto"`` asks the planner (``stalwart.plan.auto``) for the
+fastest layout that fits, with ``train.micro_batch`` pinned. Every mistake is a ``ValueError``.
+
+Who calls it: ``stalwart train`` before it spawns workers (so mistakes fail before any process
+starts), and each worker's Trainer, once; the Trainer then agrees on rank 0's plan (:func:`rank0_plan`)
+and passes the RunPlan down. Nothing else plans.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from stalwart.plan.auto import auto_layout
+from stalwart.plan.parallel import Layout, layout_from_config
 from stalwart.train.parallel.apply import ParallelOptions
-from stalwart.train.parallel.mesh import Layout, auto_layout, layout_from_config
 from stalwart.train.parallel.pipeline import check_microbatches, stage_layers
 
 if TYPE_CHECKING:
@@ -24,24 +28,40 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class RunPlan:
     layout: Layout
     options: ParallelOptions
+    grad_accum: int  # micro-batches per rank per optimizer step
+    model_args: ModelArgs
+    moe: MoEArgs | None = None
     why: str = ""  # parallel.layout = "auto": the planner's explanation
 
     def summary(self) -> dict[str, Any]:
         """What summary.json records about the layout."""
-        o = self.options
-        out: dict[str, Any] = {"degrees": self.layout.as_dict(), "describe": self.layout.describe(),
-                               "data_parallel": "ddp" if self.layout.uses_ddp else "fsdp2" if self.layout.dp > 1
-                               else "none", "recompute": o.recompute}
-        if self.layout.pp > 1:
+        o, lo = self.options, self.layout
+        out: dict[str, Any] = {"degrees": lo.as_dict(), "describe": lo.describe(),
+                               "data_parallel": "ddp" if lo.uses_ddp else "fsdp2" if lo.dp > 1 else "none",
+                               "recompute": o.recompute}
+        if lo.pp > 1:
             out.update(schedule=o.schedule, virtual_stages=o.virtual_stages, layer_split=o.layer_split)
         if o.compress != "none":
             out["compress"] = o.compress
         if self.why:
             out["auto"] = self.why
         return out
+
+
+def grad_accum(global_batch: int, micro_batch: int, dp_world: int) -> int:
+    """Micro-batches per rank per step; re-derived whenever the data-parallel world changes."""
+    per_step = dp_world * micro_batch
+    if global_batch % per_step:
+        fits = [m for m in range(1, global_batch + 1) if global_batch % (dp_world * m) == 0]
+        hint = f"micro_batch in {fits}" if fits else f"a global_batch divisible by {dp_world}"
+        raise ValueError(
+            f"train.global_batch={global_batch} is not divisible by data-parallel ranks ({dp_world}) × "
+            f"train.micro_batch ({micro_batch}) = {per_step}; use {hint}"
+        )
+    return global_batch // per_step
 
 
 def resolve_model_args(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
@@ -67,15 +87,16 @@ def _layer_split(text: str) -> str | tuple[int, ...]:
     return text
 
 
-def plan_parallel(cfg: Config, world_size: int, args: ModelArgs | None = None,
-                  moe: MoEArgs | None = None) -> ParallelPlan:
-    """The checked layout and options for ``world_size`` ranks (``args``: default from the config)."""
-    from stalwart.config import grad_accum
+def resolve(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunPlan:
+    """The checked plan for ``world_size`` ranks: the config's field checks, then degrees × world size ×
+    model × batch split (or the planner's choice). ``vocab_size``: the data's (None: the registry's)."""
+    from stalwart.data.sampler import parse_skip_ranges
     from stalwart.models import moe_args
 
+    cfg.validate()
+    parse_skip_ranges(cfg.data.skip_samples)
     p, t = cfg.parallel, cfg.train
-    if args is None:
-        args, moe = resolve_model_args(cfg), moe_args(cfg.model.name)
+    args, moe = resolve_model_args(cfg, vocab_size), moe_args(cfg.model.name)
     recompute, why = p.recompute, ""
     if p.layout == "auto":
         explicit = {k: v for k, v in p.degrees().items() if v != 1}
@@ -100,10 +121,10 @@ def plan_parallel(cfg: Config, world_size: int, args: ModelArgs | None = None,
     if layout.pp > 1:
         stage_layers(args.n_layers, layout.pp, virtual, options.layer_split)
         check_microbatches(options.schedule, accum, layout.pp)
-    return ParallelPlan(layout, options, why)
+    return RunPlan(layout, options, accum, args, moe, why)
 
 
-def rank0_plan(plan: ParallelPlan) -> ParallelPlan:
+def rank0_plan(plan: RunPlan) -> RunPlan:
     """Rank 0's plan on every rank when it came from the planner: ``auto`` sizes memory from the
     host, and ranks on different hosts must still build one layout. A collective."""
     import torch.distributed as dist
@@ -113,4 +134,3 @@ def rank0_plan(plan: ParallelPlan) -> ParallelPlan:
     box: list[Any] = [plan]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
