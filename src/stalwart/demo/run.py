@@ -11,7 +11,6 @@ from rich.console import Console
 
 from stalwart.demo.job import NODES, DemoOptions, run_job
 from stalwart.demo.report import report
-from stalwart.train.resolve import resolve
 
 
 def _reference_key(opts: DemoOptions, data_dir: Path) -> str:
@@ -45,6 +44,7 @@ def run_demo(opts: DemoOptions, console: Console) -> tuple[dict[str, Any], bool]
     """Run the faulted job (and the reference unless cached); (report, job succeeded)."""
     from stalwart.config import load_config
     from stalwart.data import ensure_default_corpus
+    from stalwart.train.resolve import resolve
 
     if opts.steps < 4 * (len(opts.faults) + 1):
         raise ValueError(f"--steps must be ≥ {4 * (len(opts.faults) + 1)} to space {len(opts.faults)} faults apart")
