@@ -85,6 +85,11 @@ def rendezvous_addr_and_port(params: Any) -> tuple[str | None, int | None]:
     return _get_addr_and_port(params)
 
 
+# Warm start (launch/zygote.py): torch.compile, torch.use_deterministic_algorithms and others import
+# dynamo (0.5-3 s), so the zygote preloads it for scripts.
+DYNAMO_MODULES = ("torch._dynamo",)
+
+
 def join_non_daemon_threads() -> None:
     """Join the non-daemon threads as the interpreter does at exit (``threading._shutdown``): a forked
     worker that ends with ``os._exit`` would otherwise cut its threads off."""

@@ -114,6 +114,13 @@ def test_rendezvous_addr_and_port() -> None:
     assert _compat.rendezvous_addr_and_port(c10d) == (None, None)
 
 
+def test_dynamo_modules_exist() -> None:
+    import importlib.util
+
+    for name in _compat.DYNAMO_MODULES:
+        assert importlib.util.find_spec(name) is not None, f"{name} is gone: the zygote preloads it"
+
+
 def test_join_non_daemon_threads_joins() -> None:
     import subprocess
     import sys

@@ -35,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
-from stalwart import _compat
+from stalwart import _compat, runtime
 from stalwart.health.precheck import PrecheckConfig, run_precheck
 from stalwart.health.throttle import Throttle
 from stalwart.launch import detect
@@ -45,7 +45,7 @@ from stalwart.launch.detect import Incident
 from stalwart.launch.evidence import IncidentTail, fault_time, log_tail, stack_dump
 from stalwart.launch.hang import HangDetector, HangPolicy
 from stalwart.launch.heartbeat import ChaosInbox, Heartbeat, NodeStatus
-from stalwart.launch.progress import ENV_DIR, Progress, ProgressReader
+from stalwart.launch.progress import Progress, ProgressReader
 from stalwart.launch.rendezvous import RoundStoreHandler, serve_worker_store
 from stalwart.launch.zygote import Zygote
 
@@ -242,7 +242,7 @@ class StalwartAgent(LocalElasticAgent):
         self.status.new_attempt()
         self.progress_dir.mkdir(parents=True)
         self.reader.close()
-        os.environ[ENV_DIR] = str(self.progress_dir)  # inherited by the workers
+        os.environ[runtime.ENV_PROGRESS_DIR] = str(self.progress_dir)  # inherited by the workers
         if self.zygote is not None:
             self.zygote.ensure()  # a zygote that exited (stale code) is replaced for this start
         self._started_at = time.time()

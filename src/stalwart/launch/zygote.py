@@ -53,8 +53,7 @@ from stalwart.launch import zygote_client
 log = logging.getLogger("stalwart.zygote")
 CLIENT = Path(zygote_client.__file__)
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.checkpoint")
-# Scripts: torch.compile, torch.use_deterministic_algorithms and others import dynamo (0.5-3 s).
-SCRIPT_PRELOAD = ("torch._dynamo",)
+SCRIPT_PRELOAD = _compat.DYNAMO_MODULES  # scripts: torch.compile and others import dynamo (0.5-3 s)
 # `-m stalwart`: the trainer, which keeps clear of dynamo on purpose.
 STALWART_PRELOAD = ("stalwart.cli", "stalwart.commands.train", "stalwart.train.trainer")
 PR_SET_PDEATHSIG = 1
