@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,7 @@ class StalwartAgent(LocalElasticAgent):
         self._progressed = self._progressed or any(p.reports > 0 for p in progress)
         self._check_first_step(progress)
         self._forward_worker_incidents()
-        fault_of = lambda rank: fault_time(self.progress_dir, rank)  # noqa: E731
+        fault_of = partial(fault_time, self.progress_dir)
         incident = None
         if result.state == WorkerState.HEALTHY:
             incident = detect.hang(self.hang, progress, now, fault_of)
@@ -330,10 +331,10 @@ class StalwartAgent(LocalElasticAgent):
             report = detect.worker_report(record, self.node_id, now)
             log.warning("worker incident on rank %s at step %s: %s %s", record.get("rank"), record.get("step"),
                         report.kind, record.get("detail"))
-            self._journal(lambda: self.master.open_incident(report.kind, self.node_id, report.cls, report.times,
-                                                            report.details))
+            self._journal(partial(self.master.open_incident, report.kind, self.node_id, report.cls, report.times,
+                                  report.details))
             if report.evict_reason is not None:
-                self._journal(lambda: self.master.decide("evict", report.evict_reason, {
+                self._journal(partial(self.master.decide, "evict", report.evict_reason, {
                     "node_id": self.node_id, "rank": record.get("rank"), "step": record.get("step")}))
 
     # -- evidence and membership --------------------------------------------------------------------

@@ -36,7 +36,7 @@ def stack_dump(pid: int, timeout_s: float = 10.0) -> str:
     if _stopped(pid):
         os.kill(pid, signal.SIGCONT)
     try:
-        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run([exe, "dump", "--pid", str(pid)], check=False, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"(py-spy dump of pid {pid} timed out)"
     return out.stdout or out.stderr
