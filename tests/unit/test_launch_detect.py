@@ -190,3 +190,42 @@ def test_heartbeat_applies_chaos_and_eviction(tmp_path):
     lost = FakeMaster(MasterError(404, "unknown node"))
     Heartbeat(lost, "n1", status, 2, lambda: "HEALTHY").beat()  # type: ignore[arg-type]
     assert lost.joins and lost.joins[0][0] == "n1", "a master that lost its journal is joined again"
+
+
+def test_round_store_handler_tells_workers_which_store_without_touching_the_environment(monkeypatch):
+    import copy
+    import os
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+    from stalwart.launch.rendezvous import RoundStoreHandler
+
+    class Inner(RendezvousHandler):
+        settings = "inner settings"
+
+        def __init__(self) -> None:
+            self.closed = False
+
+        @property
+        def use_agent_store(self) -> bool:  # torch's: shares its store unless the switch is "1"
+            return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+
+        def get_backend(self) -> str: return "c10d"
+        def next_rendezvous(self): return "info"  # type: ignore[override]
+        def is_closed(self) -> bool: return self.closed
+        def set_closed(self) -> None: self.closed = True
+        def num_nodes_waiting(self) -> int: return 2
+        def get_run_id(self) -> str: return "job"
+        def shutdown(self) -> bool: return True
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    handler = RoundStoreHandler(Inner())
+    assert not handler.torch_shares_store and not handler.use_agent_store
+    handler.agent_hosts_store = True
+    assert handler.use_agent_store and os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert (handler.next_rendezvous(), handler.num_nodes_waiting(), handler.get_run_id()) == ("info", 2, "job")
+    handler.set_closed()
+    assert handler.is_closed() and handler.settings == "inner settings"
+    assert copy.copy(handler).inner is handler.inner
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    assert handler.torch_shares_store, "torch's own sharing is the user's choice"

@@ -58,6 +58,8 @@ class RoundStoreHandler(RendezvousHandler):
         return self.inner.shutdown()
 
     def __getattr__(self, name: str) -> Any:  # anything else torch may read (e.g. ``settings``)
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
