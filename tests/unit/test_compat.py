@@ -17,6 +17,120 @@ def test_torch_version_in_supported_range() -> None:
 
 # --- elastic agent, launcher, process helpers -------------------------------------------------
 
+def _agent(max_restarts: int = 5):  # a LocalElasticAgent that starts nothing (no rendezvous until run())
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    class Handler:
+        use_agent_store = False
+
+        def get_run_id(self) -> str:
+            return "compat"
+
+    spec = WorkerSpec(role="w", local_world_size=1, entrypoint="true", rdzv_handler=Handler(),  # type: ignore[arg-type]
+                      max_restarts=max_restarts)
+    return LocalElasticAgent(spec, DefaultLogsSpecs(), "spawn", **_compat.local_agent_kwargs(3))
+
+
+def test_agent_overrides_match_the_base_class() -> None:
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    for name, leading in _compat.AGENT_OVERRIDES.items():
+        method = getattr(LocalElasticAgent, name, None)
+        assert callable(method), f"LocalElasticAgent.{name} is gone: StalwartAgent overrides it"
+        params = tuple(inspect.signature(method).parameters)
+        assert params[:len(leading)] == leading, f"LocalElasticAgent.{name}{params}: expected {leading} first"
+    # the overrides in stalwart's agent take the same leading parameters
+    from stalwart.launch.agent import StalwartAgent
+
+    for name, leading in _compat.AGENT_OVERRIDES.items():
+        ours = tuple(inspect.signature(getattr(StalwartAgent, name)).parameters)
+        assert ours[:len(leading)] == leading or ours[1:] == ("args", "kwargs"), (name, ours)
+
+
+def test_local_agent_kwargs_are_accepted() -> None:
+    agent = _agent()
+    timeout = getattr(agent, "_shutdown_timeout", None)
+    assert timeout in (None, 3), "shutdown_timeout was passed but not kept"
+    assert not _compat.local_agent_kwargs(3) or timeout == 3
+
+
+def test_worker_processes_and_poll_before_start() -> None:
+    from torch.distributed.elastic.agent.server.api import RunResult
+
+    agent = _agent()
+    assert _compat.worker_processes(agent) is None
+    assert callable(getattr(agent, "_exit_barrier", None))  # _compat.exit_barrier
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert tuple(inspect.signature(LocalElasticAgent._monitor_workers).parameters) == ("self", "worker_group")
+    assert inspect.signature(LocalElasticAgent._monitor_workers).return_annotation in (RunResult, "RunResult")
+
+
+def test_count_restart_sets_the_workers_restart_count() -> None:
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    agent = _agent(max_restarts=7)
+    assert _compat.count_restart(agent) == 1
+    assert _compat.count_restart(agent) == 2
+    # torch still derives the workers' TORCHELASTIC_RESTART_COUNT from the attribute count_restart moves
+    assert "spec.max_restarts - self._remaining_restarts" in inspect.getsource(LocalElasticAgent._start_workers)
+
+
+def test_leave_rendezvous_round_reaches_the_handler_internals() -> None:
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    assert callable(getattr(dr, "_RendezvousExitOp", None))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+    backend = C10dRendezvousBackend(store, "compat")
+    handler = dr.DynamicRendezvousHandler.from_backend(
+        "compat", store, backend, min_nodes=1, max_nodes=1, timeout=dr.RendezvousTimeout(join=datetime.timedelta(seconds=10)))
+    info = handler.next_rendezvous()
+    assert info.world_size == 1
+    assert handler._state_holder.state.participants  # this node is in the round
+    _compat.leave_rendezvous_round(handler, timeout_s=5)  # raises if torch renamed what it uses
+    handler._state_holder.sync()
+    assert not handler._state_holder.state.participants, "the node is still a participant after leaving"
+    handler.shutdown()
+
+
+def test_rendezvous_addr_and_port() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    static = RendezvousParameters(backend="static", endpoint="10.0.0.1:1234", run_id="x", min_nodes=1, max_nodes=1)
+    assert _compat.rendezvous_addr_and_port(static) == ("10.0.0.1", 1234)
+    c10d = RendezvousParameters(backend="c10d", endpoint="localhost:0", run_id="x", min_nodes=1, max_nodes=1)
+    assert _compat.rendezvous_addr_and_port(c10d) == (None, None)
+
+
+def test_dynamo_modules_exist() -> None:
+    import importlib.util
+
+    for name in _compat.DYNAMO_MODULES:
+        assert importlib.util.find_spec(name) is not None, f"{name} is gone: the zygote preloads it"
+
+
+def test_join_non_daemon_threads_joins() -> None:
+    import subprocess
+    import sys
+
+    code = ("import threading, time\nfrom stalwart import _compat\ndone = []\n"
+            "t = threading.Thread(target=lambda: (time.sleep(0.2), done.append(1)))\nt.start()\n"
+            "_compat.join_non_daemon_threads()\nassert done == [1] and not t.is_alive()\nprint('joined')\n")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "joined" in out.stdout, out.stderr
+
 
 # --- end of elastic agent section -------------------------------------------------------------
 

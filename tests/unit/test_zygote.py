@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -160,3 +159,34 @@ def test_python_arguments_are_parsed_like_the_interpreter():
     for bad in (["-X", "dev", "s.py"], ["-u"], []):
         with pytest.raises(ValueError):
             parse_python_args(bad)
+
+
+def test_a_forked_worker_reads_its_own_contract_not_the_zygotes(tmp_path, monkeypatch):
+    """A preloaded module read the worker contract in the zygote (lazily, once); the worker must see
+    its own environment's values (runtime.reset in the forked child)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "zyg_contract.py").write_text(
+        "from stalwart import runtime\nfrom stalwart.launch import progress\n"
+        "ZYGOTE_NODE = runtime.worker_env().node_id\nprogress.writer()\n")
+    monkeypatch.setenv("PYTHONPATH", f"{lib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("STALWART_NODE_ID", "zygote-node")
+    monkeypatch.delenv("STALWART_PROGRESS_DIR", raising=False)
+    (tmp_path / "job.py").write_text(
+        "import os, zyg_contract\nfrom stalwart import runtime\nfrom stalwart.launch import progress\n"
+        "print(zyg_contract.ZYGOTE_NODE, runtime.worker_env().node_id, progress.writer() is not None, os.getppid())\n")
+    z = Zygote(["zyg_contract"], tmp_path / "z")
+    z.ensure()
+    try:
+        exe, args = z.entrypoint(["-u", str(tmp_path / "job.py")])
+        env = {**os.environ, **z.env(), "STALWART_NODE_ID": "worker-node",
+               "STALWART_PROGRESS_DIR": str(tmp_path / "progress"), "RANK": "0"}
+        out = subprocess.run([exe, *args], check=False, env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        zygote_node, node, has_writer, parent = out.stdout.split()
+        assert int(parent) == z.proc.pid, "forked by the zygote, not started cold"
+        assert (zygote_node, node) == ("zygote-node", "worker-node")
+        assert has_writer == "True", "the progress writer follows the worker's STALWART_PROGRESS_DIR"
+    finally:
+        z.stop()

@@ -47,13 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stalwart import _compat, runtime
 from stalwart.launch import zygote_client
 
 log = logging.getLogger("stalwart.zygote")
 CLIENT = Path(zygote_client.__file__)
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.checkpoint")
-# Scripts: torch.compile, torch.use_deterministic_algorithms and others import dynamo (0.5-3 s).
-SCRIPT_PRELOAD = ("torch._dynamo",)
+SCRIPT_PRELOAD = _compat.DYNAMO_MODULES  # scripts: torch.compile and others import dynamo (0.5-3 s)
 # `-m stalwart`: the trainer, which keeps clear of dynamo on purpose.
 STALWART_PRELOAD = ("stalwart.cli", "stalwart.commands.train", "stalwart.train.trainer")
 PR_SET_PDEATHSIG = 1
@@ -119,6 +119,15 @@ def _print_exception(err: BaseException) -> None:
     traceback.print_exception(type(err), err, tb)
 
 
+def _forget_zygote_contract() -> None:
+    """The worker contract is read lazily, once per process (``stalwart.runtime``): a module the zygote
+    preloaded may have read it with the zygote's environment, which the forked worker must not see."""
+    runtime.reset()
+    progress = sys.modules.get("stalwart.launch.progress")
+    if progress is not None and hasattr(progress, "_resolved"):  # its writer cache, until it lives in runtime
+        progress._writer, progress._resolved = None, False
+
+
 def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
     """Runs in the forked child: turn into ``python ARGV`` with the client's stdio; never returns."""
     code = 1
@@ -135,6 +144,7 @@ def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> N
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _forget_zygote_contract()
         unbuffered, module, script, rest = parse_python_args(request["argv"])
         _rebind_stdio(unbuffered)
         if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
@@ -158,7 +168,7 @@ def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> N
             _print_exception(err)
             code = 1
         try:
-            threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
+            _compat.join_non_daemon_threads()  # as the interpreter does at exit
         except Exception:
             pass
         atexit._run_exitfuncs()

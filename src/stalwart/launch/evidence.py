@@ -1,0 +1,92 @@
+"""Gathering evidence about workers for detection: stack dumps, log tails, files workers write.
+
+Everything here reads processes or files; turning it into incidents is ``detect``'s (pure) job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("stalwart.agent")
+LOG_TAIL_BYTES = 256 << 10
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def stack_dump(pid: int, timeout_s: float = 10.0) -> str:
+    """Python stacks of a process via py-spy (spinning or stopped: py-spy finds no threads in a
+    SIGSTOPped process forked from a threaded one — a warm-started worker — so it is continued
+    first; it is killed right after the dump anyway)."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        return "(py-spy is not installed: no stack dump)"
+    if _stopped(pid):
+        os.kill(pid, signal.SIGCONT)
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid)], check=False, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"(py-spy dump of pid {pid} timed out)"
+    return out.stdout or out.stderr
+
+
+def log_tail(path: str | None, limit: int = LOG_TAIL_BYTES) -> str:
+    """The last ``limit`` bytes of a worker's log ("" when there is none)."""
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - limit))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def fault_time(progress_dir: Path, rank: int) -> float | None:
+    """When chaos injected a fault into ``rank``, if it did (it writes the time first)."""
+    try:
+        return float((progress_dir / f"rank{rank}.fault").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class IncidentTail:
+    """Reads the JSON lines workers append to ``rank*.incidents.jsonl``, each line once: remembers
+    the offset per file and leaves a partial last line (a write in progress) for the next read."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[Path, int] = {}
+
+    def read(self, directory: Path) -> list[dict[str, Any]]:
+        records = []
+        for path in sorted(directory.glob("rank*.incidents.jsonl")):
+            offset = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data[:data.rfind(b"\n") + 1]
+            self._offsets[path] = offset + len(complete)
+            for line in complete.splitlines():
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    log.warning("skipping a malformed line in %s: %r", path, line[:200])
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("kind"), str):
+                    records.append(record)
+        return records
+
+    def reset(self) -> None:
+        self._offsets.clear()
