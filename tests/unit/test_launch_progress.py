@@ -27,10 +27,45 @@ def test_reader_sees_consistent_records_while_another_process_writes(tmp_path):
         p = reader.read(0)
         if p is not None and p.step >= 0:
             assert p.loss == float(p.step), "torn record"  # step and loss are written together
+            assert p.reports == p.step + 1, "torn record"  # a zero-filled body would read step 0, loss 0
             seen += 1
     proc.join()
     assert proc.exitcode == 0 and seen > 0
     assert reader.read(0).step == 199_999
+
+
+def _publish_for(directory, seconds):
+    w = ProgressWriter(directory, 0)
+    end = time.monotonic() + seconds
+    step = 0
+    while time.monotonic() < end:
+        for _ in range(1000):
+            step += 1
+            w.report(step, loss=float(step))
+
+
+def test_sequence_word_never_reads_zero_while_a_writer_publishes(tmp_path):
+    """The seqlock's word is one 8-byte store: struct.pack_into would zero-fill it first, and a
+    reader catching 0 ("even") twice would accept a half-written record."""
+    from stalwart.runtime.progress import seq_view
+
+    ProgressWriter(tmp_path, 0)
+    proc = mp.get_context("spawn").Process(target=_publish_for, args=(tmp_path, 1.0))
+    proc.start()
+    with open(tmp_path / "rank0.progress", "rb") as f:
+        import mmap
+
+        m = mmap.mmap(f.fileno(), 64, prot=mmap.PROT_READ)
+    seq = seq_view(m)
+    reads = zeros = 0
+    while proc.is_alive():
+        reads += 1
+        zeros += seq[0] == 0
+    proc.join()
+    seq.release()
+    m.close()
+    assert proc.exitcode == 0 and reads > 0
+    assert zeros == 0, f"{zeros} of {reads} reads saw a zero sequence number"
 
 
 def test_phases_metrics_and_fresh_record(tmp_path):

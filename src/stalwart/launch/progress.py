@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stalwart.runtime import ENV_PROGRESS_DIR
-from stalwart.runtime.progress import BODY, PHASES, SEQ, SIZE, incident, phase, record_path
+from stalwart.runtime.progress import BODY, PHASES, SEQ, SIZE, seq_view, incident, phase, record_path
 
 # Shims until the merge points their callers at stalwart.runtime, then delete: launch/agent.py imports
 # ENV_DIR from here, train/rollback.py incident and phase.
@@ -46,28 +46,30 @@ class ProgressReader:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self._maps: dict[int, mmap.mmap] = {}
+        self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
 
-    def _map(self, rank: int) -> mmap.mmap | None:
+    def _map(self, rank: int) -> tuple[mmap.mmap, memoryview] | None:
         if rank not in self._maps:
             path = record_path(self.directory, rank)
             try:
                 with open(path, "rb") as f:
                     if os.fstat(f.fileno()).st_size < SIZE:
                         return None
-                    self._maps[rank] = mmap.mmap(f.fileno(), SIZE, prot=mmap.PROT_READ)
+                    m = mmap.mmap(f.fileno(), SIZE, prot=mmap.PROT_READ)
+                    self._maps[rank] = (m, seq_view(m))
             except FileNotFoundError:
                 return None
         return self._maps[rank]
 
     def read(self, rank: int) -> Progress | None:
-        m = self._map(rank)
-        if m is None:
+        mapped = self._map(rank)
+        if mapped is None:
             return None
+        m, seq = mapped
         for _ in range(1000):
-            before = SEQ.unpack_from(m, 0)[0]
+            before = seq[0]
             data = m[:SIZE]
-            after = SEQ.unpack_from(m, 0)[0]
+            after = seq[0]
             if before == after and before % 2 == 0:
                 step, stamp, phase_index, loss, reports, compute = BODY.unpack_from(data, SEQ.size)
                 name = PHASES[phase_index] if phase_index < len(PHASES) else "train"
@@ -76,9 +78,10 @@ class ProgressReader:
 
     def forget(self, rank: int) -> None:
         """Drop a rank's mapping (its worker is being replaced and will recreate the record)."""
-        m = self._maps.pop(rank, None)
-        if m is not None:
-            m.close()
+        mapped = self._maps.pop(rank, None)
+        if mapped is not None:
+            mapped[1].release()
+            mapped[0].close()
 
     def close(self) -> None:
         for rank in list(self._maps):

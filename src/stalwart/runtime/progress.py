@@ -31,9 +31,16 @@ from stalwart.runtime.env import worker_env
 
 # -- the record format (shared with the agent's reader) ---------------------------------------------
 PHASES = ("init", "train", "checkpoint", "eval", "done")
-# The sequence number (offset 0) is written on its own: struct.pack_into zero-fills its target first,
-# so packing it together with the body would briefly show seq = 0 (even) to a reader mid-write.
+# The sequence number (offset 0, 8-byte aligned) is stored and loaded through a memoryview cast to "Q":
+# one 8-byte machine store/load. Not struct.pack_into: it zero-fills its target before writing, so a
+# reader could catch seq = 0 (even, "consistent") twice around a half-written body and accept it.
 SEQ = struct.Struct("<Q")
+
+
+def seq_view(buf: mmap.mmap) -> memoryview:
+    """The record's sequence number as one native unsigned 64-bit word (release before closing ``buf``)."""
+    return memoryview(buf)[: SEQ.size].cast("Q")
+
 BODY = struct.Struct("<qdIxxxxdQd")  # step, time, phase, pad, loss, steps_reported, compute_s
 SIZE = 64
 assert SEQ.size + BODY.size <= SIZE
@@ -75,7 +82,8 @@ class ProgressWriter:
         self.rank = rank
         # Continue the sequence of a previous writer of this record (a restarted worker): starting
         # over at 0 would let a reader see the same even number before and after a torn copy.
-        previous = SEQ.unpack_from(self._map, 0)[0]
+        self._seqword = seq_view(self._map)
+        previous = self._seqword[0]
         self._seq = previous + (previous % 2)
         self._step, self._phase, self._loss, self._reports, self._compute = -1, 0, math.nan, 0, math.nan
         self._metrics_path = metrics_path(directory, rank)
@@ -85,11 +93,11 @@ class ProgressWriter:
 
     def _publish(self) -> None:
         self._seq += 1  # odd: write in progress
-        SEQ.pack_into(self._map, 0, self._seq)
+        self._seqword[0] = self._seq
         BODY.pack_into(self._map, SEQ.size, self._step, time.time(), self._phase, self._loss,
                        self._reports, self._compute)
         self._seq += 1  # even: consistent
-        SEQ.pack_into(self._map, 0, self._seq)
+        self._seqword[0] = self._seq
 
     def report(self, step: int, loss: float | None = None, compute_s: float | None = None,
                **metrics: Any) -> None:
