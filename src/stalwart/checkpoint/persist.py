@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from stalwart import chaos
+from stalwart._compat import checkpoint_writer
 from stalwart.checkpoint.snapshot import SnapshotView, _dtype
 from stalwart.checkpoint.storage import MANIFEST, METADATA, Storage, file_crc32, fsync_dir, step_name
 
@@ -42,6 +42,7 @@ class _SnapshotPlanner(DefaultSavePlanner):
     def __init__(self, view: SnapshotView) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self.view = view
+        self._bytes: dict[tuple[str, str], bytes] = {}
 
     def set_up_planner(self, state_dict: Any = None, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -62,10 +63,23 @@ class _SnapshotPlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         key = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
-            buf = io.BytesIO()
-            torch.save(self.view.objects[key], buf)
-            return buf
+            return io.BytesIO(self._serialized(self.view.objects[key]))
         return self.view.tensor(key)
+
+    def _serialized(self, obj: Any) -> bytes:
+        """``torch.save`` bytes of one object. The same hyperparameter value recurs for every parameter
+        (see hparams), so small plain values are serialized once per persist (``repr`` tells 1, 1.0
+        and True apart, which equality does not)."""
+        plain = obj is None or isinstance(obj, (bool, int, float, str)) or (
+            isinstance(obj, tuple) and len(obj) <= 8 and all(isinstance(x, (bool, int, float)) for x in obj))
+        memo_key = (type(obj).__name__, repr(obj)) if plain else None
+        if memo_key is not None and memo_key in self._bytes:
+            return self._bytes[memo_key]
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        if memo_key is not None:
+            self._bytes[memo_key] = buf.getvalue()
+        return buf.getvalue()
 
 
 class _CrcStream:
@@ -108,16 +122,15 @@ class _CrcFileSystem:
 
 
 def _writer(storage: Storage, step: int, sums: dict[str, dict[str, int]], hook: Callable[[str], None]) -> Any:
-    target = storage.checkpoint_id(step)
-    if storage.local:  # two files per rank, written by two threads: CRC and zip framing overlap I/O
-        w = FileSystemWriter(target, sync_files=True, overwrite=True, thread_count=2)
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    def wrap(fs: Any) -> _CrcFileSystem:
+        return _CrcFileSystem(fs, sums, hook)
 
-        # object stores are durable at close(); fsync does not apply (DCP would fall back to os.sync())
-        w = FsspecWriter(target, sync_files=False, overwrite=True, **storage.options)
-    w.fs = _CrcFileSystem(w.fs, sums, hook)
-    return w
+    if storage.local:  # two files per rank, written by two threads: CRC and zip framing overlap I/O
+        return checkpoint_writer(storage.checkpoint_id(step), local=True, wrap_fs=wrap, sync_files=True,
+                                 overwrite=True, thread_count=2)
+    # object stores are durable at close(); fsync does not apply (DCP would fall back to os.sync())
+    return checkpoint_writer(storage.checkpoint_id(step), local=False, wrap_fs=wrap, sync_files=False,
+                             overwrite=True, **storage.options)
 
 
 @contextmanager
