@@ -284,6 +284,13 @@ class _Slot:
         self.size = 0
         self.map: mmap.mmap | None = None
         self.pinned = False
+        self._views: tuple[list[dict[str, Any]], mmap.mmap | None, list[torch.Tensor]] | None = None
+
+    def views(self, entries: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """A tensor over each entry's bytes in this slot, made once per layout and mapping, not per save."""
+        if self._views is None or self._views[0] is not entries or self._views[1] is not self.map:
+            self._views = (entries, self.map, [entry_tensor(self.map, e) for e in entries])
+        return self._views[2]
 
     def try_lock(self) -> bool:
         try:
@@ -336,8 +343,8 @@ class SnapshotWriter:
         self._copied = threading.Event()
         self._copied.set()
         self._cuda_event: Any = None
-        # (signature, entries, size, entries of CUDA tensors): planned again only when the signature changes
-        self._layout: tuple[Any, list[dict[str, Any]], int, list[dict[str, Any]]] | None = None
+        # (signature, entries, size, any CUDA tensor): planned again only when the signature changes
+        self._layout: tuple[Any, list[dict[str, Any]], int, bool] | None = None
         self.stats = {"snapshots": 0, "skipped": 0, "wait_s": 0.0, "copy_s": 0.0, "last_step": None}
 
     # -- main thread -----------------------------------------------------------------------------
@@ -348,7 +355,7 @@ class SnapshotWriter:
         if self._layout is None or self._layout[0] != sig or sig is None:
             entries, size = plan_layout(captured)
             self._check_space(size)
-            self._layout = (sig, entries, size, [e for e in entries if captured.sources[e["key"]].is_cuda])
+            self._layout = (sig, entries, size, any(t.is_cuda for t in captured.sources.values()))
             for slot in self.slots:  # reserve and map both slots now: a one-time cost at the first save
                 if slot.try_lock():
                     try:
@@ -367,8 +374,8 @@ class SnapshotWriter:
         self._copied.clear()
         self._cuda_event = None
         if cuda:
-            self._issue_cuda_copies(slot, cuda, captured)
-        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, bool(cuda))
+            self._issue_cuda_copies(slot, entries, captured)
+        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, cuda)
         return True
 
     def wait_copied(self) -> None:
@@ -423,8 +430,9 @@ class SnapshotWriter:
         self._stream = stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
-            for e in entries:
-                entry_tensor(s.map, e).copy_(captured.sources[e["key"]], non_blocking=s.pinned)
+            for e, dst in zip(entries, s.views(entries)):
+                if (src := captured.sources[e["key"]]).is_cuda:
+                    dst.copy_(src, non_blocking=s.pinned)
             self._cuda_event = torch.cuda.Event()
             self._cuda_event.record(stream)
 
@@ -436,12 +444,12 @@ class SnapshotWriter:
         try:
             with torch.no_grad():
                 half = len(entries) // 2
-                for i, e in enumerate(entries):
+                for i, (e, dst) in enumerate(zip(entries, s.views(entries))):
                     if i == half and (fault := chaos.due("copy", step=step, rank=self.rank)):
                         fault.fire()
                     src = captured.sources[e["key"]]
                     if not src.is_cuda:
-                        entry_tensor(s.map, e).copy_(src)
+                        dst.copy_(src)
             self._copied.set()
             if cuda:
                 self._cuda_event.synchronize()
