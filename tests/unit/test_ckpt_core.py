@@ -166,6 +166,25 @@ def test_a_checkpoint_without_per_parameter_hyperparameters_is_refused_with_the_
         ts.load(nested)
 
 
+def test_a_checkpoint_with_packed_hyperparameters_is_refused_with_the_reason():
+    """The previous layout packed one parameter's hyperparameters into one item
+    (``optim.param_groups.<fqn>`` = ((name, value), ...)); a restore from such a checkpoint prunes the
+    per-parameter keys it lacks from the template, and the load then names the reason."""
+    from stalwart._compat import flatten_state_dict
+    from stalwart.checkpoint.restore import _prune_missing
+
+    model, opt, _ = tiny()
+    step(model, opt)
+    ts = TrainingState({"model": model, "optim": opt}, 0, rng=False)
+    nested = ts.state_dict(for_load=True)
+    flat, _ = flatten_state_dict(nested)
+    packed = {f"optim.param_groups.{n}" for n, _ in model.named_parameters()}
+    present = {k for k in flat if not k.startswith("optim.param_groups.")} | packed
+    assert _prune_missing(nested, present, 0)
+    with pytest.raises(ValueError, match="predates the flattened optimizer state or packs them"):
+        ts.load(nested)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple of checkpoint.memory_every"):
         load_config(None, {"checkpoint.memory_every": "3", "checkpoint.persist_every_steps": "5"}).validate()
