@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from stalwart._compat import storage_info_fields
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.snapshot import JobPaths, SnapshotView, complete_slots
 from stalwart.checkpoint.storage import Storage
@@ -127,6 +129,11 @@ def _persist(shm: Path, target: Path) -> Path:
     finally:
         for v in views:
             v.close()
+    # every hyperparameter has its key, but equal values share their bytes (one record, many keys)
+    md = storage.read_metadata(3)
+    hyper = [k for k in md.state_dict_metadata if k.startswith("optim.param_groups.")]
+    records = {tuple(storage_info_fields(md.storage_data[MetadataIndex(k)]).values()) for k in hyper}
+    assert len(hyper) >= 4 * 12 and len(records) < len(hyper) / 3
     return Path(storage.checkpoint_id(3))
 
 
