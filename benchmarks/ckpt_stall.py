@@ -12,7 +12,8 @@ persist throughput (keeper code path: DCP shards + fsync + commit) vs a raw sequ
 of the same bytes, and restore time from the memory snapshot vs from disk (verified) and vs plain
 ``dcp.load`` (page cache dropped with posix_fadvise where the OS allows).
 
-Targets: stall ≤ 0.25 × memcpy floor; persist ≥ 0.67 × raw write throughput; restore from memory
+Targets: blocking per save (``save()`` call + optimizer-hook wait) ≤ 0.25 × the memcpy floor, and the
+measured stall too; persist ≥ 0.67 × raw write throughput; restore from memory
 ≥ 5 × faster than DCP load from disk.
 """
 
@@ -30,8 +31,9 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -296,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         "restore_disk_vs_mem": r["restore_disk_s"] / r["restore_mem_s"],
     }
     r["ratios"]["blocking_vs_memcpy"] = r["stalwart_blocking_s"] / r["memcpy_s"]
-    r["targets"] = {"stall_le_0.25_memcpy": r["ratios"]["stall_vs_memcpy"] <= 0.25,
+    r["targets"] = {"blocking_le_0.25_memcpy": r["ratios"]["blocking_vs_memcpy"] <= 0.25,
+                    "stall_le_0.25_memcpy": r["ratios"]["stall_vs_memcpy"] <= 0.25,
                     "persist_ge_0.67_raw": r["ratios"]["persist_vs_raw_throughput"] >= 0.67,
                     "restore_mem_ge_5x_dcp_load": r["ratios"]["dcp_load_vs_restore_mem"] >= 5}
     if args.json:

@@ -115,13 +115,16 @@ def test_capture_before_first_step_leaves_optimizer_untouched():
     assert not any(k.startswith("optim.state") for k in captured.tensors)
 
 
-def test_optimizer_state_is_keyed_per_parameter_and_the_cache_reads_fresh_hyperparameters():
-    """Hyperparameters are stored per parameter name (a pipeline stage holds different parameters than
-    its peer, so group-indexed keys would collide in one checkpoint), one object per parameter, and
-    the capture cache, which reuses DCP's dict across steps, still reports the scheduler's current lr."""
+def test_optimizer_state_is_keyed_per_parameter_and_the_cache_reads_fresh_hyperparameters(shm):
+    """A snapshot keeps each optimizer's param groups compact (hyperparameters + parameter FQNs); the
+    checkpoint view spells them out under DCP's flattened keys (per parameter: pipeline stages, which
+    hold different parameters, never collide) and its nested keys (torch's default template), exactly
+    as DCP gives them. The capture cache, which reuses DCP's state across steps, still reports the
+    scheduler's current lr."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from stalwart.checkpoint.state import FLAT_OPTIM, unpack_hyperparameters
+    from stalwart._compat import flatten_state_dict
+    from stalwart.checkpoint.state import FLAT_OPTIM
 
     model, opt, sched = tiny()
     ts = TrainingState({"model": model, "optim": opt}, 0, rng=False)
@@ -129,19 +132,28 @@ def test_optimizer_state_is_keyed_per_parameter_and_the_cache_reads_fresh_hyperp
     first = ts.capture()
     step(model, opt, sched)  # lr changes; AdamW updates its state tensors in place (a cache hit)
     second = ts.capture()
+    assert second.signature == first.signature and second.tensors is not first.tensors
     names = [n for n, _ in model.named_parameters()]
-    assert {k for k in second.objects if k.startswith("optim.")} == {f"optim.param_groups.{n}" for n in names}
+    assert not any(k.startswith("optim.") for k in second.objects)
+    assert [g["params"] for g in second.groups["optim"]] == [names]
     assert {k for k in second.tensors if k.startswith("optim.")} == {
         f"optim.state.{n}.{s}" for n in names for s in ("step", "exp_avg", "exp_avg_sq")}
-    key = f"optim.param_groups.{names[0]}"
-    lr = dict(second.objects[key])["lr"]
-    assert lr == opt.param_groups[0]["lr"] == pytest.approx(dict(first.objects[key])["lr"] * 2 / 3)
-    # exactly what DCP gives and takes with flatten_optimizer_state_dict=True
-    fresh = get_optimizer_state_dict(model, opt, options=FLAT_OPTIM)
-    ours = unpack_hyperparameters({k.removeprefix("optim."): v for k, v in (second.objects | second.tensors).items()
-                                   if k.startswith("optim.")})
-    assert ours.keys() == fresh.keys()
-    assert all(ours[k] is v if isinstance(v, torch.Tensor) else ours[k] == v for k, v in fresh.items())
+    lr = second.groups["optim"][0]["lr"]
+    assert lr == opt.param_groups[0]["lr"] == pytest.approx(first.groups["optim"][0]["lr"] * 2 / 3)
+    w = SnapshotWriter(shm, 0, 1)
+    w.start(2, second, persist=False)
+    w.wait()
+    with SnapshotView(shm, complete_slots(shm, 0)[0]) as view:
+        objects, mappings = view.objects, view.mappings
+    w.close()
+    for options in (FLAT_OPTIM, None):  # exactly what DCP gives (and takes) in both layouts
+        fresh, paths = flatten_state_dict({"optim": get_optimizer_state_dict(model, opt, options=options)})
+        for key, value in fresh.items():
+            if isinstance(value, torch.Tensor):
+                assert key in second.tensors and mappings[key][0] == "optim"
+            else:
+                assert objects[key] == value and mappings[key] == paths[key], key
+    assert objects[f"optim.param_groups.{names[0]}.lr"] == lr
 
 
 def test_a_checkpoint_without_per_parameter_hyperparameters_is_refused_with_the_reason():
@@ -151,6 +163,25 @@ def test_a_checkpoint_without_per_parameter_hyperparameters_is_refused_with_the_
     nested = ts.state_dict(for_load=True)
     nested["optim"] = {k: v for k, v in nested["optim"].items() if not k.startswith("param_groups.")}
     with pytest.raises(ValueError, match="predates the flattened optimizer state"):
+        ts.load(nested)
+
+
+def test_a_checkpoint_with_packed_hyperparameters_is_refused_with_the_reason():
+    """The previous layout packed one parameter's hyperparameters into one item
+    (``optim.param_groups.<fqn>`` = ((name, value), ...)); a restore from such a checkpoint prunes the
+    per-parameter keys it lacks from the template, and the load then names the reason."""
+    from stalwart._compat import flatten_state_dict
+    from stalwart.checkpoint.restore import _prune_missing
+
+    model, opt, _ = tiny()
+    step(model, opt)
+    ts = TrainingState({"model": model, "optim": opt}, 0, rng=False)
+    nested = ts.state_dict(for_load=True)
+    flat, _ = flatten_state_dict(nested)
+    packed = {f"optim.param_groups.{n}" for n, _ in model.named_parameters()}
+    present = {k for k in flat if not k.startswith("optim.param_groups.")} | packed
+    assert _prune_missing(nested, present, 0)
+    with pytest.raises(ValueError, match="predates the flattened optimizer state or packs them"):
         ts.load(nested)
 
 

@@ -27,11 +27,11 @@ import time
 import uuid
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
+from stalwart._compat import storage_info, storage_info_fields, storage_prefix
 from stalwart.checkpoint.persist import (PlanOnlyView, _SnapshotPlanner, chaos_hook, commit, global_plan,
                                          json_bytes, plan_table, torch_save_without_crc, write_rank)
 from stalwart.checkpoint.snapshot import SnapshotView
@@ -123,17 +123,14 @@ def _moved_on(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
 def _results_json(results: list[WriteResult]) -> list[dict[str, Any]]:
     out = []
     for wr in results:
-        info: _StorageInfo = wr.storage_data
         out.append({"fqn": wr.index.fqn, "offset": None if wr.index.offset is None else list(wr.index.offset),
-                    "index": wr.index.index, "size": wr.size_in_bytes, "path": info.relative_path,
-                    "at": info.offset, "length": info.length,
-                    "transforms": list(info.transform_descriptors or []) or None})
+                    "index": wr.index.index, "size": wr.size_in_bytes, **storage_info_fields(wr.storage_data)})
     return out
 
 
 def _results_from_json(items: list[dict[str, Any]]) -> list[WriteResult]:
     return [WriteResult(index=MetadataIndex(i["fqn"], i["offset"], i["index"]), size_in_bytes=i["size"],
-                        storage_data=_StorageInfo(i["path"], i["at"], i["length"], i["transforms"]))
+                        storage_data=storage_info(i))
             for i in items]
 
 
@@ -151,7 +148,7 @@ def _plan_from_json(planner: _SnapshotPlanner, data: dict[str, Any]) -> SavePlan
     for fqn, offset, hint in data["items"]:
         index = MetadataIndex(fqn, offset, hint)
         items.append(dataclasses.replace(by_index[(fqn, index.offset)], index=index))
-    return dataclasses.replace(local, items=items, storage_data=_StoragePrefix(data["prefix"]))
+    return dataclasses.replace(local, items=items, storage_data=storage_prefix(data["prefix"]))
 
 
 # -- the protocol ---------------------------------------------------------------------------------

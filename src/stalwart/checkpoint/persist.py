@@ -12,6 +12,7 @@ A crash anywhere before the last step leaves ``latest`` at the previous checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -24,11 +25,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from stalwart import chaos
+from stalwart._compat import checkpoint_writer
 from stalwart.checkpoint.snapshot import SnapshotView, _dtype
 from stalwart.checkpoint.storage import MANIFEST, METADATA, Storage, file_crc32, fsync_dir, step_name
 
@@ -39,9 +45,12 @@ FORMAT = "stalwart-ckpt/1"
 class _SnapshotPlanner(DefaultSavePlanner):
     """DCP's default planner, fed from a snapshot's entry table instead of a live state dict."""
 
-    def __init__(self, view: SnapshotView) -> None:
+    def __init__(self, view: SnapshotView, share_equal_objects: bool = False) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self.view = view
+        self.share = share_equal_objects
+        self.aliases: dict[str, str] = {}  # object key → key of an equal object whose stored bytes it shares
+        self._bytes: dict[tuple[str, str], bytes] = {}
 
     def set_up_planner(self, state_dict: Any = None, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -55,17 +64,54 @@ class _SnapshotPlanner(DefaultSavePlanner):
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(e["shape"])),
                     properties=TensorProperties(dtype=_dtype(e["dtype"])), size=torch.Size(e["global_shape"]))))
-        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.view.objects]
+        if self.share:  # hyperparameters repeat per parameter: write each distinct value once (see share_bytes)
+            first: dict[tuple[str, str], str] = {}
+            for key, obj in self.view.objects.items():
+                if (memo := _memo_key(obj)) is not None and first.setdefault(memo, key) != key:
+                    self.aliases[key] = first[memo]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+                  for key in self.view.objects if key not in self.aliases]
         self.plan = SavePlan(items, planner_data=self.view.mappings)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         key = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
-            buf = io.BytesIO()
-            torch.save(self.view.objects[key], buf)
-            return buf
+            return io.BytesIO(self._serialized(self.view.objects[key]))
         return self.view.tensor(key)
+
+    def _serialized(self, obj: Any) -> bytes:
+        """``torch.save`` bytes of one object; a small plain value is serialized once per persist."""
+        memo = _memo_key(obj)
+        if memo is not None and memo in self._bytes:
+            return self._bytes[memo]
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        if memo is not None:
+            self._bytes[memo] = buf.getvalue()
+        return buf.getvalue()
+
+
+def _memo_key(obj: Any) -> tuple[str, str] | None:
+    """Identifies a small plain value (``repr`` tells 1, 1.0 and True apart, which equality does not);
+    None for anything else."""
+    plain = obj is None or isinstance(obj, (bool, int, float, str)) or (
+        isinstance(obj, tuple) and len(obj) <= 8 and all(isinstance(x, (bool, int, float)) for x in obj))
+    return (type(obj).__name__, repr(obj)) if plain and len(repr(obj)) <= 200 else None
+
+
+def share_bytes(planners: list[_SnapshotPlanner], metadata: Any, results: list[list[Any]]) -> None:
+    """Point every aliased object key at the bytes written for its equal representative: in the
+    metadata, a key is a (file, offset, length) record, so plain ``dcp.load`` reads them as usual.
+    The same hyperparameter value recurs for every parameter (see hparams): spelled out, it made a
+    persist of the debug model several hundred items longer."""
+    written = {wr.index.fqn: wr for rank in results for wr in rank}
+    for planner, rank_results in zip(planners, results):
+        for key, rep in planner.aliases.items():
+            if key not in written:
+                metadata.state_dict_metadata.setdefault(key, BytesStorageMetadata())
+                rank_results.append(dataclasses.replace(written[rep], index=MetadataIndex(key)))
+                written[key] = rank_results[-1]
 
 
 class _CrcStream:
@@ -108,16 +154,15 @@ class _CrcFileSystem:
 
 
 def _writer(storage: Storage, step: int, sums: dict[str, dict[str, int]], hook: Callable[[str], None]) -> Any:
-    target = storage.checkpoint_id(step)
-    if storage.local:  # two files per rank, written by two threads: CRC and zip framing overlap I/O
-        w = FileSystemWriter(target, sync_files=True, overwrite=True, thread_count=2)
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    def wrap(fs: Any) -> _CrcFileSystem:
+        return _CrcFileSystem(fs, sums, hook)
 
-        # object stores are durable at close(); fsync does not apply (DCP would fall back to os.sync())
-        w = FsspecWriter(target, sync_files=False, overwrite=True, **storage.options)
-    w.fs = _CrcFileSystem(w.fs, sums, hook)
-    return w
+    if storage.local:  # two files per rank, written by two threads: CRC and zip framing overlap I/O
+        return checkpoint_writer(storage.checkpoint_id(step), local=True, wrap_fs=wrap, sync_files=True,
+                                 overwrite=True, thread_count=2)
+    # object stores are durable at close(); fsync does not apply (DCP would fall back to os.sync())
+    return checkpoint_writer(storage.checkpoint_id(step), local=False, wrap_fs=wrap, sync_files=False,
+                             overwrite=True, **storage.options)
 
 
 @contextmanager
@@ -150,10 +195,12 @@ def plan_table(view: SnapshotView) -> dict[str, Any]:
             "mappings": {k: list(v) for k, v in view.mappings.items()}}
 
 
-def global_plan(storage: Storage, step: int, views: list[Any]) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
+def global_plan(storage: Storage, step: int, views: list[Any], share_equal_objects: bool = False
+                ) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
     """DCP's coordinator step for every rank at once (``views[r]`` real or plan-only): local plans,
-    de-duplication of replicated items, metadata and each rank's file prefix."""
-    planners = [_SnapshotPlanner(v) for v in views]
+    de-duplication of replicated items, metadata and each rank's file prefix. ``share_equal_objects``
+    (real views only) writes equal small objects once: call :func:`share_bytes` before committing."""
+    planners = [_SnapshotPlanner(v, share_equal_objects) for v in views]
     local_plans = []
     for rank, planner in enumerate(planners):
         planner.set_up_planner(is_coordinator=rank == 0)
@@ -218,7 +265,7 @@ def write_checkpoint(storage: Storage, step: int, views: list[SnapshotView], sou
     storage.remove(step)  # a torn leftover of an earlier attempt at this step
     sums: dict[str, dict[str, int]] = {}
     hook = chaos_hook(step)
-    planners, plans, metadata = global_plan(storage, step, views)
+    planners, plans, metadata = global_plan(storage, step, views, share_equal_objects=True)
 
     def write(rank: int) -> list[Any]:
         return write_rank(storage, step, rank, planners[rank], plans[rank], sums, hook)
@@ -229,6 +276,7 @@ def write_checkpoint(storage: Storage, step: int, views: list[SnapshotView], sou
         else:
             with ThreadPoolExecutor(min(4, len(views))) as pool:
                 results = list(pool.map(write, range(len(views))))
+    share_bytes(planners, metadata, results)
     return commit(storage, step, metadata, results, sums, len(views), source,
                   max(v.info.header["time"] for v in views), t0, extra)
 

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 
+from stalwart._compat import checkpoint_reader, flatten_state_dict
 from stalwart.checkpoint.snapshot import JobPaths, SlotInfo, SnapshotView, complete_slots
 from stalwart.checkpoint.state import RNG_KEY, TrainingState, local_tensor, set_path
 from stalwart.checkpoint.storage import Storage, step_name
@@ -54,21 +53,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def storage_reader(storage: Storage, step: int) -> Any:
     """A DCP reader for one checkpoint whose ``.metadata`` goes through the restricted unpickler."""
-    if storage.local:
-        reader = FileSystemReader(storage.checkpoint_id(step))
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        reader = FsspecReader(storage.checkpoint_id(step), **storage.options)
-
-    def read_metadata(*args: Any, **kwargs: Any) -> Any:
-        md = storage.read_metadata(step)
-        if getattr(md, "storage_meta", None) is not None:
-            md.storage_meta.load_id = reader.load_id
-        return md
-
-    reader.read_metadata = read_metadata  # type: ignore[method-assign]
-    return reader
+    return checkpoint_reader(storage.checkpoint_id(step), local=storage.local,
+                             read_metadata=lambda: storage.read_metadata(step),
+                             **({} if storage.local else storage.options))
 
 
 def load_checkpoint(storage: Storage, step: int, nested: dict[str, Any], group: Any = None) -> None:
@@ -91,9 +78,12 @@ def _gather(obj: Any, group: Any) -> list[Any]:
 
 # -- restore --------------------------------------------------------------------------------------
 def _layout_problem(view: SnapshotView, flat: dict[str, Any]) -> str | None:
+    """Why this run's state cannot be read from ``view`` (None if it can). Tensors must match one to
+    one; objects the snapshot has beyond this run's (e.g. the nested-layout hyperparameters, a dropped
+    extra) are ignored, as a load from storage ignores them."""
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    if set(tensors) != set(view.entries) or set(flat) - set(tensors) != set(view.objects):
-        diff = sorted(set(flat) ^ (set(view.entries) | set(view.objects)))[:5]
+    if set(tensors) != set(view.entries) or not set(flat) - set(tensors) <= set(view.objects):
+        diff = sorted((set(tensors) ^ set(view.entries)) | (set(flat) - set(tensors) - set(view.objects)))[:5]
         return f"snapshot keys differ from this run's state (e.g. {diff})"
     for key, t in tensors.items():
         e, local = view.entries[key], local_tensor(t)

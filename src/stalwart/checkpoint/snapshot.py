@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from stalwart import chaos
-from stalwart.checkpoint.state import Captured, local_tensor
+from stalwart.checkpoint.hparams import dcp_hyperparameters
+from stalwart.checkpoint.state import Captured
 
 log = logging.getLogger("stalwart.checkpoint")
 FORMAT = 1
@@ -194,9 +195,19 @@ class SnapshotView:
             raise ValueError(f"rank {info.rank} slot {info.slot}: objects file does not match its header")
         import io
 
-        self.objects: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=True)
+        loaded = torch.load(io.BytesIO(blob), weights_only=True)
+        if not (isinstance(loaded, tuple) and len(loaded) == 2):
+            self.close()
+            raise ValueError(f"rank {info.rank} slot {info.slot}: snapshot written by an older stalwart version")
+        objects, groups = loaded
         self.entries: dict[str, dict[str, Any]] = {e["key"]: e for e in header["entries"]}
         self.mappings = {k: tuple(v) for k, v in header["mappings"].items()}
+        # checkpoint keys: hyperparameters spelled out in both of DCP's optimizer layouts (hparams)
+        self.objects: dict[str, Any] = dict(objects)
+        for name, optim_groups in groups.items():
+            hyper, paths = dcp_hyperparameters(name, optim_groups)
+            self.objects.update(hyper)
+            self.mappings.update(paths)
 
     @property
     def step(self) -> int:
@@ -246,8 +257,7 @@ def plan_layout(captured: Captured) -> tuple[list[dict[str, Any]], int]:
     plan = create_default_local_save_plan(captured.tensors, True)
     chunks = {item.index.fqn: item for item in plan.items if item.type != WriteItemType.BYTE_IO}
     entries, offset = [], 0
-    for key, t in captured.tensors.items():
-        local = local_tensor(t)
+    for key, local in captured.sources.items():
         item = chunks[key]
         assert item.tensor_data is not None and item.tensor_data.chunk is not None
         nbytes = local.numel() * local.element_size()
@@ -258,10 +268,6 @@ def plan_layout(captured: Captured) -> tuple[list[dict[str, Any]], int]:
         })
         offset += -(-nbytes // ALIGN) * ALIGN
     return entries, offset
-
-
-def _signature(captured: Captured) -> tuple:
-    return tuple((k, t.dtype, tuple(t.shape), tuple(local_tensor(t).shape)) for k, t in captured.tensors.items())
 
 
 def shm_free_bytes(path: Path) -> int:
@@ -278,6 +284,13 @@ class _Slot:
         self.size = 0
         self.map: mmap.mmap | None = None
         self.pinned = False
+        self._views: tuple[list[dict[str, Any]], mmap.mmap | None, list[torch.Tensor]] | None = None
+
+    def views(self, entries: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """A tensor over each entry's bytes in this slot, made once per layout and mapping, not per save."""
+        if self._views is None or self._views[0] is not entries or self._views[1] is not self.map:
+            self._views = (entries, self.map, [entry_tensor(self.map, e) for e in entries])
+        return self._views[2]
 
     def try_lock(self) -> bool:
         try:
@@ -330,25 +343,26 @@ class SnapshotWriter:
         self._copied = threading.Event()
         self._copied.set()
         self._cuda_event: Any = None
-        self._layout: tuple[tuple, list[dict[str, Any]], int] | None = None
+        # (signature, entries, size, any CUDA tensor): planned again only when the signature changes
+        self._layout: tuple[Any, list[dict[str, Any]], int, bool] | None = None
         self.stats = {"snapshots": 0, "skipped": 0, "wait_s": 0.0, "copy_s": 0.0, "last_step": None}
 
     # -- main thread -----------------------------------------------------------------------------
     def start(self, step: int, captured: Captured, persist: bool) -> bool:
         """Begin the snapshot of ``step``; returns False if it was skipped (both slots busy)."""
         self.wait()
-        sig = _signature(captured)
-        if self._layout is None or self._layout[0] != sig:
+        sig = captured.signature
+        if self._layout is None or self._layout[0] != sig or sig is None:
             entries, size = plan_layout(captured)
             self._check_space(size)
-            self._layout = (sig, entries, size)
+            self._layout = (sig, entries, size, any(t.is_cuda for t in captured.sources.values()))
             for slot in self.slots:  # reserve and map both slots now: a one-time cost at the first save
                 if slot.try_lock():
                     try:
                         slot.ensure(size)
                     finally:
                         slot.unlock()
-        _, entries, size = self._layout
+        _, entries, size, cuda = self._layout
         slot = self._acquire()
         if slot is None:
             self.stats["skipped"] += 1
@@ -359,10 +373,9 @@ class SnapshotWriter:
         self.slots[slot].ensure(size)
         self._copied.clear()
         self._cuda_event = None
-        cuda = [e for e in entries if captured.tensors[e["key"]].is_cuda]
         if cuda:
-            self._issue_cuda_copies(slot, cuda, captured)
-        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, bool(cuda))
+            self._issue_cuda_copies(slot, entries, captured)
+        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, cuda)
         return True
 
     def wait_copied(self) -> None:
@@ -417,8 +430,9 @@ class SnapshotWriter:
         self._stream = stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
-            for e in entries:
-                entry_tensor(s.map, e).copy_(local_tensor(captured.tensors[e["key"]]), non_blocking=s.pinned)
+            for e, dst in zip(entries, s.views(entries)):
+                if (src := captured.sources[e["key"]]).is_cuda:
+                    dst.copy_(src, non_blocking=s.pinned)
             self._cuda_event = torch.cuda.Event()
             self._cuda_event.record(stream)
 
@@ -430,12 +444,12 @@ class SnapshotWriter:
         try:
             with torch.no_grad():
                 half = len(entries) // 2
-                for i, e in enumerate(entries):
+                for i, (e, dst) in enumerate(zip(entries, s.views(entries))):
                     if i == half and (fault := chaos.due("copy", step=step, rank=self.rank)):
                         fault.fire()
-                    src = captured.tensors[e["key"]]
+                    src = captured.sources[e["key"]]
                     if not src.is_cuda:
-                        entry_tensor(s.map, e).copy_(local_tensor(src))
+                        dst.copy_(src)
             self._copied.set()
             if cuda:
                 self._cuda_event.synchronize()
@@ -443,7 +457,7 @@ class SnapshotWriter:
             import io
 
             buf = io.BytesIO()
-            torch.save(captured.objects, buf)
+            torch.save((captured.objects, captured.groups), buf)
             blob = buf.getvalue()
             atomic_write(self.paths.slot(self.rank, slot, "obj"), blob)
             self.generation += 1

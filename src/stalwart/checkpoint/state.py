@@ -3,58 +3,89 @@
 ``state_dict``/``load_state_dict``, plain dicts as user extras, plus this rank's RNG states.
 
 The nested state dict is flattened with DCP's own flattening, so the keys we write into a checkpoint
-are exactly the keys ``torch.distributed.checkpoint.load`` derives from the same nested dict.
+are exactly the keys ``torch.distributed.checkpoint.load`` derives from the same nested dict. Where
+optimizer hyperparameters go (both of DCP's layouts): :mod:`stalwart.checkpoint.hparams`.
 
-Optimizer states use DCP's *flattened* form (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): every
-key names its parameter. The nested form keys hyperparameters by group index (``param_groups.0.*``,
-with the group's parameter list as one object), which is per rank under pipeline parallelism — stages
-hold different parameters — so a checkpoint could keep only one stage's groups and the others failed
-to load (``KeyError: 'betas'``). One parameter's hyperparameters are stored as one object,
-``param_groups.<fqn>`` = ((name, value), ...), not one per name: a dozen times fewer small objects to
-copy at every snapshot and to write at every persist.
+:meth:`TrainingState.capture` runs at every save, on the training thread: it walks the model's and
+the optimizers' tensors once (to notice a replaced tensor) and otherwise reuses what does not change
+between steps — DCP's state dicts, their flattening, the slot layout's signature — because the
+optimizer updates its tensors in place; only hyperparameters and small objects are read afresh.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-
-# DCP's flattening is private API; torch is pinned (constraints.txt) and the keys must match DCP's.
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    _flatten_optim_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
+from stalwart._compat import flatten_state_dict
+from stalwart.checkpoint.hparams import PARAM_GROUPS, PARAMS, has_per_parameter_hyperparameters
+
 RNG_KEY = "rng"
 Path_ = tuple[str | int, ...]
-FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: see the module doc
-_PG_PREFIX = "param_groups."
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: see hparams
+_versions = itertools.count(1)  # tells cached flattenings apart (across TrainingState instances too)
 
 
 @dataclass
 class Captured:
     """One rank's state at one step, split for the snapshot copy.
 
-    ``tensors`` are live references (plain tensors or DTensors) that the background copy reads;
-    ``objects`` are deep copies of every non-tensor leaf, taken synchronously, because schedulers and
-    samplers change them on the very next step.
+    ``tensors`` are live references (plain tensors or DTensors) that the background copy reads, and
+    ``sources`` their rank-local data; ``objects`` are deep copies of every non-tensor leaf, taken
+    synchronously, because schedulers and samplers change them on the very next step; ``groups`` are
+    each optimizer's param groups (hyperparameters copied, ``params`` = parameter FQNs), spelled out
+    into checkpoint keys only when persisted (:func:`~stalwart.checkpoint.hparams.dcp_hyperparameters`).
+    ``signature`` changes whenever the tensors' keys, dtypes or shapes may have: the writer plans the
+    slot layout again only then.
     """
 
     tensors: dict[str, torch.Tensor]
     objects: dict[str, Any]
     mappings: dict[str, Path_]
+    groups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    signature: Hashable = None
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Part:
+    """One item's flattened state; ``version`` is set when it is cached (its tensors follow the live
+    ones because the optimizer updates them in place), ``None`` for a part read afresh every save."""
+
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any]
+    mappings: dict[str, Path_]
+    sources: dict[str, torch.Tensor]
+    key: Hashable = None
+    version: int | None = None
+    fqns: list[list[str]] = field(default_factory=list)  # an optimizer's groups' parameter FQNs
+
+    @classmethod
+    def of(cls, name: str, sd: Mapping[str, Any]) -> _Part:
+        flat, mappings = flatten_state_dict({name: sd})
+        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        objects = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+        return cls(tensors, objects, mappings, {k: local_tensor(t) for k, t in tensors.items()})
+
+    def signature(self) -> Hashable:
+        if self.version is not None:
+            return self.version
+        return tuple((k, t.dtype, tuple(t.shape), tuple(self.sources[k].shape)) for k, t in self.tensors.items())
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -108,8 +139,7 @@ class TrainingState:
                              "{'model': model, 'optim': optimizer, 'sampler': sampler}")
         self.rank, self.rng = rank, rng
         self.items = dict(state)
-        self._model_cache: dict[str, tuple[tuple[tuple[int, int], ...], dict[str, Any]]] = {}
-        self._optim_cache: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._cache: dict[str, _Part] = {}  # model/optimizer parts reused while their tensors stay
         modules = {n: v for n, v in self.items.items() if isinstance(v, nn.Module)}
         self.owner: dict[str, nn.Module] = {}
         for name, value in self.items.items():
@@ -140,65 +170,85 @@ class TrainingState:
         return [v for v in self.items.values() if isinstance(v, torch.optim.Optimizer)]
 
     def state_dict(self, for_load: bool = False) -> dict[str, Any]:
-        """The nested state dict. ``for_load`` allows DCP to initialise an optimizer that has not
-        stepped yet (it runs one zero-lr step), which a load needs and a save must never do."""
+        """The nested state dict (optimizers in DCP's flattened form, ``FLAT_OPTIM``). ``for_load``
+        allows DCP to initialise an optimizer that has not stepped yet (it runs one zero-lr step),
+        which a load needs and a save must never do."""
         out: dict[str, Any] = {}
         for name, value in self.items.items():
             if isinstance(value, torch.optim.Optimizer):
-                out[name] = self._optimizer_state_dict(name, value, for_load)
+                out[name] = _optimizer_state_dict(self.owner[name], value, for_load, FLAT_OPTIM)
             elif isinstance(value, nn.Module):
-                out[name] = self._model_state_dict(name, value) if not for_load else get_model_state_dict(value)
-            elif isinstance(value, dict):
-                out[name] = dict(value)
+                out[name] = get_model_state_dict(value)
             else:
-                out[name] = value.state_dict()
+                out[name] = self._plain_state_dict(value)
         if self.rng:
             out[RNG_KEY] = {f"rank{self.rank}": rng_state()}
         return out
 
-    def _model_state_dict(self, name: str, model: nn.Module) -> dict[str, Any]:
-        """DCP's model state dict, reused while the model holds the same parameter and buffer tensors.
-        DCP walks every module to map names on each call (milliseconds per save for a small model,
-        more for a deep one); the optimizer updates parameters in place, so the tensors it returned
-        still show the current values. A replaced tensor (a load, FSDP resharding) changes the key."""
-        key = tuple((id(t), _storage_ptr(t)) for t in (*model.parameters(), *model.buffers()))
-        cached = self._model_cache.get(name)
-        if cached is None or cached[0] != key:
-            sd = get_model_state_dict(model)
-            if any(not isinstance(v, torch.Tensor) for v in sd.values()):  # extra state: not cacheable
-                return sd
-            cached = self._model_cache[name] = (key, sd)
-        return dict(cached[1])
-
-    def _optimizer_state_dict(self, name: str, optim: torch.optim.Optimizer, for_load: bool = False
-                              ) -> dict[str, Any]:
-        """DCP's flattened optimizer state dict (``FLAT_OPTIM``) with packed hyperparameters."""
-        return pack_hyperparameters(_flatten_optim_state_dict(self._nested_optimizer_state_dict(name, optim, for_load)))
-
-    def _nested_optimizer_state_dict(self, name: str, optim: torch.optim.Optimizer, for_load: bool) -> dict[str, Any]:
-        """DCP's nested optimizer state dict, reused while the optimizer holds the same state tensors
-        (it updates them in place); hyperparameters (lr, ...) are read fresh from ``param_groups``."""
-        if for_load or not optim.state:
-            return _optimizer_state_dict(self.owner[name], optim, for_load)
-        key = (len(optim.param_groups), *((id(p), *(id(v) for v in st.values())) for p, st in optim.state.items()))
-        cached = self._optim_cache.get(name)
-        if cached is None or cached[0] != key:
-            sd = _optimizer_state_dict(self.owner[name], optim, False)
-            tensors_only = all(isinstance(v, torch.Tensor) for st in sd["state"].values() for v in st.values())
-            if not tensors_only or len(sd["param_groups"]) != len(optim.param_groups):
-                return sd  # e.g. a float step counter: not a reference that follows the optimizer
-            cached = self._optim_cache[name] = (key, sd)
-        sd = cached[1]
-        # fresh group dicts: flattening pops their "params", the cached ones must stay whole
-        groups = [{**g, **{k: v for k, v in live.items() if k != "params"}}
-                  for g, live in zip(sd["param_groups"], optim.param_groups)]
-        return {"state": sd["state"], "param_groups": groups}
+    @staticmethod
+    def _plain_state_dict(value: Any) -> dict[str, Any]:
+        return dict(value) if isinstance(value, dict) else value.state_dict()
 
     def capture(self) -> Captured:
-        flat, mappings = flatten_state_dict(self.state_dict())
-        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        objects = copy.deepcopy({k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)})
-        return Captured(tensors, objects, mappings)
+        """This step's state for a snapshot (see the module doc for what is reused)."""
+        parts, groups = [], {}
+        for name, value in self.items.items():
+            if isinstance(value, torch.optim.Optimizer):
+                part = self._optimizer_part(name, value)
+                groups[name] = _copy_groups(value, part.fqns)
+            elif isinstance(value, nn.Module):
+                part = self._model_part(name, value)
+            else:
+                part = _Part.of(name, self._plain_state_dict(value))
+            parts.append(part)
+        if self.rng:
+            parts.append(_Part.of(RNG_KEY, {f"rank{self.rank}": rng_state()}))
+        tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}
+        objects: dict[str, Any] = {}
+        mappings: dict[str, Path_] = {}
+        for part in parts:
+            tensors.update(part.tensors)
+            sources.update(part.sources)
+            objects.update(part.objects)
+            mappings.update(part.mappings)
+        return Captured(tensors, copy.deepcopy(objects), mappings, groups,
+                        tuple(p.signature() for p in parts), sources)
+
+    def _model_part(self, name: str, model: nn.Module) -> _Part:
+        """DCP's model state dict, flattened, reused while the model holds the same parameter and
+        buffer tensors: DCP walks every module to map names on each call (milliseconds per save for a
+        small model, more for a deep one). A replaced tensor (a load, FSDP resharding) changes the key."""
+        key = tuple(_identity(t) for t in (*model.parameters(), *model.buffers()))
+        cached = self._cache.get(name)
+        if cached is not None and cached.key == key:
+            return cached
+        part = _Part.of(name, get_model_state_dict(model))
+        if part.objects:  # extra state: not a reference that follows the model
+            return part
+        part.key, part.version = key, next(_versions)
+        self._cache[name] = part
+        return part
+
+    def _optimizer_part(self, name: str, optim: torch.optim.Optimizer) -> _Part:
+        """DCP's optimizer state (tensors), flattened, and each group's parameter FQNs, reused while
+        the optimizer holds the same state tensors (it updates them in place). Hyperparameters are
+        not part of it: :func:`_copy_groups` reads them from the live ``param_groups``."""
+        key = (len(optim.param_groups),
+               *((id(p), *(id(v) for v in st.values())) for p, st in optim.state.items()))
+        cached = self._cache.get(name)
+        if cached is not None and cached.key == key:
+            return cached
+        sd = _optimizer_state_dict(self.owner[name], optim, False)
+        # keys and paths as DCP's flattened layout (FLAT_OPTIM) has them, so they match the load template
+        part = _Part.of(name, {f"state.{fqn}.{k}": v for fqn, st in sd["state"].items() for k, v in st.items()})
+        part.fqns = [list(g[PARAMS]) for g in sd[PARAM_GROUPS]]
+        assert len(part.fqns) == len(optim.param_groups), "DCP returned a group per optimizer param group"
+        if part.objects or not optim.state:  # e.g. a float step counter; or DCP's placeholder before step 1
+            return part
+        part.key, part.version = key, next(_versions)
+        self._cache[name] = part
+        return part
 
     def load(self, nested: Mapping[str, Any]) -> None:
         """Apply a nested state dict (as produced by :meth:`state_dict` and then filled by a load)."""
@@ -207,13 +257,13 @@ class TrainingState:
                 continue
             sd = nested[name]
             if isinstance(value, torch.optim.Optimizer):
-                if any(g["params"] for g in value.param_groups) and not any(k.startswith(_PG_PREFIX) for k in sd):
+                if any(g[PARAMS] for g in value.param_groups) and not has_per_parameter_hyperparameters(sd):
                     raise ValueError(
                         f"the checkpoint holds no hyperparameters of optimizer {name!r} under per-parameter keys "
-                        f"({name}.{_PG_PREFIX}<parameter>): it predates the flattened optimizer state "
-                        "(docs/parallelism.md); resume it with the stalwart version that wrote it, or point "
-                        "checkpoint.dir elsewhere to start fresh")
-                set_optimizer_state_dict(self.owner[name], value, unpack_hyperparameters(sd), options=FLAT_OPTIM)
+                        f"({name}.{PARAM_GROUPS}.<parameter>.<name>): it predates the flattened optimizer state "
+                        "or packs them (written by an older stalwart, docs/parallelism.md); resume it with the "
+                        "stalwart version that wrote it, or point checkpoint.dir elsewhere to start fresh")
+                set_optimizer_state_dict(self.owner[name], value, sd, options=FLAT_OPTIM)
             elif isinstance(value, nn.Module):
                 set_model_state_dict(value, sd)
             elif isinstance(value, dict):
@@ -225,48 +275,32 @@ class TrainingState:
             set_rng_state(rng)
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: its shard
-    return local.untyped_storage().data_ptr() if local.numel() else 0
+def _identity(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """What changes when a live tensor is replaced: the object, its (local) storage and shape."""
+    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: its shard (FSDP may swap it)
+    return id(t), local.untyped_storage().data_ptr() if local.numel() else 0, tuple(local.shape)
 
 
-def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, for_load: bool) -> dict[str, Any]:
-    """DCP's nested optimizer state dict. DCP initialises an optimizer without state and gradients by
+def _copy_groups(optim: torch.optim.Optimizer, fqns: list[list[str]]) -> list[dict[str, Any]]:
+    """The live hyperparameters of each param group (copied: a scheduler changes them next step)
+    with the group's parameter FQNs (shared with the cache: never mutated)."""
+    return [{**copy.deepcopy({k: v for k, v in g.items() if k != PARAMS}), PARAMS: names}
+            for g, names in zip(optim.param_groups, fqns)]
+
+
+def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, for_load: bool,
+                          options: StateDictOptions | None = None) -> dict[str, Any]:
+    """DCP's optimizer state dict. DCP initialises an optimizer without state and gradients by
     running a zero-lr step; a load needs that (tensors to load into), a save must not change the
     optimizer, so it shows DCP one placeholder gradient and gets the honest, empty state instead."""
     if for_load or optim.state or any(p.grad is not None for g in optim.param_groups for p in g["params"]):
-        return get_optimizer_state_dict(model, optim)
+        return get_optimizer_state_dict(model, optim, options=options)
     first = next(p for g in optim.param_groups for p in g["params"])
     first.grad = torch.empty_like(first)  # never read: DCP only checks `is not None`
     try:
-        return get_optimizer_state_dict(model, optim)
+        return get_optimizer_state_dict(model, optim, options=options)
     finally:
         first.grad = None
-
-
-def pack_hyperparameters(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """DCP's flattened optimizer dict with the ``param_groups.<fqn>.<name>`` entries of one parameter
-    merged into ``param_groups.<fqn>`` = ((name, value), ...) (a tuple: DCP stores it as one item)."""
-    out: dict[str, Any] = {}
-    packed: dict[str, list[tuple[str, Any]]] = {}
-    for key, value in flat.items():
-        if key.startswith(_PG_PREFIX):
-            param, _, name = key.rpartition(".")
-            packed.setdefault(param, []).append((name, value))
-        else:
-            out[key] = value
-    return out | {param: tuple(pairs) for param, pairs in packed.items()}
-
-
-def unpack_hyperparameters(packed: Mapping[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`pack_hyperparameters`: the dict ``set_optimizer_state_dict`` takes."""
-    out: dict[str, Any] = {}
-    for key, value in packed.items():
-        if key.startswith(_PG_PREFIX):
-            out.update((f"{key}.{name}", v) for name, v in value)
-        else:
-            out[key] = value
-    return out
 
 
 def set_path(nested: dict[str, Any], path: Path_, value: Any) -> None:

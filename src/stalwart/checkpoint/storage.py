@@ -22,6 +22,8 @@ import fsspec
 import torch
 from fsspec.core import url_to_fs
 
+from stalwart._compat import STORAGE_INFO_CLASS
+
 LATEST = "latest"
 MANIFEST = "stalwart.json"
 METADATA = ".metadata"
@@ -169,7 +171,7 @@ _ALLOWED = {
     },
     "torch.serialization": {"_get_layout"},  # maps a layout name to torch.strided etc.
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    STORAGE_INFO_CLASS[0]: {STORAGE_INFO_CLASS[1]},  # each shard's storage record
     "torch": {"Size", "strided", "contiguous_format", "channels_last", "preserve_format", "sparse_coo"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "tuple", "list", "dict"},
