@@ -15,8 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from stalwart.checkpoint import Storage, multinode
-from stalwart.checkpoint.keeper import persist_step
+from stalwart.checkpoint import NodeJob, Storage, multinode
 from stalwart.checkpoint.snapshot import JobPaths, SnapshotWriter, atomic_write
 from stalwart.checkpoint.state import TrainingState
 
@@ -61,7 +60,7 @@ def run_nodes(nodes: list[JobPaths], storage: Storage, step: int) -> list[object
 
     def node(rank: int) -> None:
         try:
-            out[rank] = persist_step(nodes[rank], storage, step, WORLD, "test", ranks=[rank])
+            out[rank] = NodeJob(nodes[rank].root).persist_step(storage, step, WORLD, "test", ranks=[rank])
         except Exception as err:  # noqa: BLE001 — the test inspects it
             out[rank] = err
     threads = [threading.Thread(target=node, args=(r,)) for r in range(WORLD)]
