@@ -140,3 +140,19 @@ def test_checkpointer_under_an_agent_starts_no_keeper(monkeypatch, tmp_path):
     finally:
         runtime.reset()
         shutil.rmtree(expected.root, ignore_errors=True)
+
+
+def test_persist_waits_for_the_writer_to_release_a_slot_it_just_published(root, tmp_path):
+    """The writer publishes a slot's header a moment before it unlocks the slot: a keeper that looks in
+    that moment must persist the step, not skip it as overwritten."""
+    import fcntl
+    import threading
+
+    job = NodeJob(root)
+    _snapshot(job, [1, 2], persist={2})
+    [newest, _] = sorted(job.paths.rank_dir(0).glob("slot*.json"), key=lambda p: -p.stat().st_mtime_ns)
+    fd = os.open(newest.with_suffix(".bin"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the writer holds it until just after publishing
+    threading.Timer(0.3, os.close, (fd,)).start()
+    manifest = job.persist_step(Storage(str(tmp_path / "ckpt")), 2, 1, "test")
+    assert manifest["step"] == 2 and not manifest.get("already")

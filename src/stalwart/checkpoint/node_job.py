@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -190,10 +191,7 @@ class NodeJob:
                 if done and done[0] >= step:
                     return {**(storage.manifest(done[0]) or {}), "already": True, "commit_s": 0.0}
                 for r in ranks:
-                    info = next((s for s in complete_slots(self.paths, r) if s.step == step), None)
-                    if info is None:
-                        raise LookupError(f"rank {r} no longer holds a snapshot of step {step}")
-                    views[r] = SnapshotView(self.paths, info)
+                    views[r] = self._pin(r, step)
                 if len(ranks) == world:
                     return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
                 if ask_others:
@@ -209,6 +207,22 @@ class NodeJob:
             finally:
                 for v in views.values():
                     v.close()
+
+    def _pin(self, rank: int, step: int, settle_s: float = 1.0) -> SnapshotView:
+        """Open ``rank``'s snapshot of ``step`` under a shared lock. The writer publishes a header just
+        before it releases the slot, so a busy slot that still holds the step is retried briefly; one
+        being overwritten has lost its header (LookupError)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            info = next((s for s in complete_slots(self.paths, rank) if s.step == step), None)
+            if info is None:
+                raise LookupError(f"rank {rank} no longer holds a snapshot of step {step}")
+            try:
+                return SnapshotView(self.paths, info)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
 
     def save_on_failure(self, storage_url: str | None = None, storage_options: dict[str, Any] | None = None,
                         world_size: int | None = None, quiet: bool = False) -> dict[str, Any]:
