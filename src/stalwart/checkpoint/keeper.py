@@ -84,6 +84,8 @@ class StopRequest:
 
 
 class Keeper:
+    """Serves one job in a directory: persists agreed snapshots per policy, saves on failure, tidies."""
+
     def __init__(self, node: NodeJob, poll_s: float = 0.02, stop: StopRequest | None = None) -> None:
         self.node, self.paths, self.poll_s, self.stop = node, node.paths, poll_s, stop
         self.job: dict[str, Any] = {}
