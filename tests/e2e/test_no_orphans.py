@@ -1,5 +1,6 @@
 """After `stalwart run` ends — success, a worker failure, Ctrl-C, or the agent SIGKILLed — no process it
-started is left: not the zygote, the keeper, the workers nor their children.
+started is left: not the zygote, the keeper, the workers nor their children (warm-started workers die
+with the zygote, cold-started ones with the agent).
 
 The process tree is recorded while the job runs (the agent's descendants, and any process whose
 command line names this job's node id or run directory), then every recorded process must be gone
@@ -94,13 +95,14 @@ def _steps_logged(out: Path) -> int:
         return 0
 
 
-@pytest.mark.parametrize("ending", ["success", "worker-failure", "ctrl-c", "agent-sigkill"])
-def test_nothing_outlives_the_agent(stdlib_data, tmp_path, ending):
+@pytest.mark.parametrize("ending, warm", [("success", "on"), ("worker-failure", "on"), ("ctrl-c", "on"),
+                                          ("agent-sigkill", "on"), ("agent-sigkill", "off")])
+def test_nothing_outlives_the_agent(stdlib_data, tmp_path, ending, warm):
     node_id = f"orphans-{uuid.uuid4().hex[:8]}"
     out, run_dir, log = tmp_path / "out", tmp_path / "run", tmp_path / "run.log"
     steps = 4 if ending in ("success", "worker-failure") else 10_000  # the others are interrupted
     cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
-           "--node-id", node_id, "--run-dir", str(run_dir),
+           "--node-id", node_id, "--run-dir", str(run_dir), "--warm-start", warm,
            *(["--chaos", "raise:rank=1:step=3"] if ending == "worker-failure" else []),
            "-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={stdlib_data}",
            "--data.seq_len=32", f"--train.steps={steps}", "--train.warmup_steps=2", "--train.log_every=1",

@@ -32,7 +32,7 @@ from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.store import client_rdzv_conf
 from stalwart.launch.master import Master, load_or_create_token
-from stalwart.launch import eviction, stragglers, zygote
+from stalwart.launch import die_with_agent, eviction, stragglers, zygote
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
@@ -133,6 +133,8 @@ def run(argv: list[str]) -> int:
     if warm is not None:
         cmd, cmd_args = warm.entrypoint(cmd_args)
         os.environ.update(warm.env())
+    else:  # cold: the workers die with this agent even if it is SIGKILLed
+        cmd, cmd_args = die_with_agent.entrypoint(cmd, list(cmd_args))
     run_dir = args.run_dir or Path("runs") / args.rdzv_id
     run_dir.mkdir(parents=True, exist_ok=True)
     node_id = args.node_id or f"{os.uname().nodename}-{os.getpid()}"
