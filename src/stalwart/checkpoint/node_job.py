@@ -304,6 +304,9 @@ class KeeperProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> KeeperProcess:
+        if not Path(DEFAULT_SHM_ROOT).is_dir():  # no flash checkpoints possible here without another shm_dir
+            log.warning("no %s: no keeper started for this job", DEFAULT_SHM_ROOT)
+            return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = self.job.spawn_keeper(self.log_path, parent=os.getpid(), grace_s=self.grace_s)
         return self
