@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 import psutil
 import pytest
@@ -58,7 +59,7 @@ class ProcessWatch:
             self.scan()
             self.stop.wait(0.1)
 
-    def __enter__(self) -> ProcessWatch:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 

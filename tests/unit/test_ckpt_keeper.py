@@ -82,7 +82,8 @@ def test_agent_keeper_saves_on_failure_when_stopped(root, tmp_path):
     step all ranks hold although no persist was due."""
     job = NodeJob(root)
     _snapshot(job, [1, 2, 3], persist=set())
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
     job.paths.owner(0).write_text(f'{{"pid": {int(dead.stdout)}, "rank": 0, "world_size": 1}}')
     storage = Storage(str(tmp_path / "ckpt"))
     job.write_job(storage, 1, [0], {"persist_every_steps": 0, "persist_every_s": 0, "keep_last": 3, "keep_every": 0,

@@ -165,9 +165,9 @@ class Keeper:
             world = self.node.world()
             ranks = self.node.node_ranks(world) if world else []
             owners = {r: read_json(self.paths.owner(r)) for r in ranks}
-            if self.active and world and all(self._closed(r, o) for r, o in owners.items()):
-                if self._finish(world, "all ranks closed the checkpointer: job complete"):
-                    return
+            if (world and self.active and all(self._closed(r, o) for r, o in owners.items())
+                    and self._finish(world, "all ranks closed the checkpointer: job complete")):
+                return
             if self.active and world:
                 self._check_failures(world, owners)
                 self._maybe_persist(world, ranks)
