@@ -42,7 +42,8 @@ from torch import nn
 from stalwart.checkpoint import Checkpointer, Storage
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.restore import restore_state
-from stalwart.checkpoint.snapshot import SnapshotView, complete_slots
+from stalwart.checkpoint.shm import complete_slots
+from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.state import TrainingState
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -129,7 +129,7 @@ def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_fu
     """The storage path, in one process: persisted steps 4, 6, 8 (memory holds 7, 8); a rollback to
     ≤ 5 loads step 4 from storage and deletes 6 and 8, so no later restore resumes that future."""
     from stalwart.checkpoint import Checkpointer
-    from stalwart.checkpoint.snapshot import complete_slots
+    from stalwart.checkpoint.shm import complete_slots
     from stalwart.data import GlobalSampler
 
     torch.manual_seed(0)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from stalwart import chaos
-from stalwart.checkpoint.snapshot import JobPaths, SnapshotView, SnapshotWriter, complete_slots
+from stalwart.checkpoint.shm import JobPaths, complete_slots
+from stalwart.checkpoint.snapshot import SnapshotView, SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.config import load_config
 from stalwart.utils import state_dict_hash

@@ -15,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from stalwart.checkpoint import Storage, multinode
-from stalwart.checkpoint.keeper import persist_step
-from stalwart.checkpoint.snapshot import JobPaths, SnapshotWriter, atomic_write
+from stalwart.checkpoint import NodeJob, Storage, multinode
+from stalwart.checkpoint.shm import JobPaths, atomic_write
+from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 
 WORLD = 2
@@ -61,7 +61,7 @@ def run_nodes(nodes: list[JobPaths], storage: Storage, step: int) -> list[object
 
     def node(rank: int) -> None:
         try:
-            out[rank] = persist_step(nodes[rank], storage, step, WORLD, "test", ranks=[rank])
+            out[rank] = NodeJob(nodes[rank].root).persist_step(storage, step, WORLD, "test", ranks=[rank])
         except Exception as err:  # noqa: BLE001 — the test inspects it
             out[rank] = err
     threads = [threading.Thread(target=node, args=(r,)) for r in range(WORLD)]
@@ -107,7 +107,8 @@ def test_a_node_lost_while_writing_is_given_up_after_its_heartbeat_stops(nodes, 
     snapshot(nodes[1], 1, [2])
     storage = Storage(str(tmp_path / "ckpt"))
     # Rank 1's node publishes its table (as its keeper would) and then dies: no heartbeat, no shards.
-    from stalwart.checkpoint.snapshot import SnapshotView, complete_slots
+    from stalwart.checkpoint.shm import complete_slots
+    from stalwart.checkpoint.snapshot import SnapshotView
 
     with SnapshotView(nodes[1], complete_slots(nodes[1], 1)[0]) as view:
         from stalwart.checkpoint.persist import plan_table

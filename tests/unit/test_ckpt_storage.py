@@ -19,10 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from stalwart.checkpoint import Checkpointer, Storage, job_dir_for, save_on_failure
-from stalwart.checkpoint.keeper import persist_step
+from stalwart.checkpoint import Checkpointer, NodeJob, Storage, job_dir_for, save_on_failure
 from stalwart.checkpoint.persist import retention
-from stalwart.checkpoint.snapshot import JobPaths, complete_slots, read_json
+from stalwart.checkpoint.shm import JobPaths, complete_slots, read_json
 from stalwart.utils import state_dict_hash
 
 WORKER = r'''
@@ -170,12 +169,11 @@ def test_kill_during_persist_corrupt_shard_and_cli(env, tmp_path, cli):
     assert run_worker(env, 4, "--no-close")[0].returncode == 0
     hashes = {r["step"]: r["hash"] for r in records(env) if "step" in r}
     paths, storage = job_paths(env), Storage(str(env["ck"]))
-    persist_step(paths, storage, 3, 1, "test")
+    NodeJob(paths.root).persist_step(storage, 3, 1, "test")
     assert storage.latest() == 3
 
-    code = ("import sys; from stalwart.checkpoint.keeper import persist_step; "
-            "from stalwart.checkpoint import Storage; from stalwart.checkpoint.snapshot import JobPaths; "
-            "persist_step(JobPaths(sys.argv[1]), Storage(sys.argv[2]), 4, 1, 'test')")
+    code = ("import sys; from stalwart.checkpoint import NodeJob, Storage; "
+            "NodeJob(sys.argv[1]).persist_step(Storage(sys.argv[2]), 4, 1, 'test')")
     died = subprocess.run([sys.executable, "-c", code, str(paths.root), str(env["ck"])], capture_output=True,
                           text=True, env=dict(os.environ, STALWART_CHAOS="kill:at=persist:step=4"), timeout=60)
     assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
@@ -183,7 +181,7 @@ def test_kill_during_persist_corrupt_shard_and_cli(env, tmp_path, cli):
     ls = json.loads(cli("ckpt", "ls", str(env["ck"]), "--json")[1])
     assert [(c["step"], c["state"]) for c in ls["checkpoints"]] == [(4, "torn"), (3, "committed")]
 
-    persist_step(paths, storage, 4, 1, "test")  # the next persist succeeds
+    NodeJob(paths.root).persist_step(storage, 4, 1, "test")  # the next persist succeeds
     assert storage.latest() == 4 and storage.committed() == [4, 3]
     code, out = cli("ckpt", "verify", str(env["ck"]))
     assert code == 0 and "step 4: ok" in out

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from stalwart._compat import storage_info_fields
 from stalwart.checkpoint.persist import write_checkpoint
-from stalwart.checkpoint.snapshot import JobPaths, SnapshotView, complete_slots
+from stalwart.checkpoint.shm import JobPaths, complete_slots
+from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage
 
 MODEL = textwrap.dedent("""
@@ -64,7 +65,8 @@ SAVE = MODEL + textwrap.dedent("""
         model(torch.randn(4, 8)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    from stalwart.checkpoint.snapshot import JobPaths, SnapshotWriter
+    from stalwart.checkpoint.shm import JobPaths
+    from stalwart.checkpoint.snapshot import SnapshotWriter
     from stalwart.checkpoint.state import TrainingState
     writer = SnapshotWriter(JobPaths(shm), rank, 2)
     writer.start(3, TrainingState({"model": model, "optim": opt}, rank).capture(), persist=True)

@@ -12,15 +12,16 @@
 ``persist_every_steps``-th one (or ``persist=True``) for the keeper to write to storage; the keeper
 also persists the newest snapshot every ``persist_every_s`` seconds. The copy overlaps the next
 forward/backward; an optimizer pre-step hook waits for it, so no parameter changes mid-copy.
+
+The keeper is the node's: under ``stalwart run`` the agent runs it; otherwise the node's first local
+rank starts one (and another if it dies).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import sys
@@ -30,11 +31,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint.keeper import _persist_lock, attach, keeper_alive, spawn_keeper
+from stalwart.checkpoint.node_job import NodeJob, job_dir_for
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
-from stalwart.checkpoint.snapshot import JobPaths, SnapshotWriter, atomic_write, complete_slots, read_json
+from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json
+from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
+from stalwart.runtime import worker_env
 
 log = logging.getLogger("stalwart.checkpoint")
 
@@ -47,18 +50,6 @@ def _setup_logging(rank: int) -> None:
         if log.level == logging.NOTSET:  # respect a level the application chose
             log.setLevel(logging.INFO)
         log.propagate = False
-
-
-def job_dir_for(storage_url: str, shm_root: str | Path = "/dev/shm", job_id: str | None = None,
-                node_id: str | None = None) -> Path:
-    """The shared-memory directory of a job on this node: one per storage location (or explicit job
-    id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
-    keep apart what separate hosts would."""
-    key = job_id or os.environ.get("STALWART_JOB_ID") or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
-    node = node_id or os.environ.get("STALWART_NODE_ID")
-    if node:
-        key += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", node)
-    return Path(shm_root) / "stalwart" / key
 
 
 class Checkpointer:
@@ -83,8 +74,11 @@ class Checkpointer:
         self.group = process_group
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if dist.is_initialized() else 0
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) if dist.is_initialized() else 1
+        env = worker_env()
+        self.local_rank = env.local_rank if dist.is_initialized() else 0
+        # Unset (a hand-rolled launcher that sets only RANK/WORLD_SIZE): every rank is local, as before.
+        local_world = (env.local_world_size if "LOCAL_WORLD_SIZE" in os.environ else self.world) \
+            if dist.is_initialized() else 1
         # Ranks on a node are contiguous (TorchElastic assigns them so); each node's keeper persists its own.
         first = self.rank - self.local_rank
         self.node_ranks = list(range(first, first + local_world))
@@ -93,8 +87,13 @@ class Checkpointer:
         self.memory_every, self.persist_every_steps = memory_every, persist_every_steps
         self.persist_every_s, self.use_keeper = persist_every_s, keeper
         self.keeper_log, self.persist_timeout_s, self.rng = keeper_log, persist_timeout_s, rng
-        self.paths = JobPaths(job_dir_for(self.storage.url, shm_root, job_id))
-        self._job_lock = attach(self.paths)  # the keeper never removes files while we hold it
+        self.job = NodeJob(job_dir_for(self.storage.url, shm_root, job_id))
+        self.paths = self.job.paths
+        # Under `stalwart run` the agent runs the keeper of its job's default directory; we start one
+        # only without an agent, or for a directory it does not serve (another shm root or job id).
+        self.keeper_by_agent = bool(env.under_agent and env.job_id and keeper) and \
+            self.job.root.resolve() == NodeJob.of_agent(env.job_id, env.node_id).root.resolve()
+        self._job_lock = self.job.attach()  # the keeper never removes files while we hold it
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
         atomic_write(self.paths.owner(self.rank), json.dumps({
@@ -103,13 +102,10 @@ class Checkpointer:
         self._keeper_proc: Any = None
         self._keeper_checked = 0.0
         if self.local_rank == 0:
-            atomic_write(self.paths.job, json.dumps({
-                "storage": self.storage.url, "storage_options": self.storage.options, "world_size": self.world,
-                "ranks": self.node_ranks,
-                "policy": {"persist_every_steps": persist_every_steps, "persist_every_s": persist_every_s,
-                           "keep_last": keep_last, "keep_every": keep_every, "idle_s": keeper_idle_s}},
-            ).encode())
-            os.chmod(self.paths.job, 0o600)  # storage options may carry credentials
+            self.job.write_job(self.storage, self.world, self.node_ranks, {
+                "persist_every_steps": persist_every_steps, "persist_every_s": persist_every_s,
+                "keep_last": keep_last, "keep_every": keep_every, "idle_s": keeper_idle_s},
+                keeper=keeper, keeper_log=keeper_log)
             if not keeper and (persist_every_steps or persist_every_s):
                 raise ValueError("persisting needs the keeper process; set keeper=True or both persist "
                                  "intervals to 0 (memory-only)")
@@ -179,8 +175,7 @@ class Checkpointer:
         """Delete committed checkpoints newer than ``step`` (under the keeper's persist lock, so no
         persist is half-way) and move ``latest`` back."""
         if self.rank == 0:
-            fd = _persist_lock(self.paths)
-            try:
+            with self.job.persist_lock():
                 self.storage.refresh()
                 newer = [s for s in self.storage.steps() if s > step]
                 for s in newer:
@@ -191,8 +186,6 @@ class Checkpointer:
                 if newer:
                     log.warning("rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer,
                                 self.storage.url)
-            finally:
-                os.close(fd)
         if dist.is_initialized():
             dist.barrier(self.group)
 
@@ -274,18 +267,18 @@ class Checkpointer:
 
     def _ensure_keeper(self) -> None:
         now = time.monotonic()
-        if now - self._keeper_checked < 1.0:
+        if self.keeper_by_agent or now - self._keeper_checked < 1.0:
             return
         first, self._keeper_checked = self._keeper_checked == 0.0, now
         if self._keeper_proc is not None and self._keeper_proc.poll() is None:
             return  # ours is running (maybe still importing torch before it takes the lock)
-        if not keeper_alive(self.paths):
+        if not self.job.keeper_alive():
             if not first:
                 log.warning("keeper for %s is not running; starting a new one", self.paths.root)
-            self._keeper_proc = spawn_keeper(self.paths, self.keeper_log)
+            self._keeper_proc = self.job.spawn_keeper(self.keeper_log)
 
     def _wait_persisted(self, step: int) -> None:
-        t0, spawned, gone_since = time.monotonic(), 0, 0.0
+        t0, spawned, gone_since, keeperless_since = time.monotonic(), 0, 0.0, 0.0
         while time.monotonic() - t0 < self.persist_timeout_s:
             status = read_json(self.paths.keeper_status) or {}
             if int(status.get("last_committed", -1)) >= step:
@@ -302,7 +295,12 @@ class Checkpointer:
                 if time.monotonic() - gone_since > 2.0:
                     raise RuntimeError(f"step {step} is no longer held in memory (overwritten before the "
                                        "keeper persisted it)")
-            if self.local_rank == 0:
+            if self.keeper_by_agent:
+                keeperless_since = 0.0 if self.job.keeper_alive() else keeperless_since or time.monotonic()
+                if keeperless_since and time.monotonic() - keeperless_since > 30.0:
+                    raise RuntimeError(f"no keeper serves {self.paths.root}: the agent's keeper is not running "
+                                       "(see keeper.log in the run directory)")
+            elif self.local_rank == 0:
                 before = self._keeper_proc
                 self._ensure_keeper()
                 spawned += self._keeper_proc is not before

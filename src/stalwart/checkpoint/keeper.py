@@ -1,11 +1,18 @@
 """The keeper: one process per node and job that outlives the workers.
 
 It watches the shared-memory snapshots, persists them to storage per policy (DCP format, see
-:mod:`stalwart.checkpoint.persist`), runs save-on-failure when a worker dies, and removes the
-snapshots when the job completes. Without ``stalwart run`` the first local rank 0 starts it
-(``python -m stalwart.checkpoint JOB_DIR``) in its own session, so neither a SIGKILL of a
-worker nor TorchElastic's process-group kill reaches it; a worker that finds it dead starts another.
-The node agent of ``stalwart run`` will own it instead and call :func:`save_on_failure` directly.
+:mod:`stalwart.checkpoint.persist`), saves on failure when a worker dies, and removes the snapshots
+when the job completes. It learns the storage and policy from ``job.json``, which the workers write
+(:class:`~stalwart.checkpoint.node_job.NodeJob` owns that protocol).
+
+Two ways to run (``python -m stalwart.checkpoint JOB_DIR``):
+
+- under ``stalwart run`` the agent starts it with ``--parent AGENT_PID`` before the workers: it serves
+  the directory whatever job the workers run in it, and on SIGTERM or when the agent is gone it
+  finishes what is due (pending persists, save-on-failure), tidies and exits within ``--grace-s``;
+- without an agent the node's first local rank starts it in its own session, so neither a SIGKILL of a
+  worker nor TorchElastic's process-group kill reaches it; a worker that finds it dead starts another,
+  and it exits ``idle_s`` after the last worker detached.
 
 Persistence never blocks training: a snapshot that gets overwritten before the keeper pins it is
 skipped, and persist requests that arrive while a persist runs are coalesced into the newest one —
@@ -15,167 +22,110 @@ both are logged with the steps concerned.
 from __future__ import annotations
 
 import argparse
-import fcntl
+import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from stalwart.checkpoint import multinode
-from stalwart.checkpoint.persist import retention, write_checkpoint
-from stalwart.checkpoint.snapshot import JobPaths, SnapshotView, atomic_write, complete_slots, pid_alive, read_json
+from stalwart.checkpoint.node_job import NodeJob, agreed
+from stalwart.checkpoint.persist import retention
+from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
 from stalwart.checkpoint.storage import Storage, step_name
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-_DROP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TORCHELASTIC_", "TORCH_NCCL_", "NCCL_ASYNC")
+PR_SET_PDEATHSIG = 1
+_LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
 
 
-# -- shared by the keeper and the agent's save-on-failure ---------------------------------------------
-def _persist_lock(paths: JobPaths) -> int:
-    """Serialise persists of one job (keeper and an agent's save-on-failure may both try)."""
-    fd = os.open(paths.root / "persist.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+class StopRequest:
+    """The agent's keeper is asked to stop by SIGTERM (the agent exits) or by the agent's death
+    (PR_SET_PDEATHSIG, and a parent-pid check for other systems). From then on it has ``grace_s``
+    seconds to finish; a watchdog ends the process after that, so it never outlives the agent for long."""
 
-
-def job_world(paths: JobPaths) -> int | None:
-    for r in paths.ranks():
-        owner = read_json(paths.owner(r))
-        if owner:
-            return int(owner["world_size"])
-    return None
-
-
-def node_ranks(paths: JobPaths, world: int) -> list[int]:
-    """The ranks whose snapshots this node holds (all of them on a single-node job)."""
-    ranks = (read_json(paths.job) or {}).get("ranks")
-    return [int(r) for r in ranks] if ranks else list(range(world))
-
-
-def snapshot_steps(paths: JobPaths, world: int, ranks: list[int] | None = None) -> dict[int, dict[int, dict[str, Any]]]:
-    """rank → {step: header} of complete snapshots taken at this world size (this node's ranks)."""
-    out = {}
-    for r in ranks if ranks is not None else range(world):
-        out[r] = {}
-        for s in complete_slots(paths, r):
-            if s.header.get("world_size") == world:
-                out[r].setdefault(s.step, s.header)
-    return out
-
-
-def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:
-    return set.intersection(*(set(v) for v in steps.values())) if steps else set()
-
-
-def persist_step(paths: JobPaths, storage: Storage, step: int, world: int, source: str,
-                 ranks: list[int] | None = None, ask_others: bool = False) -> dict[str, Any]:
-    """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
-    checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
-    ``ask_others`` for a step they would not pick by themselves). Returns the manifest, with
-    ``already: True`` when a committed checkpoint covers the step (the keeper and the agent's
-    save-on-failure may race for it). Raises LookupError/BlockingIOError when a snapshot is gone."""
-    ranks = list(range(world)) if ranks is None else ranks
-    fd = _persist_lock(paths)
-    views: dict[int, SnapshotView] = {}
-    try:
-        done = storage.committed()  # decided under the lock: never rewrite what another persist committed
-        if done and done[0] >= step:
-            return {**(storage.manifest(done[0]) or {}), "already": True, "commit_s": 0.0}
-        for r in ranks:
-            info = next((s for s in complete_slots(paths, r) if s.step == step), None)
-            if info is None:
-                raise LookupError(f"rank {r} no longer holds a snapshot of step {step}")
-            views[r] = SnapshotView(paths, info)
-        if len(ranks) == world:
-            return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
-        if ask_others:
-            multinode.request(storage, step)
-        return multinode.persist(storage, step, views, world, source, coordinator=0 in ranks)
-    except (LookupError, BlockingIOError) as err:
-        if len(ranks) < world and not isinstance(err, multinode.MissingSnapshot):  # nobody should wait for us
-            if 0 in ranks:
-                multinode.abort(storage, step, str(err))
-            else:
-                multinode.answer_missing(storage, step, ranks, str(err))
-        raise
-    finally:
-        for v in views.values():
-            v.close()
-        os.close(fd)
-
-
-def save_on_failure(job_dir: str | Path, storage_url: str | None = None,
-                    storage_options: dict[str, Any] | None = None, world_size: int | None = None,
-                    quiet: bool = False) -> dict[str, Any]:
-    """Persist the newest snapshot that every rank holds, unless it is already committed.
-
-    The agent calls this when a worker dies. It never persists a step that some rank lacks (that
-    would mix states of different steps) and says in the result and the log why it did nothing.
-    """
-    paths = JobPaths(job_dir)
-    job = read_json(paths.job) or {}
-    storage = Storage(storage_url or job["storage"], storage_options if storage_options is not None
-                      else job.get("storage_options"))
-    world = world_size or job_world(paths)
-
-    def outcome(persisted: bool, step: int | None, detail: str) -> dict[str, Any]:
-        if not quiet:
-            (log.info if persisted else log.warning)("save-on-failure: %s", detail)
-        return {"persisted": persisted, "step": step, "detail": detail}
-
-    if not world:
-        return outcome(False, None, f"no snapshots under {paths.root}")
-    ranks = node_ranks(paths, world)
-    if 0 not in ranks:
-        return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
-    steps = snapshot_steps(paths, world, ranks)
-    common = agreed(steps)
-    if not common:
-        held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
-        return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
-    committed = storage.committed()
-    # Across nodes the newest step here may be missing elsewhere (a rank died mid-copy): try older ones.
-    for step in sorted(common, reverse=True):
-        if committed and committed[0] >= step:
-            return outcome(False, step, f"step {step} is already covered by committed {step_name(committed[0])}")
+    def __init__(self, parent: int, grace_s: float) -> None:
+        self.parent, self.grace_s = parent, grace_s
+        self.why: str | None = None
+        self.logged = False
+        signal.signal(signal.SIGTERM, lambda *_: self.request("the agent stops the keeper"))
         try:
-            manifest = persist_step(paths, storage, step, world, "save-on-failure", ranks, ask_others=True)
-        except multinode.MissingSnapshot as err:
-            log.warning("save-on-failure: %s; trying an older step", err)
-            continue
-        if manifest.get("already"):
-            return outcome(False, step, f"step {step} is already covered by committed step {manifest.get('step')}")
-        return outcome(True, step, f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
-                                   f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}")
-    return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass  # not Linux: the parent-pid check below notices within a poll
+        self()
+
+    def request(self, why: str) -> None:
+        """Safe in a signal handler: no logging here (the handler may interrupt a log call)."""
+        if self.why is None:
+            self.why = why
+            watchdog = threading.Timer(self.grace_s, self._expire)
+            watchdog.daemon = True
+            watchdog.start()
+
+    def _expire(self) -> None:
+        log.error("did not finish within %.0f s of the stop request; exiting", self.grace_s)
+        logging.shutdown()
+        os._exit(1)
+
+    def __call__(self) -> bool:
+        if self.why is None and os.getppid() != self.parent:
+            self.request(f"the agent (pid {self.parent}) is gone")
+        if self.why is not None and not self.logged:
+            self.logged = True
+            log.info("stopping: %s (finishing within %.0f s)", self.why, self.grace_s)
+        return self.why is not None
 
 
-# -- the keeper loop --------------------------------------------------------------------------------
 class Keeper:
-    def __init__(self, paths: JobPaths, poll_s: float = 0.02) -> None:
-        self.paths, self.poll_s = paths, poll_s
-        self.job: dict[str, Any] = read_json(paths.job) or {}
-        if "storage" not in self.job:
-            raise ValueError(f"{paths.job} is missing or has no storage URL")
-        self.storage = Storage(self.job["storage"], self.job.get("storage_options"))
-        self.storage.refresh()
-        self.last_persisted = self.storage.latest() or -1
-        self.last_persist_time = time.monotonic()
+    """Serves one job in a directory: persists agreed snapshots per policy, saves on failure, tidies."""
+
+    def __init__(self, node: NodeJob, poll_s: float = 0.02, stop: StopRequest | None = None) -> None:
+        self.node, self.paths, self.poll_s, self.stop = node, node.paths, poll_s, stop
+        self.job: dict[str, Any] = {}
+        self.job_version: tuple[int, int] | None = None
         self.handled_pids: set[int] = set()
         self.given_up: set[int] = set()
         self.events: list[dict[str, Any]] = []
-        self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time(), "last_committed": self.last_persisted}
-        # Multi-node: this node's ranks; only the keeper on rank 0's node decides, commits and tidies.
-        ranks = self.job.get("ranks")
-        self.coordinator = not ranks or 0 in ranks
+        self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time()}
         self.request_checked = 0.0
+        if not self._reload_job():
+            raise ValueError(f"{self.paths.job} is missing or has no storage URL")
+        self.last_persist_time = time.monotonic()
+
+    def _reload_job(self) -> bool:
+        """Read ``job.json`` again if it changed (new workers may choose other storage or policy).
+        Returns whether a usable one was loaded."""
+        try:
+            st = os.stat(self.paths.job)
+        except FileNotFoundError:
+            return False
+        version = (st.st_ino, st.st_mtime_ns)
+        if version == self.job_version:
+            return False
+        job = read_json(self.paths.job)
+        if not job or "storage" not in job:
+            return False
+        before, self.job, self.job_version = self.job, job, version
+        if (job["storage"], job.get("storage_options")) != (before.get("storage"), before.get("storage_options")):
+            self.storage = Storage(job["storage"], job.get("storage_options"))
+            self.storage.refresh()
+            self.last_persisted = self.storage.latest() or -1
+            self.given_up.clear()
+            self.status["last_committed"] = self.last_persisted
+            if before:
+                self.event("storage", None, f"the workers now checkpoint to {self.storage.url}")
+        # Multi-node: this node's ranks; only the keeper on rank 0's node decides, commits and tidies.
+        ranks = job.get("ranks")
+        self.coordinator = not ranks or 0 in ranks
+        self.active = bool(job.get("keeper", True))  # memory-only: the workers wanted no keeper
+        return True
 
     def event(self, kind: str, step: int | None, detail: str, level: int = logging.INFO) -> None:
         log.log(level, "%s%s: %s", kind, f" step {step}" if step is not None else "", detail)
@@ -186,38 +136,65 @@ class Keeper:
     def policy(self, key: str, default: Any = 0) -> Any:
         return self.job.get("policy", {}).get(key, default)
 
-    def run(self) -> int:
-        lock = os.open(self.paths.keeper_lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    def run(self) -> bool:
+        """Serve until the job completes, the directory is removed, the keeper idles out (no agent) or
+        is stopped (agent). Returns False at once if another keeper serves the directory."""
+        lock = self.node.try_lock(self.paths.keeper_lock)
+        if lock is None:
             log.info("another keeper already serves %s", self.paths.root)
-            return 0
+            return False
+        try:
+            self._serve()
+        finally:
+            os.close(lock)
+        return True
+
+    def _serve(self) -> None:
         self.event("start", None, f"keeper pid {os.getpid()} for {self.paths.root} → {self.storage.url} "
                                   f"(latest committed: {self.last_persisted if self.last_persisted >= 0 else 'none'})")
         self._tidy_storage()
         idle_since: float | None = None
         while True:
             if not self.paths.root.is_dir():
-                log.info("job directory %s removed; exiting", self.paths.root)
-                return 0
-            world = job_world(self.paths)
-            ranks = node_ranks(self.paths, world) if world else []
+                log.info("job directory %s removed", self.paths.root)
+                return
+            self._reload_job()
+            if self.stop is not None and self.stop():
+                self._final_pass()
+                return
+            world = self.node.world()
+            ranks = self.node.node_ranks(world) if world else []
             owners = {r: read_json(self.paths.owner(r)) for r in ranks}
-            if world and all(self._closed(r, o) for r, o in owners.items()):
-                if self._finish(world, "all ranks closed the checkpointer: job complete"):
-                    return 0
-            if world:
+            if (world and self.active and all(self._closed(r, o) for r, o in owners.items())
+                    and self._finish(world, "all ranks closed the checkpointer: job complete")):
+                return
+            if self.active and world:
                 self._check_failures(world, owners)
                 self._maybe_persist(world, ranks)
-            attached = workers_attached(self.paths)
-            idle_since = None if attached else (idle_since or time.monotonic())
-            idle_s = float(self.policy("idle_s", 120.0))
-            if idle_since is not None and time.monotonic() - idle_since > idle_s:
-                if self._finish(world or 0, f"no worker attached for {idle_s} s"):
-                    return 0
-                idle_since = None
+            if self.stop is None:  # without an agent, nobody else ends the keeper
+                attached = self.node.workers_attached()
+                idle_since = None if attached else (idle_since or time.monotonic())
+                idle_s = float(self.policy("idle_s", 120.0))
+                if idle_since is not None and time.monotonic() - idle_since > idle_s:
+                    if self._finish(world or 0, f"no worker attached for {idle_s} s"):
+                        return
+                    idle_since = None
             time.sleep(self.poll_s)
+
+    def _final_pass(self) -> None:
+        """The agent exits or is gone: once its workers are gone too (they die with it), save on
+        failure for those that did not close, persist what is due, and remove what storage holds."""
+        assert self.stop is not None
+        deadline = time.monotonic() + min(10.0, self.stop.grace_s / 3)
+        while self.node.workers_attached() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        world = self.node.world()
+        if not (self.active and world):
+            return
+        ranks = self.node.node_ranks(world)
+        self._check_failures(world, {r: read_json(self.paths.owner(r)) for r in ranks})
+        self._maybe_persist(world, ranks)
+        self._finish(world, self.stop.why or "stopped")
 
     def _closed(self, rank: int, owner: dict[str, Any] | None) -> bool:
         closed = read_json(self.paths.closed(rank))
@@ -233,8 +210,8 @@ class Keeper:
             self.handled_pids.add(pid)
             self.event("worker-died", None, f"rank {r} (pid {pid}) died; saving on failure", logging.WARNING)
             try:
-                result = save_on_failure(self.paths.root, self.storage.url, self.job.get("storage_options"), world,
-                                         quiet=True)
+                result = self.node.save_on_failure(self.storage.url, self.job.get("storage_options"), world,
+                                                   quiet=True)
             except Exception as err:  # noqa: BLE001 — a failed save must not kill the keeper
                 self.event("save-on-failure-failed", None, repr(err), logging.ERROR)
                 continue
@@ -244,7 +221,7 @@ class Keeper:
             self.event("save-on-failure", result["step"], result["detail"])
 
     def _maybe_persist(self, world: int, ranks: list[int]) -> None:
-        steps = snapshot_steps(self.paths, world, ranks)
+        steps = self.node.snapshot_steps(world, ranks)
         common = agreed(steps)
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
@@ -268,7 +245,7 @@ class Keeper:
                        logging.WARNING)
         self.last_persist_time = time.monotonic()
         try:
-            manifest = persist_step(self.paths, self.storage, target, world, "keeper", ranks,
+            manifest = self.node.persist_step(self.storage, target, world, "keeper", ranks,
                                     ask_others=self.coordinator and target not in flagged)
         except (LookupError, BlockingIOError) as err:
             self.given_up.add(target)
@@ -317,8 +294,7 @@ class Keeper:
         """Torn step directories (a persist that died) are never resumed from; remove them."""
         if not self.coordinator:
             return  # the coordinator may be committing one right now
-        fd = _persist_lock(self.paths)
-        try:
+        with self.node.persist_lock():
             latest = self.storage.latest()
             committed = set(self.storage.committed())
             for s in self.storage.steps():
@@ -328,21 +304,15 @@ class Keeper:
                                                   f"latest is {latest})", logging.WARNING)
             if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
                 multinode.clear_stage(self.storage, below=latest + 1)
-        finally:
-            os.close(fd)
 
     def _finish(self, world: int, why: str) -> bool:
-        """Exit, removing the snapshots if storage has everything they hold (otherwise keep them and
-        say so). Returns False — keep running — if a worker attached meanwhile (a restart)."""
-        lock = os.open(self.paths.job_lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock)
+        """Stop serving, removing the snapshots if storage has everything they hold (otherwise keep them
+        and say so). Returns False — keep running — if a worker attached meanwhile (a restart)."""
+        lock = self.node.try_lock(self.paths.job_lock)
+        if lock is None:
             return False
         try:
-            ranks = node_ranks(self.paths, world) if world else []
-            newest = max(agreed(snapshot_steps(self.paths, world, ranks)), default=-1) if world else -1
+            newest = self.node.newest_agreed(world) if world else -1
             self.storage.refresh()
             latest = self.storage.latest() or -1
             if newest > latest:
@@ -356,69 +326,68 @@ class Keeper:
             os.close(lock)
 
 
-# -- locks ------------------------------------------------------------------------------------------
-def workers_attached(paths: JobPaths) -> bool:
-    """True while some worker holds the job lock (released by the kernel when it dies)."""
-    fd = os.open(paths.job_lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+# -- the agent's keeper ------------------------------------------------------------------------------
+_job_log: tuple[str, logging.Handler] | None = None
 
 
-def attach(paths: JobPaths) -> int:
-    """Hold the job lock shared for the life of a worker (returns the fd). Retries if the keeper
-    removed the directory between our open and our lock, so the lock is always on the live file."""
-    while True:
-        paths.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(paths.job_lock, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+def _log_also_to(path: str | None) -> None:
+    """The agent's keeper logs to the agent's run directory and also where the workers asked
+    (``keeper_log`` in job.json), where a keeper they started would have logged."""
+    global _job_log
+    if not path or (_job_log and _job_log[0] == path):
+        return
+    root = logging.getLogger()
+    if _job_log:
+        root.removeHandler(_job_log[1])
+        _job_log[1].close()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    root.addHandler(handler)
+    _job_log = (path, handler)
+
+
+def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02) -> int:
+    """Serve ``node``'s directory for as long as the agent runs: wait for workers to write job.json,
+    keep their snapshots, start over when a job completes (its directory removed), until stopped."""
+    log.info("keeper for %s, serving agent pid %d", node.root, stop.parent)
+    while not stop():
+        node.root.mkdir(parents=True, exist_ok=True)
+        job = node.job()
+        if "storage" not in job:
+            time.sleep(max(poll_s, 0.1))
+            continue
+        _log_also_to(job.get("keeper_log"))
         try:
-            if os.fstat(fd).st_ino == os.stat(paths.job_lock).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-
-
-# -- starting one ---------------------------------------------------------------------------------
-def keeper_alive(paths: JobPaths) -> bool:
-    fd = os.open(paths.keeper_lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def spawn_keeper(paths: JobPaths, log_path: str | Path | None) -> subprocess.Popen[bytes]:
-    """Start a keeper in its own session (so signals to the worker's process group miss it)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = open(log_path or paths.root / "keeper.log", "ab")  # noqa: SIM115 — handed to the child
-    try:
-        return subprocess.Popen([sys.executable, "-m", "stalwart.checkpoint", str(paths.root)],
-                                start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, env=env, close_fds=True)
-    finally:
-        out.close()
+            served = Keeper(node, poll_s, stop).run()
+        except Exception as err:  # noqa: BLE001 — e.g. storage unreachable: say so, try again
+            log.error("cannot serve %s: %r", node.root, err)
+            served = False
+        if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
+            time.sleep(1.0)
+    leftover = {p.name for p in node.root.iterdir()} if node.root.is_dir() else set()
+    if leftover <= {"keeper.lock", "keeper.json", "job.lock", "persist.lock"}:
+        shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stalwart.checkpoint",
-                                     description="Persist shared-memory snapshots of one job (started by workers).")
+                                     description="Persist shared-memory snapshots of one job (the node's keeper).")
     parser.add_argument("job_dir", type=Path)
     parser.add_argument("--poll-s", type=float, default=0.02)
+    parser.add_argument("--parent", type=int, default=None,
+                        help="the agent's pid: serve the directory while it lives (started by `stalwart run`)")
+    parser.add_argument("--grace-s", type=float, default=30.0,
+                        help="with --parent: seconds to finish pending persists once asked to stop")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s keeper[%(process)d] %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
     import torch
 
     torch.set_num_threads(1)
-    return Keeper(JobPaths(args.job_dir), args.poll_s).run()
+    node = NodeJob(args.job_dir)
+    if args.parent is not None:
+        return serve(node, StopRequest(args.parent, args.grace_s), args.poll_s)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    Keeper(node, args.poll_s).run()
+    return 0

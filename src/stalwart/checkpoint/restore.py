@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from stalwart._compat import checkpoint_reader, flatten_state_dict
-from stalwart.checkpoint.snapshot import JobPaths, SlotInfo, SnapshotView, complete_slots
+from stalwart.checkpoint.shm import JobPaths, SlotInfo, complete_slots
+from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.state import RNG_KEY, TrainingState, local_tensor, set_path
 from stalwart.checkpoint.storage import Storage, step_name
 

@@ -14,7 +14,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic import rendezvous
@@ -32,7 +32,10 @@ from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.store import client_rdzv_conf
 from stalwart.launch.master import Master, load_or_create_token
-from stalwart.launch import eviction, stragglers, zygote
+from stalwart.launch import die_with_agent, eviction, stragglers, zygote
+
+if TYPE_CHECKING:
+    from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
 
 log = logging.getLogger("stalwart.run")
 UNBOUNDED = 1 << 30  # local restart counter: the master's job-wide budget decides
@@ -130,6 +133,8 @@ def run(argv: list[str]) -> int:
     if warm is not None:
         cmd, cmd_args = warm.entrypoint(cmd_args)
         os.environ.update(warm.env())
+    else:  # cold: the workers die with this agent even if it is SIGKILLed
+        cmd, cmd_args = die_with_agent.entrypoint(cmd, list(cmd_args))
     run_dir = args.run_dir or Path("runs") / args.rdzv_id
     run_dir.mkdir(parents=True, exist_ok=True)
     node_id = args.node_id or f"{os.uname().nodename}-{os.getpid()}"
@@ -180,9 +185,10 @@ def run(argv: list[str]) -> int:
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=UNBOUNDED,
         monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
         local_addr=config.local_addr)
+    node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir)
     agent = StalwartAgent(spec, logs_specs, master=client, node_id=node_id, run_dir=run_dir,
                           hang_policy=policy, start_method=config.start_method, window_s=args.straggler_window,
-                          on_failure=_save_on_failure(args.rdzv_id, node_id), chaos_file=chaos_file,
+                          on_failure=_save_on_failure(node_job), chaos_file=chaos_file,
                           precheck=PrecheckConfig() if args.precheck else None,
                           slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
                           join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
@@ -212,6 +218,7 @@ def run(argv: list[str]) -> int:
             spec.rdzv_handler.shutdown()
         if warm is not None:
             warm.stop()
+        keeper.stop()  # after the workers: it saves on failure for those that did not finish
         summary = {**_summary(client, node_id, exit_code, agent), "evicted": evicted, "prechecks": agent.prechecks}
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=1))
@@ -220,31 +227,34 @@ def run(argv: list[str]) -> int:
     return exit_code
 
 
-def _save_on_failure(job_id: str, node_id: str) -> Callable[[Incident | None], dict[str, Any]]:
-    """The agent's hook: persist the newest snapshot all ranks agree on before workers restart
-    (flash checkpoints of this job live under /dev/shm/stalwart/JOB_ID, see stalwart.checkpoint).
+def _start_keeper(job_id: str, node_id: str, run_dir: Path) -> tuple[NodeJob, KeeperProcess]:
+    """The node's keeper for the job's shared-memory directory (flash checkpoints, see
+    stalwart.checkpoint), started before the workers and stopped when this agent exits, as the zygote
+    is. It learns storage and policy from the job.json the workers write, and idles without one."""
+    # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
+    from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
+
+    job = NodeJob.of_agent(job_id, node_id)
+    return job, KeeperProcess(job, run_dir.absolute() / "keeper.log").start()
+
+
+def _save_on_failure(job: NodeJob) -> Callable[[Incident | None], dict[str, Any]]:
+    """The agent's hook: persist the newest snapshot all ranks agree on before workers restart.
     ``incident`` is None for a membership change: the new world size restores from storage, so the save
     is made here and waited for, even where the keeper would make it."""
 
-    # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
-    from stalwart.checkpoint.checkpointer import job_dir_for
-    from stalwart.checkpoint.keeper import keeper_alive, save_on_failure
-    from stalwart.checkpoint.snapshot import JobPaths
-
     def hook(incident: Incident | None) -> dict[str, Any]:
-        job_dir = job_dir_for("", job_id=job_id, node_id=node_id)
-        if not (job_dir / "job.json").exists():
+        if not job.paths.job.exists():
             return {"persisted": False, "detail": "no flash checkpoints in this job"}
-        policy = json.loads((job_dir / "job.json").read_text()).get("policy") or {}
-        if not (policy.get("persist_every_steps") or policy.get("persist_every_s")):
+        if not job.persists():
             # Memory-only (no keeper on any node; multi-node waits would time out): nothing to persist,
             # the restarted workers restore from memory.
             return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
-        if incident is not None and keeper_alive(JobPaths(job_dir)):
+        if incident is not None and job.keeper_alive():
             # It saw the worker die and saves on failure itself, in parallel with the restart (which
             # restores from memory); waiting for it here would only delay the restart.
             return {"persisted": False, "detail": "the node's keeper saves on failure"}
-        return save_on_failure(job_dir, quiet=True)
+        return job.save_on_failure(quiet=True)
 
     return hook
 

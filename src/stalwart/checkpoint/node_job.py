@@ -1,0 +1,325 @@
+"""One owner for a node's shared-memory job: its directory and naming, the locks, the ``job.json``
+policy, the steps every rank agrees on, save-on-failure and the keeper process's lifetime.
+
+Workers (:class:`~stalwart.checkpoint.Checkpointer`), the keeper and the agent of ``stalwart run`` all
+reach the job through :class:`NodeJob`, so the protocol between them lives in one place:
+
+- ``job.json`` is written by the node's first local rank (storage URL and options, world size, the
+  node's ranks, the persist policy, the keeper log); the keeper reads it, and re-reads it when it changes.
+- ``job.lock``: workers hold it shared while attached; files are removed only under it exclusively.
+- ``keeper.lock``: held by the one keeper serving the directory (released by the kernel when it dies).
+- ``persist.lock``: serialises persists (the keeper, the agent's save-on-failure, a rollback).
+
+Under ``stalwart run`` the agent starts the keeper (:class:`KeeperProcess`) before the workers and stops
+it when it exits; without an agent the node's first local rank starts one (see ``Checkpointer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from stalwart.checkpoint import multinode
+from stalwart.checkpoint.persist import write_checkpoint
+from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json
+from stalwart.checkpoint.snapshot import SnapshotView
+from stalwart.checkpoint.storage import Storage, step_name
+from stalwart.runtime import worker_env
+
+log = logging.getLogger("stalwart.checkpoint.keeper")
+DEFAULT_SHM_ROOT = "/dev/shm"
+# A keeper must not look like a worker to torch (nor inherit NCCL's watchdog settings).
+_DROP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_", "TORCH_NCCL_", "NCCL_ASYNC")
+
+
+def job_dir_for(storage_url: str, shm_root: str | Path = DEFAULT_SHM_ROOT, job_id: str | None = None,
+                node_id: str | None = None) -> Path:
+    """The shared-memory directory of a job on this node: one per storage location (or explicit job
+    id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
+    keep apart what separate hosts would."""
+    env = worker_env()
+    key = job_id or env.job_id or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
+    node = node_id or env.node_id
+    if node:
+        key += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", node)
+    return Path(shm_root) / "stalwart" / key
+
+
+def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:
+    """The steps every rank in ``steps`` (rank → {step: header}) holds."""
+    return set.intersection(*(set(v) for v in steps.values())) if steps else set()
+
+
+class NodeJob:
+    """A job's shared-memory directory on this node, and everything done to it as a whole."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.paths = JobPaths(root)
+
+    @classmethod
+    def of_agent(cls, job_id: str, node_id: str) -> NodeJob:
+        """The directory the agent's keeper serves: the default shm root, named by job and node id."""
+        return cls(job_dir_for("", DEFAULT_SHM_ROOT, job_id, node_id))
+
+    @property
+    def root(self) -> Path:
+        return self.paths.root
+
+    # -- job.json: what the workers chose --------------------------------------------------------------
+    def write_job(self, storage: Storage, world: int, ranks: list[int], policy: dict[str, Any], *,
+                  keeper: bool, keeper_log: str | Path | None) -> None:
+        """Written by the node's first local rank; the keeper learns storage and policy from it."""
+        atomic_write(self.paths.job, json.dumps({
+            "storage": storage.url, "storage_options": storage.options, "world_size": world, "ranks": ranks,
+            "policy": policy, "keeper": keeper,
+            "keeper_log": str(Path(keeper_log).absolute()) if keeper_log else None}).encode())
+        os.chmod(self.paths.job, 0o600)  # storage options may carry credentials
+
+    def job(self) -> dict[str, Any]:
+        return read_json(self.paths.job) or {}
+
+    def persists(self) -> bool:
+        """False for memory-only checkpoints (no keeper wanted, nothing to persist), or no job yet."""
+        job = self.job()
+        policy = job.get("policy") or {}
+        return bool(job.get("keeper", True) and (policy.get("persist_every_steps") or policy.get("persist_every_s")))
+
+    # -- the steps held ---------------------------------------------------------------------------------
+    def world(self) -> int | None:
+        """The world size of the newest attached workers (from any rank's owner record)."""
+        for r in self.paths.ranks():
+            owner = read_json(self.paths.owner(r))
+            if owner:
+                return int(owner["world_size"])
+        return None
+
+    def node_ranks(self, world: int) -> list[int]:
+        """The ranks whose snapshots this node holds (all of them on a single-node job)."""
+        ranks = self.job().get("ranks")
+        return [int(r) for r in ranks] if ranks else list(range(world))
+
+    def snapshot_steps(self, world: int, ranks: list[int] | None = None) -> dict[int, dict[int, dict[str, Any]]]:
+        """rank → {step: header} of complete snapshots taken at this world size (this node's ranks)."""
+        out: dict[int, dict[int, dict[str, Any]]] = {}
+        for r in ranks if ranks is not None else range(world):
+            out[r] = {}
+            for s in complete_slots(self.paths, r):
+                if s.header.get("world_size") == world:
+                    out[r].setdefault(s.step, s.header)
+        return out
+
+    def newest_agreed(self, world: int) -> int:
+        """The newest step all of this node's ranks hold at ``world`` ranks, or -1."""
+        return max(agreed(self.snapshot_steps(world, self.node_ranks(world))), default=-1)
+
+    # -- locks ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def persist_lock(self) -> Iterator[None]:
+        """Serialise persists of one job (keeper, an agent's save-on-failure, a rollback's deletes)."""
+        fd = os.open(self.paths.persist_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def attach(self) -> int:
+        """Hold the job lock shared for the life of a worker (returns the fd). Retries if the keeper
+        removed the directory between our open and our lock, so the lock is always on the live file."""
+        while True:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.paths.job_lock, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.paths.job_lock).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def workers_attached(self) -> bool:
+        """True while some worker holds the job lock (released by the kernel when it dies)."""
+        return self._held(self.paths.job_lock)
+
+    def keeper_alive(self) -> bool:
+        return self._held(self.paths.keeper_lock)
+
+    def try_lock(self, path: Path) -> int | None:
+        """The fd of ``path`` locked exclusively, or None when someone holds it."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+
+    def _held(self, path: Path) -> bool:
+        if not self.root.is_dir():
+            return False
+        fd = self.try_lock(path)
+        if fd is None:
+            return True
+        os.close(fd)
+        return False
+
+    # -- persisting ---------------------------------------------------------------------------------------
+    def persist_step(self, storage: Storage, step: int, world: int, source: str, ranks: list[int] | None = None,
+                     ask_others: bool = False) -> dict[str, Any]:
+        """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
+        checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
+        ``ask_others`` for a step they would not pick by themselves). Returns the manifest, with
+        ``already: True`` when a committed checkpoint covers the step (the keeper and the agent's
+        save-on-failure may race for it). Raises LookupError/BlockingIOError when a snapshot is gone."""
+        ranks = list(range(world)) if ranks is None else ranks
+        views: dict[int, SnapshotView] = {}
+        with self.persist_lock():
+            try:
+                done = storage.committed()  # decided under the lock: never rewrite what another persist committed
+                if done and done[0] >= step:
+                    return {**(storage.manifest(done[0]) or {}), "already": True, "commit_s": 0.0}
+                for r in ranks:
+                    views[r] = self._pin(r, step)
+                if len(ranks) == world:
+                    return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
+                if ask_others:
+                    multinode.request(storage, step)
+                return multinode.persist(storage, step, views, world, source, coordinator=0 in ranks)
+            except (LookupError, BlockingIOError) as err:
+                if len(ranks) < world and not isinstance(err, multinode.MissingSnapshot):  # nobody should wait
+                    if 0 in ranks:
+                        multinode.abort(storage, step, str(err))
+                    else:
+                        multinode.answer_missing(storage, step, ranks, str(err))
+                raise
+            finally:
+                for v in views.values():
+                    v.close()
+
+    def _pin(self, rank: int, step: int, settle_s: float = 1.0) -> SnapshotView:
+        """Open ``rank``'s snapshot of ``step`` under a shared lock. The writer publishes a header just
+        before it releases the slot, so a busy slot that still holds the step is retried briefly; one
+        being overwritten has lost its header (LookupError)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            info = next((s for s in complete_slots(self.paths, rank) if s.step == step), None)
+            if info is None:
+                raise LookupError(f"rank {rank} no longer holds a snapshot of step {step}")
+            try:
+                return SnapshotView(self.paths, info)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+
+    def save_on_failure(self, storage_url: str | None = None, storage_options: dict[str, Any] | None = None,
+                        world_size: int | None = None, quiet: bool = False) -> dict[str, Any]:
+        """Persist the newest snapshot that every rank holds, unless it is already committed.
+
+        Run when a worker dies (by the keeper, or the agent). It never persists a step that some rank
+        lacks (that would mix states of different steps) and says in the result and the log why it did
+        nothing."""
+        job = self.job()
+        storage = Storage(storage_url or job["storage"], storage_options if storage_options is not None
+                          else job.get("storage_options"))
+        world = world_size or self.world()
+
+        def outcome(persisted: bool, step: int | None, detail: str) -> dict[str, Any]:
+            if not quiet:
+                (log.info if persisted else log.warning)("save-on-failure: %s", detail)
+            return {"persisted": persisted, "step": step, "detail": detail}
+
+        if not world:
+            return outcome(False, None, f"no snapshots under {self.root}")
+        ranks = self.node_ranks(world)
+        if 0 not in ranks:
+            return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
+        steps = self.snapshot_steps(world, ranks)
+        common = agreed(steps)
+        if not common:
+            held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
+            return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
+        committed = storage.committed()
+        # Across nodes the newest step here may be missing elsewhere (a rank died mid-copy): try older ones.
+        for step in sorted(common, reverse=True):
+            if committed and committed[0] >= step:
+                return outcome(False, step, f"step {step} is already covered by committed {step_name(committed[0])}")
+            try:
+                manifest = self.persist_step(storage, step, world, "save-on-failure", ranks, ask_others=True)
+            except multinode.MissingSnapshot as err:
+                log.warning("save-on-failure: %s; trying an older step", err)
+                continue
+            if manifest.get("already"):
+                return outcome(False, step, f"step {step} is already covered by committed step {manifest.get('step')}")
+            return outcome(True, step, f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
+                                       f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}")
+        return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
+
+    # -- the keeper process -------------------------------------------------------------------------------
+    def spawn_keeper(self, log_path: str | Path | None, parent: int | None = None,
+                     grace_s: float | None = None) -> subprocess.Popen[bytes]:
+        """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
+        it). With ``parent`` it serves the directory for as long as that process (the agent) lives."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "stalwart.checkpoint", str(self.root)]
+        if parent is not None:
+            cmd += ["--parent", str(parent)]
+        if grace_s is not None:
+            cmd += ["--grace-s", str(grace_s)]
+        out = open(log_path or self.root / "keeper.log", "ab")  # noqa: SIM115 — handed to the child
+        try:
+            return subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, close_fds=True)
+        finally:
+            out.close()
+
+
+def save_on_failure(job_dir: str | Path, storage_url: str | None = None,
+                    storage_options: dict[str, Any] | None = None, world_size: int | None = None,
+                    quiet: bool = False) -> dict[str, Any]:
+    """:meth:`NodeJob.save_on_failure` of the job in ``job_dir``."""
+    return NodeJob(job_dir).save_on_failure(storage_url, storage_options, world_size, quiet)
+
+
+class KeeperProcess:
+    """The agent's handle on its node's keeper, like its zygote's: started before the workers, stopped
+    (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent."""
+
+    def __init__(self, job: NodeJob, log_path: Path, grace_s: float = 30.0) -> None:
+        self.job, self.log_path, self.grace_s = job, log_path, grace_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> KeeperProcess:
+        if not Path(DEFAULT_SHM_ROOT).is_dir():  # no flash checkpoints possible here without another shm_dir
+            log.warning("no %s: no keeper started for this job", DEFAULT_SHM_ROOT)
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = self.job.spawn_keeper(self.log_path, parent=os.getpid(), grace_s=self.grace_s)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM: the keeper persists what is due, saves on failure, tidies and exits (it enforces
+        ``grace_s`` itself; SIGKILL after a little more)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(self.grace_s + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("keeper pid %d did not stop within %.0f s; killing it", self.proc.pid, self.grace_s + 5)
+            self.proc.kill()
+            self.proc.wait()

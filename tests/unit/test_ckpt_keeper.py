@@ -1,0 +1,159 @@
+"""The agent's keeper (``--parent``): it waits for the workers' job.json, learns storage and policy from
+it, persists, and on SIGTERM or the agent's death finishes and exits; a Checkpointer under an agent
+starts no keeper of its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+from stalwart import runtime
+from stalwart.checkpoint import Checkpointer, NodeJob, Storage
+from stalwart.checkpoint.snapshot import SnapshotWriter
+from stalwart.checkpoint.state import TrainingState
+
+
+@pytest.fixture
+def root():
+    path = Path("/dev/shm") / f"stalwart-keeper-{uuid.uuid4().hex[:8]}" / "job"
+    yield path
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _until(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _snapshot(job: NodeJob, steps: list[int], persist: set[int]) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainingState({"model": model, "optim": opt}, 0)
+    writer = SnapshotWriter(job.paths, 0, 1)
+    for step in steps:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        writer.start(step, state.capture(), persist=step in persist)
+        writer.wait()
+    writer.close()
+
+
+def test_agent_keeper_learns_storage_from_job_json_and_stops_on_sigterm(root, tmp_path):
+    job = NodeJob(root)
+    keeper = job.spawn_keeper(tmp_path / "agent-keeper.log", parent=os.getpid(), grace_s=20)
+    try:
+        time.sleep(0.5)
+        assert keeper.poll() is None and not job.keeper_alive()  # no job yet: it waits, serving nothing
+        _snapshot(job, [1, 2], persist={2})
+        job.paths.owner(0).write_text(f'{{"pid": {os.getpid()}, "rank": 0, "world_size": 1}}')  # a live worker
+        storage = Storage(str(tmp_path / "ckpt"))
+        job.write_job(storage, 1, [0], {"persist_every_steps": 2, "persist_every_s": 0, "keep_last": 3,
+                                        "keep_every": 0, "idle_s": 0.1}, keeper=True, keeper_log=tmp_path / "job.log")
+        assert _until(lambda: storage.latest() == 2), (tmp_path / "agent-keeper.log").read_text()
+        assert job.keeper_alive()
+        time.sleep(0.5)  # far beyond idle_s: the agent's keeper does not idle out, the agent ends it
+        assert keeper.poll() is None
+        keeper.send_signal(signal.SIGTERM)
+        assert keeper.wait(20) == 0
+        assert not root.exists(), "storage holds the newest snapshot: the snapshots are removed"
+        assert "committed step 2" in (tmp_path / "job.log").read_text()  # also logs where the workers asked
+    finally:
+        keeper.kill()
+
+
+def test_agent_keeper_saves_on_failure_when_stopped(root, tmp_path):
+    """A worker died (its owner pid is gone) and never closed: stopping, the keeper persists the newest
+    step all ranks hold although no persist was due."""
+    job = NodeJob(root)
+    _snapshot(job, [1, 2, 3], persist=set())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    job.paths.owner(0).write_text(f'{{"pid": {int(dead.stdout)}, "rank": 0, "world_size": 1}}')
+    storage = Storage(str(tmp_path / "ckpt"))
+    job.write_job(storage, 1, [0], {"persist_every_steps": 0, "persist_every_s": 0, "keep_last": 3, "keep_every": 0,
+                                    "idle_s": 120}, keeper=True, keeper_log=None)
+    keeper = job.spawn_keeper(tmp_path / "keeper.log", parent=os.getpid(), grace_s=20)
+    try:
+        assert _until(lambda: storage.latest() == 3), (tmp_path / "keeper.log").read_text()
+        keeper.send_signal(signal.SIGTERM)
+        assert keeper.wait(20) == 0
+        assert "save-on-failure step 3" in (tmp_path / "keeper.log").read_text()
+    finally:
+        keeper.kill()
+
+
+def test_agent_keeper_exits_when_the_agent_is_killed(root, tmp_path):
+    agent = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time; from stalwart.checkpoint import NodeJob; "
+        f"p = NodeJob({str(root)!r}).spawn_keeper({str(tmp_path / 'keeper.log')!r}, parent=os.getpid()); "
+        "print(p.pid, flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
+    keeper_pid = int(agent.stdout.readline())
+    try:
+        time.sleep(1.0)
+        assert psutil.pid_exists(keeper_pid)
+        agent.kill()
+        agent.wait()
+        assert _until(lambda: not _running(keeper_pid), 10.0), "the keeper outlived its agent"
+    finally:
+        if _running(keeper_pid):
+            os.kill(keeper_pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_checkpointer_under_an_agent_starts_no_keeper(monkeypatch, tmp_path):
+    job_id, node_id = f"test-{uuid.uuid4().hex[:8]}", "node-a"
+    monkeypatch.setenv("STALWART_PROGRESS_DIR", str(tmp_path / "progress"))
+    monkeypatch.setenv("STALWART_JOB_ID", job_id)
+    monkeypatch.setenv("STALWART_NODE_ID", node_id)
+    runtime.reset()
+    expected = NodeJob.of_agent(job_id, node_id)
+    try:
+        ck = Checkpointer(str(tmp_path / "ckpt"), persist_every_steps=2)
+        assert ck.keeper_by_agent and ck.paths.root == expected.root
+        model = nn.Linear(4, 4)
+        ck.save(1, {"model": model})
+        ck.wait()
+        assert ck._keeper_proc is None and not ck.job.keeper_alive()
+        assert ck.job.job()["keeper"] is True and ck.job.persists()
+        ck.close()
+    finally:
+        runtime.reset()
+        shutil.rmtree(expected.root, ignore_errors=True)
+
+
+def test_persist_waits_for_the_writer_to_release_a_slot_it_just_published(root, tmp_path):
+    """The writer publishes a slot's header a moment before it unlocks the slot: a keeper that looks in
+    that moment must persist the step, not skip it as overwritten."""
+    import fcntl
+    import threading
+
+    job = NodeJob(root)
+    _snapshot(job, [1, 2], persist={2})
+    [newest, _] = sorted(job.paths.rank_dir(0).glob("slot*.json"), key=lambda p: -p.stat().st_mtime_ns)
+    fd = os.open(newest.with_suffix(".bin"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the writer holds it until just after publishing
+    threading.Timer(0.3, os.close, (fd,)).start()
+    manifest = job.persist_step(Storage(str(tmp_path / "ckpt")), 2, 1, "test")
+    assert manifest["step"] == 2 and not manifest.get("already")
