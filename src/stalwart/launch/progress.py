@@ -15,13 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalwart.runtime import ENV_PROGRESS_DIR
-from stalwart.runtime.progress import BODY, PHASES, SEQ, SIZE, seq_view, incident, phase, record_path
-
-# Shims until the merge points their callers at stalwart.runtime, then delete: launch/agent.py imports
-# ENV_DIR from here, train/rollback.py incident and phase.
-ENV_DIR = ENV_PROGRESS_DIR
-__all__ = ["ENV_DIR", "Progress", "ProgressReader", "incident", "phase"]
+from stalwart.runtime.progress import BODY, PHASES, SEQ, SIZE, record_path, seq_view
 
 
 @dataclass(frozen=True)

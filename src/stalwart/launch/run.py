@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic import rendezvous
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-from torch.distributed.launcher.api import _get_addr_and_port
 
+from stalwart import _compat, runtime
 from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
+from stalwart.launch import die_with_agent, eviction, stragglers, zygote
 from stalwart.launch.agent import Incident, NodeEvicted, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.hang import HangPolicy
-from stalwart.launch.store import client_rdzv_conf
 from stalwart.launch.master import Master, load_or_create_token
-from stalwart.launch import die_with_agent, eviction, stragglers, zygote
+from stalwart.launch.store import client_rdzv_conf
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("stalwart")
     g.add_argument("--master", default=None,
                    help="job master URL (http://HOST:PORT) for multi-node jobs; default: start one here")
-    g.add_argument("--job-token", default=os.environ.get("STALWART_JOB_TOKEN"),
+    g.add_argument("--job-token", default=os.environ.get(runtime.ENV_JOB_TOKEN),
                    help="job token for the master (default $STALWART_JOB_TOKEN, else generated into "
                         "RUN_DIR/token)")
     g.add_argument("--run-dir", type=Path, default=None,
@@ -122,7 +122,7 @@ def _master_store(args: argparse.Namespace, client: MasterClient) -> None:
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     policy = _hang_policy(args)
-    token = args.job_token or os.environ.get("STALWART_JOB_TOKEN")
+    token = args.job_token or os.environ.get(runtime.ENV_JOB_TOKEN)
     if args.master:
         if not token:
             raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
@@ -144,15 +144,15 @@ def run(argv: list[str]) -> int:
                                   tee=Std.ALL if args.tee == "0" and args.redirects == "0" else Std.from_str(args.tee))
     if args.chaos:
         faults.parse(args.chaos)  # a typo fails here, not in every worker
-        os.environ[faults.ENV_SPEC] = args.chaos
+        os.environ[runtime.ENV_CHAOS] = args.chaos
     # Faults injected into the running job (`stalwart chaos`) arrive with the heartbeats and go to
     # this file, which workers re-read when it changes; "once" markers are per run directory, so
     # the same spec fires again in a later run.
-    chaos_file = Path(os.environ.get(faults.ENV_FILE) or run_dir / "chaos" / "injected").absolute()
-    if faults.ENV_FILE not in os.environ:
+    chaos_file = Path(os.environ.get(runtime.ENV_CHAOS_FILE) or run_dir / "chaos" / "injected").absolute()
+    if runtime.ENV_CHAOS_FILE not in os.environ:
         chaos_file.unlink(missing_ok=True)  # the master delivers this job's injected faults again
-    os.environ[faults.ENV_FILE] = str(chaos_file)
-    os.environ.setdefault(faults.ENV_DIR, str((run_dir / "chaos" / "fired").absolute()))
+    os.environ[runtime.ENV_CHAOS_FILE] = str(chaos_file)
+    os.environ.setdefault(runtime.ENV_CHAOS_DIR, str((run_dir / "chaos" / "fired").absolute()))
     slow = faults.due("node")  # chaos slow:at=node: this whole node computes F× slower (a straggler)
 
     master: Master | None = None
@@ -164,8 +164,8 @@ def run(argv: list[str]) -> int:
                         restart_budget=args.max_restarts,
                         stragglers=stragglers.from_args(args), policy=eviction.from_args(args)).start()
         address = master.address
-    os.environ.update({"STALWART_MASTER": address, "STALWART_JOB_ID": args.rdzv_id,
-                       "STALWART_NODE_ID": node_id})
+    os.environ.update({runtime.ENV_MASTER: address, runtime.ENV_JOB_ID: args.rdzv_id,
+                       runtime.ENV_NODE_ID: node_id})
     client = MasterClient(address, token)
     write_address(run_dir, address, args.rdzv_id, node_id)
 
@@ -173,7 +173,7 @@ def run(argv: list[str]) -> int:
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **config.rdzv_configs)
-    master_addr, master_port = _get_addr_and_port(params)
+    master_addr, master_port = _compat.rendezvous_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     # A fresh worker store every round. torch shares the rendezvous TCP store with the workers
     # across rounds without a per-round prefix, so restarted workers read their predecessors' gloo

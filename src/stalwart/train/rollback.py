@@ -25,7 +25,7 @@ from stalwart.config import GuardConfig
 from stalwart.data.sampler import format_skip_ranges, merge_ranges
 from stalwart.health.check import CheckConfig, burn_in
 from stalwart.health.check import Fault as CheckFault
-from stalwart.launch.progress import incident, phase
+from stalwart.runtime import incident, phase
 from stalwart.train.guard import (
     GuardSettings,
     RollbackBudget,
