@@ -167,13 +167,13 @@ def test_a_forked_worker_reads_its_own_contract_not_the_zygotes(tmp_path, monkey
     lib = tmp_path / "lib"
     lib.mkdir()
     (lib / "zyg_contract.py").write_text(
-        "from stalwart import runtime\nfrom stalwart.launch import progress\n"
+        "from stalwart import runtime\nfrom stalwart.runtime import progress\n"
         "ZYGOTE_NODE = runtime.worker_env().node_id\nprogress.writer()\n")
     monkeypatch.setenv("PYTHONPATH", f"{lib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("STALWART_NODE_ID", "zygote-node")
     monkeypatch.delenv("STALWART_PROGRESS_DIR", raising=False)
     (tmp_path / "job.py").write_text(
-        "import os, zyg_contract\nfrom stalwart import runtime\nfrom stalwart.launch import progress\n"
+        "import os, zyg_contract\nfrom stalwart import runtime\nfrom stalwart.runtime import progress\n"
         "print(zyg_contract.ZYGOTE_NODE, runtime.worker_env().node_id, progress.writer() is not None, os.getppid())\n")
     z = Zygote(["zyg_contract"], tmp_path / "z")
     z.ensure()

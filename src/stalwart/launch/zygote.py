@@ -121,11 +121,9 @@ def _print_exception(err: BaseException) -> None:
 
 def _forget_zygote_contract() -> None:
     """The worker contract is read lazily, once per process (``stalwart.runtime``): a module the zygote
-    preloaded may have read it with the zygote's environment, which the forked worker must not see."""
+    preloaded may have read it with the zygote's environment, which the forked worker must not see
+    (``reset`` also drops the progress writer made from it)."""
     runtime.reset()
-    progress = sys.modules.get("stalwart.launch.progress")
-    if progress is not None and hasattr(progress, "_resolved"):  # its writer cache, until it lives in runtime
-        progress._writer, progress._resolved = None, False
 
 
 def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
