@@ -113,3 +113,39 @@ def test_every_stalwart_variable_is_named_in_the_contract() -> None:
             if isinstance(node, ast.Constant) and isinstance(node.value, str)
             and re.fullmatch(r"STALWART_[A-Z_]+", node.value)}
     assert {value for _, value in used} <= named, sorted(u for u in used if u[1] not in named)
+
+
+def test_die_with_parent_kills_the_child_when_its_parent_exits(tmp_path) -> None:
+    """A grandchild armed with die_with_parent dies with the intermediate process that forked it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import os, sys, time\n"
+        "from stalwart import runtime\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    assert runtime.die_with_parent(os.getppid())\n"
+        f"    open({str(tmp_path / 'armed')!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "time.sleep(30)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "armed").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int((tmp_path / "armed").read_text())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child, 9)
+    raise AssertionError("the child outlived its parent")

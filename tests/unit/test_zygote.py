@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from stalwart.launch.zygote import Zygote, parse_python_args
+from stalwart.launch.zygote import Zygote
+from stalwart.launch.zygote_worker import parse_python_args
 
 SCRIPT = '''
 import os, signal, sys, time

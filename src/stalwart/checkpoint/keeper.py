@@ -22,7 +22,6 @@ both are logged with the steps concerned.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart import runtime
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import retention
@@ -41,7 +41,6 @@ from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
 from stalwart.checkpoint.storage import Storage, step_name
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-PR_SET_PDEATHSIG = 1
 _LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
 
 
@@ -55,10 +54,8 @@ class StopRequest:
         self.why: str | None = None
         self.logged = False
         signal.signal(signal.SIGTERM, lambda *_: self.request("the agent stops the keeper"))
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass  # not Linux: the parent-pid check below notices within a poll
+        # A gone parent (or no prctl) is noticed by the parent-pid check below: the final pass still runs.
+        runtime.die_with_parent(parent, signal.SIGTERM, exit_if_gone=False)
         self()
 
     def request(self, why: str) -> None:

@@ -23,15 +23,11 @@ environment; ``OMP_NUM_THREADS`` is applied again in the worker with ``torch.set
 from __future__ import annotations
 
 import argparse
-import atexit
-import ctypes
 import gc
 import importlib
-import io
 import json
 import logging
 import os
-import runpy
 import select
 import shutil
 import signal
@@ -42,13 +38,13 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stalwart import _compat, runtime
 from stalwart.launch import zygote_client
+from stalwart.launch.zygote_worker import become_worker, parse_python_args
 
 log = logging.getLogger("stalwart.zygote")
 CLIENT = Path(zygote_client.__file__)
@@ -56,7 +52,6 @@ DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.dis
 SCRIPT_PRELOAD = _compat.DYNAMO_MODULES  # scripts: torch.compile and others import dynamo (0.5-3 s)
 # `-m stalwart`: the trainer, which keeps clear of dynamo on purpose.
 STALWART_PRELOAD = ("stalwart.cli", "stalwart.commands.train", "stalwart.train.trainer")
-PR_SET_PDEATHSIG = 1
 MAX_REQUEST = 16 << 20
 
 
@@ -65,120 +60,6 @@ def preload_for(cmd_args: list[str]) -> list[str]:
     stalwart's trainer when the worker is ``-m stalwart``, else dynamo."""
     stalwart_cli = "-m" in cmd_args and cmd_args[cmd_args.index("-m") + 1:][:1] == ["stalwart"]
     return [*DEFAULT_PRELOAD, *(STALWART_PRELOAD if stalwart_cli else SCRIPT_PRELOAD)]
-
-
-def parse_python_args(argv: list[str]) -> tuple[bool, str | None, str | None, list[str]]:
-    """(unbuffered, module, script, rest) of ``python ARGV``; ValueError for what a fork cannot mimic."""
-    unbuffered = False
-    for i, arg in enumerate(argv):
-        if arg == "-u":
-            unbuffered = True
-        elif arg == "-m" and i + 1 < len(argv):
-            return unbuffered, argv[i + 1], None, argv[i + 2:]
-        elif arg.startswith("-"):
-            raise ValueError(f"interpreter flag {arg!r}")
-        else:
-            return unbuffered, None, arg, argv[i + 1:]
-    raise ValueError("no script or module")
-
-
-# -- the worker side of a fork ------------------------------------------------------------------------
-def _die_with_parent(parent: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the zygote's own cleanup still kills its workers
-    if os.getppid() != parent:  # the zygote died before prctl took effect
-        os._exit(1)
-
-
-def _rebind_stdio(unbuffered: bool) -> None:
-    def stream(fd: int) -> io.TextIOWrapper:
-        raw = io.FileIO(fd, "wb", closefd=False)
-        binary = raw if unbuffered else io.BufferedWriter(raw)
-        return io.TextIOWrapper(binary, encoding="utf-8", errors="backslashreplace",
-                                line_buffering=not unbuffered, write_through=unbuffered)
-    sys.stdout = sys.__stdout__ = stream(1)
-    sys.stderr = sys.__stderr__ = stream(2)
-
-
-def _exit_code(err: SystemExit) -> int:
-    if err.code is None:
-        return 0
-    if isinstance(err.code, int):
-        return err.code
-    print(err.code, file=sys.stderr)
-    return 1
-
-
-def _print_exception(err: BaseException) -> None:
-    """The traceback as ``python ARGV`` prints it: without the frames of this module and runpy."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
-        tb = tb.tb_next
-    traceback.print_exception(type(err), err, tb)
-
-
-def _forget_zygote_contract() -> None:
-    """The worker contract is read lazily, once per process (``stalwart.runtime``): a module the zygote
-    preloaded may have read it with the zygote's environment, which the forked worker must not see
-    (``reset`` also drops the progress writer made from it)."""
-    runtime.reset()
-
-
-def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
-    """Runs in the forked child: turn into ``python ARGV`` with the client's stdio; never returns."""
-    code = 1
-    try:
-        signal.set_wakeup_fd(-1)
-        _die_with_parent(zygote_pid)
-        os.setsid()
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for target, fd in zip(request["fds"], fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        _forget_zygote_contract()
-        unbuffered, module, script, rest = parse_python_args(request["argv"])
-        _rebind_stdio(unbuffered)
-        if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        try:
-            if module is not None:
-                sys.argv = ["-m", *rest]
-                sys.path[0] = os.getcwd()
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = [script, *rest]
-                sys.path[0] = os.path.dirname(os.path.abspath(script))
-                runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as err:
-            code = _exit_code(err)
-        except KeyboardInterrupt as err:
-            _print_exception(err)
-            code = 128 + signal.SIGINT
-        except BaseException as err:  # what Python's main does with an uncaught exception
-            _print_exception(err)
-            code = 1
-        try:
-            _compat.join_non_daemon_threads()  # as the interpreter does at exit
-        except Exception:
-            pass
-        atexit._run_exitfuncs()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        for s in (sys.stdout, sys.stderr):
-            try:
-                s.flush()
-            except Exception:
-                pass
-        os._exit(code)
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -457,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preload", action="append", default=[])
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    _die_with_parent(args.parent)
+    runtime.die_with_parent(args.parent)
     server = Server(args.socket, args.preload, args.parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers are stopped by the agent, through their stand-ins

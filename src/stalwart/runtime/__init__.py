@@ -31,6 +31,7 @@ from stalwart.runtime.env import (
     chaos_now,
     worker_env,
 )
+from stalwart.runtime.lifetime import die_with_parent
 from stalwart.runtime.progress import (
     PHASES,
     ProgressWriter,
@@ -60,7 +61,7 @@ __all__ = [
     "ENV_CHAOS", "ENV_CHAOS_DIR", "ENV_CHAOS_FILE", "ENV_CHECK_FAULT", "ENV_CHECK_SERIAL", "ENV_JOB_ID",
     "ENV_JOB_TOKEN", "ENV_MASTER", "ENV_NODE_ID", "ENV_PARENT_REPORTS", "ENV_PROGRESS_DIR", "ENV_RANKS_PER_NODE",
     "ENV_ZYGOTE_PIDS", "ENV_ZYGOTE_SOCKET",
-    "PHASES", "ProgressWriter", "WorkerEnv", "chaos_marker_dir", "chaos_now", "fault_fired", "fault_path",
+    "PHASES", "ProgressWriter", "die_with_parent", "WorkerEnv", "chaos_marker_dir", "chaos_now", "fault_fired", "fault_path",
     "finished", "incident", "incidents_path", "metrics_path", "phase", "record_path", "report", "reset",
     "worker_env", "writer",
 ]
