@@ -11,6 +11,7 @@ Collectives are counted wherever they come from.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -71,8 +72,7 @@ def trainer(stdlib_data: Path, tmp_path: Path):
     env = init_distributed("gloo")
     try:
         t = Trainer(cfg, env)
-        t.metrics.progress = False
-        t.metrics.open(t.step)
+        t.metrics.open(t.step, progress=False)
         yield t
         t.metrics.close()
     finally:
@@ -88,7 +88,7 @@ def test_a_non_log_step_reads_nothing_on_the_host_and_issues_no_collective(train
     assert counted == Counter(), f"host syncs or collectives on the step path: {dict(counted)}"
     # The record of step 2 is still written (on the CPU its host copy is the value itself).
     lines = (Path(trainer.cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()
-    assert [__import__("json").loads(line)["step"] for line in lines] == [1, 2]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert trainer.metrics.last_loss == pytest.approx(float(stats.loss))
 
 
@@ -121,7 +121,7 @@ class _SlowCopy(HostCopy):
 
 
 def test_records_wait_for_their_host_copy_except_at_log_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    import stalwart.train.metrics as metrics
+    from stalwart.train import metrics
 
     monkeypatch.setattr(metrics, "HostCopy", _SlowCopy)
     monkeypatch.setattr(_SlowCopy, "done", False)
@@ -138,11 +138,13 @@ def test_records_wait_for_their_host_copy_except_at_log_steps(tmp_path: Path, mo
                 return None
 
     hook = MetricsHook(tmp_path, total_steps=4, log_every=2, tokens_per_step=8, world_size=1,
-                       flops_per_token=1.0, peak_flops=None, main=True, progress=False)
-    hook.open(0)
+                       flops_per_token=1.0, peak_flops=None, main=True)
+    hook.open(0, progress=False)
     path = tmp_path / "metrics.jsonl"
-    step = lambda s: hook.after_step(FakeTrainer, StepStats(s, torch.tensor(float(s)), torch.tensor(1.0),
-                                                            torch.tensor(0.0), 0.1))  # noqa: E731
+
+    def step(s: int) -> None:
+        hook.after_step(FakeTrainer, StepStats(s, torch.tensor(float(s)), torch.tensor(1.0), torch.tensor(0.0), 0.1))
+
     step(1)
     assert path.read_text() == "" and reported == [(1, None)], "a copy in flight is not waited for"
     step(2)  # a log step: everything pending is read (the one place a sync is allowed)

@@ -71,7 +71,6 @@ class MetricsHook(StepHook):
     flops_per_token: float
     peak_flops: float | None
     main: bool
-    progress: bool = True
     moe: bool = False
     step_times: list[float] = field(default_factory=list)
     last_loss: float | None = None  # of the newest written record
@@ -81,11 +80,12 @@ class MetricsHook(StepHook):
     _display: ProgressDisplay | None = None
     _t0: float = 0.0
 
-    def open(self, start_step: int) -> None:
-        # A resumed run appends: steps redone after a restart appear again (the later record wins).
+    def open(self, start_step: int, progress: bool = True) -> None:
+        """Start writing (rank 0): appends when resuming — steps redone after a restart appear again
+        (the later record wins); ``progress``: the console display."""
         self._writer = MetricsWriter(self.out / "metrics.jsonl", append=start_step > 0) if self.main else None
         self._display = ProgressDisplay(self.total_steps, start_step, self.log_every,
-                                        enabled=self.main and self.progress)
+                                        enabled=self.main and progress)
 
     def close(self) -> None:
         if self._display is not None:

@@ -3,6 +3,13 @@
 Everything that a checkpoint must capture is an attribute with ``state_dict``/``load_state_dict``
 (model, optimizer, scheduler, sampler) plus ``step``; nothing else carries state between steps, which
 is what makes bitwise resume possible.
+
+The step has torchtitan's shape: ``train_step`` = data → ``forward_backward`` (micro-batches, or the
+pipeline schedule) → clip → update, with chaos faults, the guard, snapshots and metrics attached as
+hooks (``stalwart.train.hooks``). Loss and gradient norm stay device tensors: nothing on the step
+path waits for the device unless a hook needs a value (the guard every step; metrics at log steps).
+The model is built on the meta device and only this rank's shards are materialised
+(``stalwart.train.parallel.materialize``).
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepH
 from stalwart.train.metrics import MetricsHook
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallel import build_mesh, parallelize, plan_parallel, resolve_model_args
-from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.parallel.configure import rank0_plan
+from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.utils import state_dict_hash
 
 
@@ -198,8 +205,7 @@ class Trainer:
     def fit(self, progress: bool = True) -> dict[str, Any]:
         t = self.cfg.train
         out = Path(t.out_dir)
-        self.metrics.progress = progress
-        self.metrics.open(self.step)
+        self.metrics.open(self.step, progress)
         start = time.perf_counter()
         try:
             while self.step < t.steps:
@@ -219,6 +225,7 @@ class Trainer:
                 self.ckpt.close(success=False)  # snapshots stay for a restart
             raise
         finally:
+            self.metrics.drain()  # after a failure too: the records whose values already reached the host
             self.metrics.close()
         if self.ckpt is not None:
             self.ckpt.close(success=True)

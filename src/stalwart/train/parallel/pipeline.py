@@ -2,9 +2,10 @@
 1F1B / interleaved 1F1B / GPipe schedules, and a train step that returns the loss on every rank.
 
 Splitting follows torchtitan: every rank builds the whole model on the meta device (no memory), then
-keeps only its stages' blocks, which are materialised after the other parallelisms are applied. Each stage is a :class:`StageModule` that *references* the kept submodules under
-their original names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), so TP, recompute and
-FSDP apply to it exactly as to the whole model. The pruned original model (blocks of other ranks
+keeps only its stages' blocks, materialised after the other parallelisms are applied. Each stage is
+a :class:`StageModule` that *references* the kept submodules under their original names
+(``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), so TP, recompute and FSDP apply to it
+exactly as to the whole model. The pruned original model (blocks of other ranks
 deleted) stays the object to build the optimizer on and to checkpoint: its parameter names are the
 unsplit model's, which is what lets DCP restore a PP checkpoint without PP and back.
 
