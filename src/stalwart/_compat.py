@@ -207,6 +207,25 @@ def slice_flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
 
 
 # --- training (determinism, activation checkpointing) --------------------------------------------
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
+    _CHECKPOINT_PREFIX as CHECKPOINT_WRAPPER_PREFIX,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402, F401
+
+
+def set_deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)`` without its import of ``torch._inductor`` (only to
+    set inductor's own flag; 2–3 s of every worker start, so of every recovery, on torch 2.13). The
+    trainer does not compile; if something already imported inductor, the public call is used."""
+    import sys
+
+    import torch
+
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+    else:
+        torch._C._set_deterministic_algorithms(True, warn_only=False)
+
 
 
 # --- end of training section ------------------------------------------------------------------

@@ -61,8 +61,13 @@ def build_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.
                              lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
 
 
-def make_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
+def make_model(args: argparse.Namespace, vocab: int, meta: bool = False) -> torch.nn.Module:
+    """The whole model initialised in memory (the reference), or on the meta device for ``parallelize``
+    to materialise shard by shard: the curves agreeing checks that both give the same weights."""
     margs = model_args(args.model, vocab_size=vocab, max_seq_len=args.seq_len)
+    if meta:
+        with torch.device("meta"):
+            return build_model(args.model, margs)
     model = build_model(args.model, margs)
     model.init_weights(args.seed)
     return model
@@ -141,7 +146,7 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
     from stalwart.train.parallel import ParallelOptions, build_mesh, parallelize
 
     env = init_distributed("gloo")
-    model = make_model(args, data.vocab_size)
+    model = make_model(args, data.vocab_size, meta=True)
     why = ""
     micro_batch = args.micro_batch
     if args.layout == "auto":
@@ -158,7 +163,7 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
                               else tuple(int(c) for c in args.layer_split.split(",")),
                               recompute=args.recompute, compress=args.compress,
                               loss_parallel=not args.no_loss_parallel)
-    pm = parallelize(model, layout, mesh, options, device=env.device)
+    pm = parallelize(model, layout, mesh, options, device=env.device, init_seed=args.seed)
     opt = build_optimizer(list(pm.module.parameters()), args.lr)
     sampler = GlobalSampler(len(data), args.global_batch, seed=1234)
     if args.load:

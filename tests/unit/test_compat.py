@@ -260,6 +260,25 @@ def test_flatten_mesh_and_slice_with_a_flattened_axis() -> None:
 
 
 # --- training ---------------------------------------------------------------------------------
+def test_checkpoint_wrapper_prefix_is_what_named_parameters_show() -> None:
+    """Per-parameter init maps wrapped names back to the model's own by removing this prefix."""
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    wrapped = torch.nn.ModuleDict({"0": _compat.checkpoint_wrapper(block, preserve_rng_state=False)})
+    names = [n for n, _ in wrapped.named_parameters()]
+    assert names == [f"0.{_compat.CHECKPOINT_WRAPPER_PREFIX}0.weight", f"0.{_compat.CHECKPOINT_WRAPPER_PREFIX}0.bias"]
+    assert set(wrapped.state_dict()) == {"0.0.weight", "0.0.bias"}, "the wrapper hides itself from state_dict"
+
+
+def test_set_deterministic_algorithms_sets_the_public_flag() -> None:
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        _compat.set_deterministic_algorithms()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
 
 
 # --- end of training section ------------------------------------------------------------------

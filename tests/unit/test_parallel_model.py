@@ -170,3 +170,47 @@ def test_state_hash_of_pipeline_parts_merged_equals_the_whole():
     assert groups == {"param_groups": [{"lr": 0.1, "params": ["a", "b"]}, {"lr": 0.1, "params": ["c"]}]}
     with pytest.raises(ValueError, match="disagree at .param_groups\\[0\\].lr"):
         _merge({"param_groups": [{"lr": 0.1}]}, {"param_groups": [{"lr": 0.2}]})
+
+
+def _meta(name: str = "debug") -> torch.nn.Module:
+    with torch.device("meta"):
+        return build_model(name, model_args(name, vocab_size=257, max_seq_len=16))
+
+
+@pytest.mark.parametrize("name", ["debug", "debug-moe"])
+def test_meta_build_materialises_the_same_weights_as_init_weights(name):
+    """Each parameter is drawn from (seed, its name) alone: built on meta, wrapped for recompute (which
+    renames parameters) and materialised, the model equals one initialised in memory, bitwise."""
+    from stalwart.train.parallel.materialize import is_meta, materialize
+
+    model = _meta(name)
+    apply_recompute(model.layers, "full")
+    assert is_meta(model)
+    materialize(model, [], torch.device("cpu"), seed=5)
+    assert not is_meta(model)
+    want = _model(name, seed=5).state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert torch.equal(model.rope, _model(name).rope), "buffers are recomputed after to_empty"
+    assert not torch.equal(want["layers.0.attention.wq.weight"], _model(name, seed=6).state_dict()[
+        "layers.0.attention.wq.weight"]), "the seed matters"
+
+
+def test_init_of_a_parameter_does_not_depend_on_the_others():
+    """Pruning (a pipeline stage) or sharding cannot shift another parameter's random stream."""
+    from stalwart.train.parallel.materialize import materialize
+
+    whole = _model(seed=2)
+
+    pruned = _meta()
+    ids, stages = split_model(pruned, 1, 2)
+    materialize(pruned, stages, torch.device("cpu"), seed=2)
+    for name, p in pruned.named_parameters():
+        assert torch.equal(p, whole.get_parameter(name)), name
+    x, _ = _batch()
+    h = whole.tok_embeddings(x)
+    for i in ("0", "1"):
+        h = whole.layers[i](h, whole.rope)
+    assert torch.equal(stages[0](h), whole(x)), "the stage's own RoPE buffer was recomputed too"

@@ -10,6 +10,7 @@ and Falcon shapes that the planner needs; the trained default is RMSNorm + RoPE 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
 
@@ -183,24 +184,32 @@ class Transformer(nn.Module):
         else:
             self.rope = None
 
-    def init_weights(self, seed: int | None = None) -> None:
-        """Deterministic init: N(0, 0.02), residual projections scaled by 1/sqrt(2·layers) (GPT-2)."""
+    def initial_value(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+                      seed: int | None = None) -> torch.Tensor:
+        """The initial value of parameter ``name`` (its full, unsharded shape), on the CPU: norm weights
+        1, other vectors 0, matrices N(0, 0.02) with residual projections scaled by 1/sqrt(2·layers)
+        (GPT-2). Drawn from a generator seeded by (seed, name) alone, so a parameter's value depends
+        neither on the other parameters, nor on the world size, nor on how the model is sharded."""
+        if len(shape) == 1:  # norm weights and biases
+            return torch.ones(shape, dtype=dtype) if name.endswith("norm.weight") else torch.zeros(shape, dtype=dtype)
+        std = 0.02 / math.sqrt(2 * self.args.n_layers) if name.endswith(self.residual_suffixes) else 0.02
         gen = torch.Generator(device="cpu")
-        gen.manual_seed(0 if seed is None else seed)
-        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
-        for name, p in self.named_parameters():
-            if p.device.type == "meta":
-                continue
-            if p.ndim == 1:  # norm weights and biases
-                value = (torch.ones(p.shape, dtype=p.dtype) if name.endswith("norm.weight")
-                         else torch.zeros(p.shape, dtype=p.dtype))
-            else:
-                std = residual_std if name.endswith(self.residual_suffixes) else 0.02
-                value = torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=gen)
+        gen.manual_seed(param_seed(0 if seed is None else seed, name))
+        return torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=gen)
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic init of every (materialised) parameter from ``initial_value``, and the buffers."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.device.type != "meta":
+                    p.copy_(self.initial_value(name, p.shape, p.dtype, seed))
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent buffers (RoPE tables) in place, e.g. after ``to_empty``."""
+        if self.rope is not None and self.rope.device.type != "meta":
             with torch.no_grad():
-                p.copy_(value)
-        if self.args.pos == "rope" and self.rope.device.type != "meta":
-            self.rope.copy_(rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+                self.rope.copy_(rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
@@ -212,6 +221,12 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope)
         return self.output(self.norm(h))
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from the run's seed and a parameter's name (stable across processes)."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def count_params(model: nn.Module) -> int:

@@ -3,6 +3,13 @@
 Everything that a checkpoint must capture is an attribute with ``state_dict``/``load_state_dict``
 (model, optimizer, scheduler, sampler) plus ``step``; nothing else carries state between steps, which
 is what makes bitwise resume possible.
+
+The step has torchtitan's shape: ``train_step`` = data → ``forward_backward`` (micro-batches, or the
+pipeline schedule) → clip → update, with chaos faults, the guard, snapshots and metrics attached as
+hooks (``stalwart.train.hooks``). Loss and gradient norm stay device tensors: nothing on the step
+path waits for the device unless a hook needs a value (the guard every step; metrics at log steps).
+The model is built on the meta device and only this rank's shards are materialised
+(``stalwart.train.parallel.materialize``).
 """
 
 from __future__ import annotations
@@ -14,7 +21,6 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +31,22 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import stalwart
 from stalwart import chaos
+from stalwart._compat import set_deterministic_algorithms
 from stalwart.config import Config
 from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
 from stalwart.models import build_model, count_params
-from stalwart.observe.progress import MetricsWriter, ProgressDisplay
 from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
 from stalwart.train.guard import Verdict
+from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepHook, StepStats
+from stalwart.train.metrics import MetricsHook
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallel import build_mesh, parallelize
+from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.resolve import rank0_plan, resolve
 from stalwart.utils import state_dict_hash
-
-
-def _deterministic_algorithms() -> None:
-    """``torch.use_deterministic_algorithms(True)`` without its import of ``torch._inductor`` (only to
-    set inductor's own flag; 2–3 s of every worker start, so of every recovery, on torch 2.13). The
-    trainer does not compile; if something already imported inductor, the public call is used."""
-    if "torch._inductor.config" in sys.modules:
-        torch.use_deterministic_algorithms(True, warn_only=False)
-    else:
-        torch._C._set_deterministic_algorithms(True, warn_only=False)
 
 
 def configure_determinism(cfg: Config, env: DistEnv) -> None:
@@ -58,18 +57,10 @@ def configure_determinism(cfg: Config, env: DistEnv) -> None:
     np.random.seed(t.seed + env.rank)
     torch.manual_seed(t.seed + env.rank)
     if t.deterministic:
-        _deterministic_algorithms()
+        set_deterministic_algorithms()
         if env.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    aux_loss: float = 0.0  # MoE load-balancing loss (mean over ranks), 0 for dense models
 
 
 class Trainer:
@@ -86,12 +77,15 @@ class Trainer:
         if self.plan.why and env.is_main:
             print(self.plan.why, file=sys.stderr, flush=True)
 
-        model = build_model(cfg.model.name, self.model_args)
-        model.init_weights(cfg.train.seed)  # same weights on every rank, whatever the world size
+        with torch.device("meta"):  # no memory: only this rank's shards are ever allocated
+            model = build_model(cfg.model.name, self.model_args)
         self.n_params = count_params(model)
-        # DDP, FSDP2, TP, PP, EP, recompute: self.model is this rank's part under the unsplit model's
-        # parameter names (what the optimizer and checkpoints see); self.pm runs the step.
-        self.pm = parallelize(model, self.plan.layout, build_mesh(self.plan.layout), self.plan.options, env.device)
+        # DDP, FSDP2, TP, PP, EP, recompute, then this rank's shards materialised, each parameter drawn
+        # from (train.seed, its name): the same weights whatever the world size or layout. self.model is
+        # this rank's part under the unsplit model's parameter names (what the optimizer and checkpoints
+        # see); self.pm holds the pieces the step is made of.
+        self.pm = parallelize(model, self.plan.layout, build_mesh(self.plan.layout), self.plan.options, env.device,
+                              init_seed=cfg.train.seed)
         self.model = self.pm.module
         self.accum = self.plan.grad_accum
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -114,6 +108,16 @@ class Trainer:
             self.state["guard"] = self.guard.detector  # its baseline rolls back with the weights
         if self.ckpt is not None:
             self.step = self.ckpt.restore(self.state) if cfg.checkpoint.resume else self.ckpt.discard_snapshots()
+        t = cfg.train
+        self.metrics = MetricsHook(Path(t.out_dir), t.steps, t.log_every, t.global_batch * cfg.data.seq_len,
+                                   env.world_size, self.flops_per_token, t.peak_flops, env.is_main,
+                                   moe=self.pm.has_moe)
+        self.hooks: list[StepHook] = [ChaosLossHook(env.rank)]
+        if self.guard is not None:
+            self.hooks.append(GuardHook(self.guard, env.world_size))
+        if self.ckpt is not None:
+            self.hooks.append(CheckpointHook(self.ckpt, t.steps))
+        self.hooks.append(self.metrics)  # last: its step time includes the snapshot's start
 
     def _build_checkpointer(self) -> Any:
         c, out = self.cfg.checkpoint, Path(self.cfg.train.out_dir)
@@ -135,75 +139,84 @@ class Trainer:
             return torch.autocast(self.env.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self) -> StepResult | Verdict:
-        """Forward/backward over this data-parallel rank's share of the next global batch (micro-batches,
-        or the pipeline schedule), then the update — unless the guard judges the step bad: then its
-        gradients are dropped and the verdict returned."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over this dp rank's share of the global batch, as micro-batches or the
+        pipeline schedule; gradients end up as the mean over the global batch. Returns the global mean
+        loss (a device tensor, the same on every rank)."""
+        pm = self.pm
+        inputs, targets = inputs.to(pm.device), targets.to(pm.device)
+        n = pm.micro_batches(inputs.shape[0])
+        pm.begin_step(n)
+        if pm.pipeline is not None:  # forward, backward and P2P waits interleave: one compute section
+            with self.timer.section("pipeline"), self._autocast():
+                return pm.mean_over_dp(pm.pipeline.step(inputs, targets, n, self._on_loss))
+        total = torch.zeros((), dtype=torch.float32, device=pm.device)
+        mb = pm.options.micro_batch
+        for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
+            with pm.micro_batch(last=i == n - 1):
+                with self.timer.section("forward"), self._autocast():
+                    loss = self._on_loss(lm_loss(pm.parts[0](x), y) / n)
+                with self.timer.section("backward", compute=False):  # waits on gradient reduction
+                    loss.backward()
+            total += pm.local_value(loss)
+        return pm.mean_over_dp(total)
+
+    def train_step(self) -> StepStats | Verdict:
+        """One optimizer step on the next global batch — unless a hook (the guard) judges it bad: then
+        its gradients are dropped, nothing is applied and the verdict returned. No host sync unless a
+        hook asks for one (the guard, log steps)."""
+        step = self.step + 1
+        for hook in self.hooks:
+            hook.before_step(self, step)
         self.pm.train()
         with self.timer.section("data"):
             inputs, targets = self.dataset.batch(self.sampler.next_batch(self.pm.dp_rank, self.pm.dp_size))
-        fault = chaos.due("loss", step=self.step + 1, rank=self.env.rank)  # chaos nan/spike: scale the loss
-        loss = self.pm.forward_backward(inputs, targets, self._autocast, fault.scale if fault else 1.0, self.timer)
-        # loss (global mean, broadcast from the last pipeline stage) and the grad norm (over all shards and
-        # stages) are already equal everywhere; one all-reduce still makes every rank judge the very same
-        # numbers (a rank whose own value came out NaN makes the mean NaN everywhere).
-        norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
-        aux = torch.tensor(self.pm.aux_loss(), dtype=torch.float64, device=self.env.device)  # MoE balance
-        totals = torch.stack([loss.double(), norm.double(), aux])
-        dist.all_reduce(totals)
-        loss_mean, grad_norm, aux_loss = (totals / self.env.world_size).tolist()
-        verdict = self.guard.judge(self.step + 1, loss_mean, grad_norm) if self.guard else None
-        if verdict is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-            return verdict
-        lr = self.scheduler.get_last_lr()[0]
+        loss = self.forward_backward(inputs, targets)
+        grad_norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
+        stats = StepStats(step, loss, grad_norm, self._aux_loss(), self.scheduler.get_last_lr()[0])
+        for hook in self.hooks:
+            verdict = hook.after_backward(self, stats)
+            if verdict is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                return verdict
         with self.timer.section("optimizer"):
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return StepResult(loss_mean, grad_norm, lr, aux_loss)
+        self.step = step
+        for hook in self.hooks:
+            hook.after_step(self, stats)
+        return stats
+
+    def _on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        for hook in self.hooks:
+            loss = hook.on_loss(loss)
+        return loss
+
+    def _aux_loss(self) -> torch.Tensor:
+        """The MoE load-balancing loss averaged over all ranks (one all-reduce, MoE models only)."""
+        aux = self.pm.aux_loss()
+        if self.pm.has_moe and self.env.world_size > 1:
+            dist.all_reduce(aux)
+            aux = aux / self.env.world_size
+        return aux
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self, progress: bool = True) -> dict[str, Any]:
         t = self.cfg.train
         out = Path(t.out_dir)
-        main = self.env.is_main
-        # A resumed run appends: steps redone after a restart appear again (the later record wins).
-        writer = MetricsWriter(out / "metrics.jsonl", append=self.step > 0) if main else None
-        display = ProgressDisplay(t.steps, self.step, t.log_every, enabled=main and progress)
-        tokens_per_step = t.global_batch * self.cfg.data.seq_len
-        step_times: list[float] = []
-        rollback: dict[str, Any] | None = None
+        self.metrics.open(self.step, progress)
         start = time.perf_counter()
         try:
             while self.step < t.steps:
-                t0 = time.perf_counter()
                 result = self.train_step()
                 if isinstance(result, Verdict):  # nothing was applied; restore, skip data, go on
-                    self.timer.step_done()  # the rejected step's timings belong to no step
-                    self.step, rollback = self.guard.recover(result), self.guard.rollbacks[-1]
+                    self.timer.discard()  # the rejected step's timings belong to no step
+                    self.step = self.guard.recover(result)
+                    self.metrics.note_rollback(self.guard.rollbacks[-1])
                     continue
-                if self.ckpt is not None:  # after the optimizer step; the copy overlaps the next step
-                    self.ckpt.save(self.step, self.state, persist=True if self.step == t.steps else None)
-                dt = time.perf_counter() - t0
-                sections = self.timer.step_done()
-                stalwart.report(self.step, loss=result.loss, compute_s=sections["compute_s"])  # to the agent
-                step_times.append(dt)
-                tps = tokens_per_step / dt
-                mfu = (self.flops_per_token * tps / (t.peak_flops * self.env.world_size)
-                       if t.peak_flops else None)
-                record = {"step": self.step, "loss": result.loss, "grad_norm": result.grad_norm,
-                          "lr": result.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu,
-                          "samples_consumed": self.sampler.consumed, "time": time.time()}
-                if self.pm.has_moe:
-                    record["aux_loss"] = result.aux_loss
-                if rollback is not None:  # on the first step after it (every record stays a step record)
-                    record["rollback"], rollback = rollback, None
-                if writer:
-                    writer.write(record)
-                display.update(record)
                 self._chaos()  # after the step is logged: a fault "after step S" leaves S in the log
+            self.metrics.drain(wait=True)
             stalwart.finished()  # teardown below (final persist, hashes) is not a hang
             if self.ckpt is not None:
                 self.ckpt.wait(persist=True)  # the final state is durable before we report success
@@ -212,19 +225,20 @@ class Trainer:
                 self.ckpt.close(success=False)  # snapshots stay for a restart
             raise
         finally:
-            display.close()
-            if writer:
-                writer.close()
+            self.metrics.drain()  # after a failure too: the records whose values already reached the host
+            self.metrics.close()
         if self.ckpt is not None:
             self.ckpt.close(success=True)
         wall = time.perf_counter() - start
         final_hash = self.weights_hash()
+        step_times = self.metrics.step_times
+        tokens_per_step = t.global_batch * self.cfg.data.seq_len
         summary = {
             "steps": self.step, "world_size": self.env.world_size, "dp_mode": self.cfg.parallel.dp_mode,
             "layout": self.plan.summary(),
             "model": self.cfg.model.name, "n_params": self.n_params, "grad_accum": self.accum,
             "global_batch": t.global_batch, "seq_len": self.cfg.data.seq_len,
-            "final_loss": result.loss if step_times else None,
+            "final_loss": self.metrics.last_loss if step_times else None,
             "median_step_time_s": statistics.median(step_times) if step_times else None,
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
             "wall_s": wall, "samples_consumed": self.sampler.consumed, "final_hash": final_hash,
@@ -234,7 +248,7 @@ class Trainer:
             summary["checkpoint"] = self.checkpoint_report()
         if self.guard is not None:
             summary["guard"] = self.guard.report()
-        if main:
+        if self.env.is_main:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
@@ -260,6 +274,7 @@ class Trainer:
         """STALWART_CHAOS faults at point "step" fire here, after this step's snapshot completed."""
         fault = chaos.due("step", step=self.step, rank=self.env.rank)
         if fault is not None:
+            self.metrics.drain(wait=True)
             if self.ckpt is not None:
                 self.ckpt.wait()
             fault.fire()

@@ -12,12 +12,17 @@ pipeline schedule, gradient norm over mixed DTensor meshes, loss averaged over d
     ids = sampler.next_batch(pm.dp_rank, pm.dp_size)             # data follows the dp axis only
     loss = pm.forward_backward(*dataset.batch(ids))              # mean loss, same on every rank
     grad_norm = pm.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+
+The model may be built on the meta device (``with torch.device("meta")``): ``parallelize`` then
+applies every parallelism on meta and materialises only this rank's shards, each parameter
+initialised from ``init_seed`` and its name (:mod:`stalwart.train.parallel.materialize`).
+The Trainer runs its own step from the pieces here (``micro_batch``, ``pipeline``, ``mean_over_dp``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,7 @@ from stalwart.models.moe import moe_modules, set_aux_grad_scale
 from stalwart.plan.parallel import Layout
 from stalwart.train.parallel import compress as compress_mod
 from stalwart.train.parallel.expert import apply_expert_parallel, expert_fsdp_divide_factor, expert_modules
+from stalwart.train.parallel.materialize import is_meta, materialize
 from stalwart.train.parallel.mesh import Coords, Mesh, axis, coords
 from stalwart.train.parallel.pipeline import SCHEDULES, PipelineRunner, lm_loss, split_model
 from stalwart.train.parallel.recompute import MODES as RECOMPUTE_MODES
@@ -123,47 +129,50 @@ class ParallelModel:
             model.set_requires_gradient_sync(enabled)
         yield
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                         loss_scale: float = 1.0, timer: Any = None) -> torch.Tensor:
-        """Forward and backward over this dp rank's share of the global batch, split into
-        micro-batches; gradients end up as the mean over the whole global batch. Returns the mean
-        loss over the global batch (0-dim fp32), the same on every rank.
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: gradients are reduced only after the
+        ``last`` one; cross-entropy runs on vocabulary-sharded logits under TP loss parallel."""
+        with self.gradient_sync(last), loss_context(self.loss_parallel):
+            yield
 
-        ``loss_scale`` multiplies each micro-batch loss before backward (chaos nan/spike faults;
-        under PP only the last stage computes a loss). ``timer`` (a ``SectionTimer``) times the
-        forward as compute and the backward, which waits on gradient reduction, as waiting; a
-        pipeline step interleaves both and its P2P waits, so it is one compute section."""
+    def begin_step(self, n_microbatches: int) -> None:
+        """Weight of the MoE load-balancing loss per forward: 1/n, as the micro-batch losses (the
+        pipeline schedule divides gradients by n itself)."""
+        set_aux_grad_scale(self.module, 1.0 if self.pipeline is not None else 1.0 / n_microbatches)
+
+    @staticmethod
+    def local_value(loss: torch.Tensor) -> torch.Tensor:
+        """A detached micro-batch loss as a plain tensor (it is a replicated DTensor under TP)."""
+        value = loss.detach()
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    def mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
+        """This dp rank's mean loss → the global batch's mean, the same on every rank (one all-reduce
+        over the data-parallel ranks, asynchronous to the host)."""
+        if self.dp_size == 1:
+            return loss
+        loss = loss.clone()
+        dist.all_reduce(loss, group=axis(self.mesh, "dp").get_group())
+        return loss.div_(self.dp_size)
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The plain step for scripts and tests without a Trainer (no hooks, timers or autocast; the
+        Trainer composes the same pieces with them): forward and backward over this dp rank's share of
+        the global batch, gradients the mean over the global batch. Returns the global mean loss."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         n = self.micro_batches(inputs.shape[0])
-        amp = autocast or contextlib.nullcontext
-        section = timer.section if timer is not None else _no_section
+        self.begin_step(n)
         if self.pipeline is not None:
-            set_aux_grad_scale(self.module, 1.0)  # the schedule divides gradients by n itself
-            with section("pipeline"), amp():
-                loss = self.pipeline.step(inputs, targets, n, loss_scale)
-        else:
-            set_aux_grad_scale(self.module, 1.0 / n)
-            model, mb = self.parts[0], self.options.micro_batch
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
-            for i in range(n):
-                x, y = inputs[i * mb:(i + 1) * mb], targets[i * mb:(i + 1) * mb]
-                with self.gradient_sync(i == n - 1), loss_context(self.loss_parallel):
-                    with section("forward"), amp():
-                        logits = model(x)
-                        loss = lm_loss(logits, y) / n
-                        if loss_scale != 1.0:
-                            loss = loss * loss_scale
-                    with section("backward", compute=False):
-                        loss.backward()
-                value = loss.detach()
-                total += value.full_tensor() if isinstance(value, DTensor) else value
-            loss = total
-        if self.dp_size > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=axis(self.mesh, "dp").get_group())
-            loss /= self.dp_size
-        return loss
+            return self.mean_over_dp(self.pipeline.step(inputs, targets, n))
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        mb = self.options.micro_batch
+        for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
+            with self.micro_batch(last=i == n - 1):
+                loss = lm_loss(self.parts[0](x), y) / n
+                loss.backward()
+            total += self.local_value(loss)
+        return self.mean_over_dp(total)
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
@@ -180,15 +189,13 @@ class ParallelModel:
         inner = self.module.module if isinstance(self.module, DDP) else self.module
         return getattr(inner, "moe_args", None) is not None
 
-    def aux_loss(self) -> float:
-        """Mean MoE load-balancing loss of the last micro-batch on this rank (0 for dense models)."""
-        values = [float(m.last_aux_loss) for m in moe_modules(self.module) if m.last_aux_loss is not None]
-        return sum(values) / len(values) if values else 0.0
-
-
-@contextlib.contextmanager
-def _no_section(name: str, compute: bool = True) -> Iterator[None]:
-    yield
+    def aux_loss(self) -> torch.Tensor:
+        """Mean MoE load-balancing loss of the last micro-batch on this rank, a 0-dim fp32 device tensor
+        (0 for dense models); read it on the host only when it is logged."""
+        values = [m.last_aux_loss.float() for m in moe_modules(self.module) if m.last_aux_loss is not None]
+        if not values:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return torch.stack(values).mean()
 
 
 # -- gradient norm over mixed meshes ----------------------------------------------------------------
@@ -266,14 +273,19 @@ def _apply_fsdp(part: nn.Module, mesh: Mesh, layout: Layout, options: ParallelOp
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, options: ParallelOptions = ParallelOptions(),
-                device: torch.device | None = None) -> ParallelModel:
-    """Parallelise an initialised ``Transformer``/``MoETransformer`` (same weights on every rank) in
-    place for ``layout`` over ``mesh`` (from ``build_mesh``)."""
+                device: torch.device | None = None, init_seed: int | None = None) -> ParallelModel:
+    """Parallelise a ``Transformer``/``MoETransformer`` in place for ``layout`` over ``mesh`` (from
+    ``build_mesh``): either initialised (same weights on every rank), or on the meta device, which
+    is then materialised shard by shard and initialised from ``init_seed`` (required then)."""
     moe = getattr(model, "moe_args", None)
     layout.check_model(model.args, moe, options.virtual_stages if layout.pp > 1 else 1)
     options.check(layout)
+    meta = is_meta(model)
+    if meta and (device is None or init_seed is None):
+        raise ValueError("a model on the meta device needs parallelize(..., device=..., init_seed=...)")
     device = device or next(model.parameters()).device
-    model = model.to(device)
+    if not meta:
+        model = model.to(device)
     c = coords(mesh)
     pipeline = None
     if layout.pp > 1:
@@ -291,6 +303,9 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, options: ParallelO
     for part in parts_m:
         apply_recompute(part.layers, options.recompute, options.recompute_every)
     hook_state = None
+    fsdp = layout.dp > 1 and not layout.uses_ddp
+    if meta and not fsdp:  # DDP needs real tensors; TP/EP alone already sharded on meta
+        materialize(model, parts_m, device, init_seed)
     if layout.uses_ddp:
         # No buffer broadcast: the model's buffers (RoPE tables) are computed alike on every rank, and a
         # broadcast in every forward would hide a slow peer's delay inside each rank's compute time.
@@ -300,9 +315,11 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, options: ParallelO
                                            powersgd_start_iter=options.powersgd_start_iter)
         parts_m, module = [ddp], ddp
     else:
-        if layout.dp > 1:
+        if fsdp:
             for part in parts_m:
                 _apply_fsdp(part, mesh, layout, options)
+            if meta:  # FSDP2 sharded the meta parameters: allocate and initialise this rank's shards only
+                materialize(model, parts_m, device, init_seed)
         module = model
     if layout.pp > 1:
         pipeline = PipelineRunner(parts_m, ids, layout.pp * options.virtual_stages, mesh["pp"], device,

@@ -1,10 +1,11 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: stage splitting, stage modules,
 1F1B / interleaved 1F1B / GPipe schedules, and a train step that returns the loss on every rank.
 
-Splitting follows torchtitan: every rank builds (and initialises) the whole model, then keeps only
-its stages' blocks. Each stage is a :class:`StageModule` that *references* the kept submodules under
-their original names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), so TP, recompute and
-FSDP apply to it exactly as to the whole model. The pruned original model (blocks of other ranks
+Splitting follows torchtitan: every rank builds the whole model on the meta device (no memory), then
+keeps only its stages' blocks, materialised after the other parallelisms are applied. Each stage is
+a :class:`StageModule` that *references* the kept submodules under their original names
+(``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``), so TP, recompute and FSDP apply to it
+exactly as to the whole model. The pruned original model (blocks of other ranks
 deleted) stays the object to build the optimizer on and to checkpoint: its parameter names are the
 unsplit model's, which is what lets DCP restore a PP checkpoint without PP and back.
 
@@ -23,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from stalwart.models.llama import rope_tables
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -108,6 +111,13 @@ class StageModule(nn.Module):
         else:
             self.rope = None
 
+    def init_buffers(self) -> None:
+        """Recompute the RoPE tables in place (after ``to_empty``; this stage holds its own buffer)."""
+        if self.rope is not None and self.rope.device.type != "meta":
+            a = self.args
+            with torch.no_grad():
+                self.rope.copy_(rope_tables(a.head_dim, a.max_seq_len, a.rope_theta))
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
             seq = h.shape[1]
@@ -180,11 +190,11 @@ class PipelineRunner:
         self.has_last = n_stages - 1 in ids
         self._schedule: _PipelineSchedule | None = None
         self._n_microbatches = 0
-        self.loss_scale = 1.0  # chaos "loss" faults (nan/spike) on the last stage; set per step
+        self.on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # the step's loss hook; set per step
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, target)
-        return loss if self.loss_scale == 1.0 else loss * self.loss_scale
+        return loss if self.on_loss is None else self.on_loss(loss)
 
     def schedule(self, n_microbatches: int) -> _PipelineSchedule:
         # Imported here: torch.distributed.pipelining imports torch._dynamo (~1 s of every worker start,
@@ -208,12 +218,13 @@ class PipelineRunner:
         return sched
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_microbatches: int,
-             loss_scale: float = 1.0) -> torch.Tensor:
+             on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Forward + backward of this data-parallel rank's batch; gradients are the mean over
-        micro-batches. Returns the mean micro-batch loss, identical on every stage (0-dim fp32).
-        ``loss_scale`` multiplies the loss where it is computed (the last stage)."""
+        micro-batches. Returns the mean micro-batch loss, identical on every stage (0-dim fp32; a
+        broadcast from the last stage, asynchronous to the host). ``on_loss`` transforms each
+        micro-batch loss where it is computed (the last stage) before its backward."""
         sched = self.schedule(n_microbatches)
-        self.loss_scale = loss_scale
+        self.on_loss = on_loss
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}

@@ -19,8 +19,9 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from stalwart._compat import checkpoint_wrapper
 
 MODES = ("none", "selective", "full")
 

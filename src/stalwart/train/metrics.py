@@ -1,0 +1,132 @@
+"""Per-step metrics without host syncs: metrics.jsonl (rank 0), the console, ``stalwart.report``.
+
+Each step's loss, gradient norm and MoE loss stay on the device; ``HostCopy`` copies them to pinned
+host memory asynchronously and records an event. A step's record is written once its copy finished
+(``Event.query``, which never waits): on the CPU at once, on CUDA normally one step late. At log
+steps (``train.log_every``), the last step, before a chaos fault and at the end, ``flush`` waits for
+everything pending — the only places the metrics path may sync. Hang detection is unaffected
+(``stalwart.report`` runs every step; its loss is given when already known), and so is straggler
+detection (``compute_s`` comes from the section timer, itself resolved late on CUDA).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import stalwart
+from stalwart.observe.progress import MetricsWriter, ProgressDisplay
+from stalwart.train.hooks import StepHook, StepStats
+
+if TYPE_CHECKING:
+    from stalwart.train.trainer import Trainer
+
+HOST_COPY_MARK = "_stalwart_host_copy"  # set on staged host tensors: reading them is not a device sync
+
+
+class HostCopy:
+    """Device scalars copied to the host without waiting; ``ready()`` never blocks, ``read()`` waits
+    only if the copy has not finished (call it where a sync is acceptable, or after ``ready()``)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event: Any = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = values.detach(), None
+        setattr(self.host, HOST_COPY_MARK, True)
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def read(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class _Pending:
+    step: int
+    values: HostCopy  # loss, grad norm, aux loss
+    record: dict[str, Any]  # everything already known on the host
+
+
+@dataclass
+class MetricsHook(StepHook):
+    """Builds one record per applied step; rank 0 writes them to ``metrics.jsonl`` and the console."""
+
+    out: Path
+    total_steps: int
+    log_every: int
+    tokens_per_step: int
+    world_size: int
+    flops_per_token: float
+    peak_flops: float | None
+    main: bool
+    moe: bool = False
+    step_times: list[float] = field(default_factory=list)
+    last_loss: float | None = None  # of the newest written record
+    _pending: deque[_Pending] = field(default_factory=deque)
+    _rollback: dict[str, Any] | None = None
+    _writer: MetricsWriter | None = None
+    _display: ProgressDisplay | None = None
+    _t0: float = 0.0
+
+    def open(self, start_step: int, progress: bool = True) -> None:
+        """Start writing (rank 0): appends when resuming — steps redone after a restart appear again
+        (the later record wins); ``progress``: the console display."""
+        self._writer = MetricsWriter(self.out / "metrics.jsonl", append=start_step > 0) if self.main else None
+        self._display = ProgressDisplay(self.total_steps, start_step, self.log_every,
+                                        enabled=self.main and progress)
+
+    def close(self) -> None:
+        if self._display is not None:
+            self._display.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def note_rollback(self, entry: dict[str, Any]) -> None:
+        """Attach a rollback to the next step's record (every record stays a step record)."""
+        self._rollback = entry
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_step(self, trainer: Trainer, stats: StepStats) -> None:
+        dt = time.perf_counter() - self._t0  # host time; the GPU's pace shows in it over a few steps
+        self.step_times.append(dt)
+        tps = self.tokens_per_step / dt
+        mfu = (self.flops_per_token * tps / (self.peak_flops * self.world_size)) if self.peak_flops else None
+        record = {"step": stats.step, "lr": stats.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu,
+                  "samples_consumed": trainer.sampler.consumed, "time": time.time()}
+        if self._rollback is not None:
+            record["rollback"], self._rollback = self._rollback, None
+        values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
+        self._pending.append(_Pending(stats.step, HostCopy(values), record))
+        log_step = stats.step % self.log_every == 0 or stats.step == self.total_steps
+        self.drain(wait=log_step)
+        sections = trainer.timer.step_done()
+        known = self.last_loss if not self._pending and self.last_loss is not None else None
+        stalwart.report(stats.step, loss=known, compute_s=sections["compute_s"] if sections else None)
+
+    def drain(self, wait: bool = False) -> None:
+        """Write the records whose values reached the host; with ``wait``, all of them (a sync)."""
+        while self._pending and (wait or self._pending[0].values.ready()):
+            p = self._pending.popleft()
+            loss, grad_norm, aux = p.values.read()
+            record = {"step": p.step, "loss": loss, "grad_norm": grad_norm, **p.record}
+            if self.moe:
+                record["aux_loss"] = aux
+            self.last_loss = loss
+            if self._writer is not None:
+                self._writer.write(record)
+            if self._display is not None:
+                self._display.update(record)
