@@ -16,11 +16,18 @@ from stalwart.demo.report import report
 def _reference_key(opts: DemoOptions, data_dir: Path) -> str:
     import torch
 
-    from stalwart import __version__
+    import stalwart
 
     manifest = (data_dir / "manifest.json").read_bytes() if (data_dir / "manifest.json").exists() else b""
+    # The code that decides the weights (initialisation, step, data order): a change there invalidates
+    # the cached reference even when the version number stays.
+    package = Path(stalwart.__file__).parent
+    code = hashlib.sha256()
+    for source in sorted(p for d in ("models", "train", "data") for p in (package / d).rglob("*.py")):
+        code.update(source.read_bytes())
     blob = json.dumps({"overrides": opts.train_overrides(), "nodes": NODES, "torch": torch.__version__,
-                       "stalwart": __version__, "data": hashlib.sha256(manifest).hexdigest()}, sort_keys=True)
+                       "stalwart": stalwart.__version__, "code": code.hexdigest(),
+                       "data": hashlib.sha256(manifest).hexdigest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
