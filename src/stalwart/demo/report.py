@@ -48,8 +48,8 @@ def recoveries(incidents: list[dict[str, Any]], fault_rank: int | None = None) -
 
 def step_records(metrics: list[dict[str, Any]]) -> list[StepRecord]:
     """The trainer's ``metrics.jsonl`` records as the step log of ``recovery_metrics``. Its
-    ``step_time_s`` includes the checkpoint save call; a record's ``checkpoint_s``, when the trainer
-    logs one, is that call's part."""
+    ``step_time_s`` includes the checkpoint save call and ``checkpoint_s`` is that call's part (0 in
+    records of a run without checkpoints)."""
     return [StepRecord(m["step"], m["time"], m["step_time_s"], m.get("checkpoint_s", 0.0)) for m in metrics]
 
 

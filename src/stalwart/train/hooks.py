@@ -13,6 +13,7 @@ sync (the guard does, every step; metrics read them only once their copy to the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ class StepStats:
     grad_norm: torch.Tensor  # over all shards and stages, before clipping
     aux_loss: torch.Tensor  # MoE load-balancing loss (mean over ranks), 0 for dense models
     lr: float  # the rate this step's update used
+    checkpoint_s: float = 0.0  # host time the snapshot call blocked this step (set by CheckpointHook)
 
 
 class StepHook:
@@ -91,4 +93,6 @@ class CheckpointHook(StepHook):
         self.ckpt, self.total_steps = ckpt, total_steps
 
     def after_step(self, trainer: Trainer, stats: StepStats) -> None:
+        t0 = time.perf_counter()
         self.ckpt.save(stats.step, trainer.state, persist=True if stats.step == self.total_steps else None)
+        stats.checkpoint_s = time.perf_counter() - t0

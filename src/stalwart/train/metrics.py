@@ -106,7 +106,7 @@ class MetricsHook(StepHook):
         tps = self.tokens_per_step / dt
         mfu = (self.flops_per_token * tps / (self.peak_flops * self.world_size)) if self.peak_flops else None
         record = {"step": stats.step, "lr": stats.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu,
-                  "samples_consumed": trainer.sampler.consumed, "time": time.time()}
+                  "checkpoint_s": stats.checkpoint_s, "samples_consumed": trainer.sampler.consumed, "time": time.time()}
         if self._rollback is not None:
             record["rollback"], self._rollback = self._rollback, None
         values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
