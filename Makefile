@@ -26,7 +26,13 @@ setup-test: $(VENV)/.installed-test
 demo: setup
 	$(BIN)/stalwart demo
 
-test: setup-test
+# Lint first: style (ruff check + format) and the layered-import contracts (import-linter, pyproject.toml).
+lint: setup-test
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/lint-imports
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

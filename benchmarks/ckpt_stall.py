@@ -73,8 +73,14 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return params + moments
 
 
-def pair_time(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, i: int,
-              save: Callable[[int], None] | None, finish: Callable[[], None] | None = None) -> float:
+def pair_time(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    i: int,
+    save: Callable[[int], None] | None,
+    finish: Callable[[], None] | None = None,
+) -> float:
     """Two training steps, with a save after the first when ``save`` is given; background work
     the save started overlaps the second step, and ``finish`` (inside the timing) waits for what
     is left of it, as the next save of a loop saving every other step would."""
@@ -112,7 +118,7 @@ def raw_write(src: Path, nbytes: int, dst: Path) -> float:
     with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as m, open(dst, "wb") as f:
         view = memoryview(m)
         for off in range(0, nbytes, 8 << 20):
-            f.write(view[off:off + (8 << 20)])
+            f.write(view[off : off + (8 << 20)])
         f.flush()
         os.fsync(f.fileno())
         view.release()
@@ -151,8 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     shm_root = Path("/dev/shm") / f"stalwart-bench-{uuid.uuid4().hex[:8]}"
     shm_root.mkdir()
     state = {"model": model, "optim": opt}
-    results: dict[str, Any] = {"state_mib": nbytes / 2**20, "threads": torch.get_num_threads(),
-                               "pairs": args.pairs, "repeats": args.repeats}
+    results: dict[str, Any] = {
+        "state_mib": nbytes / 2**20,
+        "threads": torch.get_num_threads(),
+        "pairs": args.pairs,
+        "repeats": args.repeats,
+    }
     try:
         ck = Checkpointer(str(work / "stalwart"), keeper=False, shm_root=str(shm_root))
 
@@ -165,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         def memcpy(_: int = 0) -> None:
             off = 0
             for t in flat:
-                dst[off:off + t.numel()].copy_(t.reshape(-1))
+                dst[off : off + t.numel()].copy_(t.reshape(-1))
                 off += t.numel()
 
         def stalwart_save(i: int) -> None:
@@ -195,9 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             return {"model": msd, "optim": osd}
 
         methods: dict[str, tuple[Callable[[int], None], Callable[[], None] | None]] = {
-            "stalwart": (stalwart_save, ck.wait), "memcpy": (memcpy, None), "torch_save": (tsave, None),
-            "dcp_save": (dsave, None), "dcp_async": (dasync, dasync_finish)}
-        for name, (fn, finish) in methods.items():  # warm-up: allocation, first-time planning
+            "stalwart": (stalwart_save, ck.wait),
+            "memcpy": (memcpy, None),
+            "torch_save": (tsave, None),
+            "dcp_save": (dsave, None),
+            "dcp_async": (dasync, dasync_finish),
+        }
+        for fn, finish in methods.values():  # warm-up: allocation, first-time planning
             fn(0)
             if finish:
                 finish()
@@ -244,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # fsync timings on this box swing 3× from one write to the next: interleave, alternate the order
         for r in range(max(5, args.repeats)):
-            for fn in ((persist_once, raw_once) if r % 2 else (raw_once, persist_once)):
+            for fn in (persist_once, raw_once) if r % 2 else (raw_once, persist_once):
                 fn()
 
         # -- restore: memory snapshot vs committed checkpoint vs plain dcp.load ---------------------
@@ -273,20 +287,31 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
 
-    results.update({
-        "step_s": med(base_steps),
-        "stall_s": med(stalls["stalwart"]), "memcpy_s": med(b2b["memcpy"]),
-        "memcpy_stall_s": med(stalls["memcpy"]), "torch_save_s": med(stalls["torch_save"]),
-        "dcp_save_s": med(stalls["dcp_save"]), "dcp_async_s": med(stalls["dcp_async"]),
-        "back_to_back_s": {m: med(v) for m, v in b2b.items()},
-        "persist_s": med(persist), "raw_write_s": med(raw),
-        "persist_mib_s": nbytes / 2**20 / med(persist), "raw_write_mib_s": nbytes / 2**20 / med(raw),
-        "restore_mem_s": med(rmem), "restore_disk_s": med(rdisk), "dcp_load_s": med(rdcp), "cold_cache": cold,
-        "stall_iqr_s": {m: iqr(vs) for m, vs in stalls.items()},
-        "stalwart_blocking_s": results["stalwart_save_call_s"] + results["stalwart_hook_wait_s"],
-        "stalls_all": {m: [round(v, 4) for v in vs] for m, vs in stalls.items()},
-        "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
-    })
+    results.update(
+        {
+            "step_s": med(base_steps),
+            "stall_s": med(stalls["stalwart"]),
+            "memcpy_s": med(b2b["memcpy"]),
+            "memcpy_stall_s": med(stalls["memcpy"]),
+            "torch_save_s": med(stalls["torch_save"]),
+            "dcp_save_s": med(stalls["dcp_save"]),
+            "dcp_async_s": med(stalls["dcp_async"]),
+            "back_to_back_s": {m: med(v) for m, v in b2b.items()},
+            "persist_s": med(persist),
+            "raw_write_s": med(raw),
+            "persist_mib_s": nbytes / 2**20 / med(persist),
+            "raw_write_mib_s": nbytes / 2**20 / med(raw),
+            "restore_mem_s": med(rmem),
+            "restore_disk_s": med(rdisk),
+            "dcp_load_s": med(rdcp),
+            "cold_cache": cold,
+            "stall_iqr_s": {m: iqr(vs) for m, vs in stalls.items()},
+            "stalwart_blocking_s": results["stalwart_save_call_s"] + results["stalwart_hook_wait_s"],
+            "stalls_all": {m: [round(v, 4) for v in vs] for m, vs in stalls.items()},
+            "load_avg_1m": os.getloadavg()[0],
+            "cpus": os.cpu_count(),
+        }
+    )
     r = results
     r["ratios"] = {
         "stall_vs_memcpy": r["stall_s"] / r["memcpy_s"],
@@ -299,10 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         "restore_disk_vs_mem": r["restore_disk_s"] / r["restore_mem_s"],
     }
     r["ratios"]["blocking_vs_memcpy"] = r["stalwart_blocking_s"] / r["memcpy_s"]
-    r["targets"] = {"blocking_le_0.25_memcpy": r["ratios"]["blocking_vs_memcpy"] <= 0.25,
-                    "stall_le_0.25_memcpy": r["ratios"]["stall_vs_memcpy"] <= 0.25,
-                    "persist_ge_0.67_raw": r["ratios"]["persist_vs_raw_throughput"] >= 0.67,
-                    "restore_mem_ge_5x_dcp_load": r["ratios"]["dcp_load_vs_restore_mem"] >= 5}
+    r["targets"] = {
+        "blocking_le_0.25_memcpy": r["ratios"]["blocking_vs_memcpy"] <= 0.25,
+        "stall_le_0.25_memcpy": r["ratios"]["stall_vs_memcpy"] <= 0.25,
+        "persist_ge_0.67_raw": r["ratios"]["persist_vs_raw_throughput"] >= 0.67,
+        "restore_mem_ge_5x_dcp_load": r["ratios"]["dcp_load_vs_restore_mem"] >= 5,
+    }
     if args.json:
         print(json.dumps(r))
     else:
@@ -317,17 +344,26 @@ def print_table(r: dict[str, Any]) -> None:
     t = Table(title=f"checkpoint stall, {r['state_mib']:.0f} MiB state, step {r['step_s']:.3f} s, 1 compute thread")
     for col in ("method", "stall / save (s)", "back-to-back save (s)"):
         t.add_column(col)
-    for m, key in (("stalwart flash", "stall_s"), ("memcpy (blocking)", "memcpy_stall_s"),
-                   ("torch.save", "torch_save_s"), ("dcp.save", "dcp_save_s"), ("dcp.async_save", "dcp_async_s")):
+    for m, key in (
+        ("stalwart flash", "stall_s"),
+        ("memcpy (blocking)", "memcpy_stall_s"),
+        ("torch.save", "torch_save_s"),
+        ("dcp.save", "dcp_save_s"),
+        ("dcp.async_save", "dcp_async_s"),
+    ):
         name = {"stall_s": "stalwart", "memcpy_stall_s": "memcpy"}.get(key, key.removesuffix("_s"))
         t.add_row(m, f"{r[key]:.4f}", f"{r['back_to_back_s'][name]:.4f}")
     Console().print(t)
-    print(f"persist {r['persist_s']:.3f} s ({r['persist_mib_s']:.0f} MiB/s) vs raw write {r['raw_write_s']:.3f} s "
-          f"({r['raw_write_mib_s']:.0f} MiB/s); restore: memory {r['restore_mem_s']:.3f} s, disk (verified) "
-          f"{r['restore_disk_s']:.3f} s, dcp.load {r['dcp_load_s']:.3f} s (cold cache: {r['cold_cache']})")
-    print(f"stalwart per save: save() call {r['stalwart_save_call_s'] * 1e3:.1f} ms, optimizer-hook wait "
-          f"{r['stalwart_hook_wait_s'] * 1e3:.1f} ms; load average {r['load_avg_1m']:.1f} on {r['cpus']} CPUs; "
-          f"stall IQR {r['stall_iqr_s']['stalwart']:.3f} s (resolution of the paired measurement)")
+    print(
+        f"persist {r['persist_s']:.3f} s ({r['persist_mib_s']:.0f} MiB/s) vs raw write {r['raw_write_s']:.3f} s "
+        f"({r['raw_write_mib_s']:.0f} MiB/s); restore: memory {r['restore_mem_s']:.3f} s, disk (verified) "
+        f"{r['restore_disk_s']:.3f} s, dcp.load {r['dcp_load_s']:.3f} s (cold cache: {r['cold_cache']})"
+    )
+    print(
+        f"stalwart per save: save() call {r['stalwart_save_call_s'] * 1e3:.1f} ms, optimizer-hook wait "
+        f"{r['stalwart_hook_wait_s'] * 1e3:.1f} ms; load average {r['load_avg_1m']:.1f} on {r['cpus']} CPUs; "
+        f"stall IQR {r['stall_iqr_s']['stalwart']:.3f} s (resolution of the paired measurement)"
+    )
     print("stall samples:", json.dumps(r["stalls_all"]))
     print("ratios:", json.dumps({k: round(v, 3) for k, v in r["ratios"].items()}))
     print("targets:", json.dumps(r["targets"]))

@@ -47,12 +47,22 @@ def worker(a: argparse.Namespace) -> None:
     model = build_model(a.model, model_args(a.model, vocab_size=data.vocab_size, max_seq_len=a.seq_len))
     model.init_weights(0)
     layout = Layout(dp_replicate=env.world_size)
-    pm = parallelize(model, layout, build_mesh(layout),
-                     ParallelOptions(micro_batch=a.micro_batch, compress=a.hook, powersgd_rank=a.powersgd_rank))
+    pm = parallelize(
+        model,
+        layout,
+        build_mesh(layout),
+        ParallelOptions(micro_batch=a.micro_batch, compress=a.hook, powersgd_rank=a.powersgd_rank),
+    )
     params = list(pm.module.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=3e-3, betas=(0.9, 0.95), foreach=True)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        foreach=True,
+    )
     sampler = GlobalSampler(len(data), a.global_batch, seed=1234)
     losses, times = [], []
     for _ in range(a.steps):
@@ -65,8 +75,9 @@ def worker(a: argparse.Namespace) -> None:
         losses.append(float(loss))
         times.append(time.perf_counter() - t0)
     if env.rank == 0:
-        Path(a.out).write_text(json.dumps({"losses": losses, "times": times,
-                                           "comm_bytes": comm_bytes(params, a.hook, a.powersgd_rank)}))
+        Path(a.out).write_text(
+            json.dumps({"losses": losses, "times": times, "comm_bytes": comm_bytes(params, a.hook, a.powersgd_rank)})
+        )
     dist.destroy_process_group()
 
 
@@ -91,10 +102,25 @@ def comm_bytes(params: list, hook: str, rank: int) -> int:
 # -- driver -----------------------------------------------------------------------------------------
 def run_once(hook: str, a: argparse.Namespace, tmp: Path, i: int) -> dict:
     out = tmp / f"{hook}-{i}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-           __file__, "--worker", f"--hook={hook}", f"--out={out}", f"--data={a.data}", f"--model={a.model}",
-           f"--steps={a.steps}", f"--seq-len={a.seq_len}", f"--global-batch={a.global_batch}",
-           f"--micro-batch={a.micro_batch}", f"--powersgd-rank={a.powersgd_rank}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(a.nproc),
+        __file__,
+        "--worker",
+        f"--hook={hook}",
+        f"--out={out}",
+        f"--data={a.data}",
+        f"--model={a.model}",
+        f"--steps={a.steps}",
+        f"--seq-len={a.seq_len}",
+        f"--global-batch={a.global_batch}",
+        f"--micro-batch={a.micro_batch}",
+        f"--powersgd-rank={a.powersgd_rank}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if result.returncode != 0:
@@ -105,10 +131,14 @@ def run_once(hook: str, a: argparse.Namespace, tmp: Path, i: int) -> dict:
 def summarise(runs: list[dict], warmup: int) -> dict:
     finals = [statistics.mean(r["losses"][-5:]) for r in runs]
     steps = [statistics.median(r["times"][warmup:]) for r in runs]
-    return {"final_loss": statistics.median(finals), "final_loss_runs": finals,
-            "step_time_s": statistics.median(steps), "step_time_runs_s": steps,
-            "allreduce_mb_per_step": runs[0]["comm_bytes"] / 1e6,
-            "loss_curve": runs[0]["losses"]}
+    return {
+        "final_loss": statistics.median(finals),
+        "final_loss_runs": finals,
+        "step_time_s": statistics.median(steps),
+        "step_time_runs_s": steps,
+        "allreduce_mb_per_step": runs[0]["comm_bytes"] / 1e6,
+        "loss_curve": runs[0]["losses"],
+    }
 
 
 def main() -> int:
@@ -145,23 +175,47 @@ def main() -> int:
             runs = [run_once(hook, a, Path(tmp), i) for i in range(a.repeats)]
             results[hook] = summarise(runs, warmup)
     base = results["none"]
-    ratios = {h: {"step_time": r["step_time_s"] / base["step_time_s"],
-                  "final_loss": r["final_loss"] / base["final_loss"],
-                  "allreduce_bytes": r["allreduce_mb_per_step"] / base["allreduce_mb_per_step"]}
-              for h, r in results.items() if h != "none"}
-    report = {"benchmark": "grad_compression", "claim": "DDP gradient compression: effect on loss and step time",
-              "config": {"model": a.model, "ranks": a.nproc, "backend": "gloo", "steps": a.steps,
-                         "seq_len": a.seq_len, "global_batch": a.global_batch, "micro_batch": a.micro_batch,
-                         "powersgd_rank": a.powersgd_rank, "repeats": a.repeats, "warmup_steps": warmup},
-              "baseline": base, "hooks": {h: r for h, r in results.items() if h != "none"}, "ratios": ratios}
+    ratios = {
+        h: {
+            "step_time": r["step_time_s"] / base["step_time_s"],
+            "final_loss": r["final_loss"] / base["final_loss"],
+            "allreduce_bytes": r["allreduce_mb_per_step"] / base["allreduce_mb_per_step"],
+        }
+        for h, r in results.items()
+        if h != "none"
+    }
+    report = {
+        "benchmark": "grad_compression",
+        "claim": "DDP gradient compression: effect on loss and step time",
+        "config": {
+            "model": a.model,
+            "ranks": a.nproc,
+            "backend": "gloo",
+            "steps": a.steps,
+            "seq_len": a.seq_len,
+            "global_batch": a.global_batch,
+            "micro_batch": a.micro_batch,
+            "powersgd_rank": a.powersgd_rank,
+            "repeats": a.repeats,
+            "warmup_steps": warmup,
+        },
+        "baseline": base,
+        "hooks": {h: r for h, r in results.items() if h != "none"},
+        "ratios": ratios,
+    }
     if a.json:
         print(json.dumps(report))
     else:
-        print(f"{'hook':10s} {'final loss':>10s} {'step ms':>9s} {'MB/step':>8s} {'loss ×':>7s} {'time ×':>7s} {'bytes ×':>8s}")
+        print(
+            f"{'hook':10s} {'final loss':>10s} {'step ms':>9s} {'MB/step':>8s} "
+            f"{'loss ×':>7s} {'time ×':>7s} {'bytes ×':>8s}"
+        )
         for h, r in results.items():
             q = ratios.get(h, {"final_loss": 1.0, "step_time": 1.0, "allreduce_bytes": 1.0})
-            print(f"{h:10s} {r['final_loss']:10.4f} {r['step_time_s'] * 1e3:9.1f} {r['allreduce_mb_per_step']:8.2f} "
-                  f"{q['final_loss']:7.3f} {q['step_time']:7.3f} {q['allreduce_bytes']:8.3f}")
+            print(
+                f"{h:10s} {r['final_loss']:10.4f} {r['step_time_s'] * 1e3:9.1f} {r['allreduce_mb_per_step']:8.2f} "
+                f"{q['final_loss']:7.3f} {q['step_time']:7.3f} {q['allreduce_bytes']:8.3f}"
+            )
     return 0
 
 

@@ -54,10 +54,20 @@ def _worker(model: str, seq: int, gb: int, mb: int, steps: int, mode: str, out_d
     from stalwart.train.trainer import Trainer
 
     ensure_default_corpus(DATA)
-    cfg = load_config(None, {"model.name": model, "data.seq_len": seq, "data.dir": str(DATA),
-                             "data.prepare_default": False, "train.global_batch": gb,
-                             "train.micro_batch": mb, "train.steps": steps, "train.warmup_steps": 0,
-                             "train.out_dir": out_dir})
+    cfg = load_config(
+        None,
+        {
+            "model.name": model,
+            "data.seq_len": seq,
+            "data.dir": str(DATA),
+            "data.prepare_default": False,
+            "train.global_batch": gb,
+            "train.micro_batch": mb,
+            "train.steps": steps,
+            "train.warmup_steps": 0,
+            "train.out_dir": out_dir,
+        },
+    )
     env = init_distributed("gloo")
     result: dict = {}
     if mode == "trace":
@@ -82,17 +92,37 @@ def _worker(model: str, seq: int, gb: int, mb: int, steps: int, mode: str, out_d
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         result.update(rss_growth_bytes=peak_rss - before)
     a = trainer.model_args
-    result.update(n_params=trainer.n_params, accum=trainer.accum,
-                  args=dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.kv_heads,
-                            vocab_size=a.vocab_size, ffn_hidden=a.hidden, max_seq_len=a.max_seq_len))
+    result.update(
+        n_params=trainer.n_params,
+        accum=trainer.accum,
+        args=dict(
+            dim=a.dim,
+            n_layers=a.n_layers,
+            n_heads=a.n_heads,
+            n_kv_heads=a.kv_heads,
+            vocab_size=a.vocab_size,
+            ffn_hidden=a.hidden,
+            max_seq_len=a.max_seq_len,
+        ),
+    )
     shutdown()
     return result
 
 
 def _run_worker(name: str, mode: str, tmp: Path) -> dict:
     model, seq, gb, mb, steps = CONFIGS[name]
-    cmd = [sys.executable, __file__, "--worker", model, str(seq), str(gb), str(mb), str(steps), mode,
-           str(tmp / f"{name}-{mode}")]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        model,
+        str(seq),
+        str(gb),
+        str(mb),
+        str(steps),
+        mode,
+        str(tmp / f"{name}-{mode}"),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     if proc.returncode:
@@ -111,14 +141,24 @@ def predict(name: str, args: dict) -> dict:
     _, seq, gb, mb, _ = CONFIGS[name]
     shape = ModelShape.from_args(ModelArgs(**args), name=name)
     trainer_profile = MemoryOptions(
-        precision=Precision(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
-                            activation_bytes=4, grad_buffer_bytes=4, optimizer_temp_bytes=4),
-        activations=ActivationOptions(sequence_parallel=False, flash_attention=True, dropout=False,
-                                      fused_norm=False),
-        headroom=0.0)
+        precision=Precision(
+            weight_bytes=4,
+            grad_bytes=4,
+            master_bytes=0,
+            optimizer_bytes=8,
+            activation_bytes=4,
+            grad_buffer_bytes=4,
+            optimizer_temp_bytes=4,
+        ),
+        activations=ActivationOptions(sequence_parallel=False, flash_attention=True, dropout=False, fused_norm=False),
+        headroom=0.0,
+    )
     bd = memory_per_gpu(shape, Strategy(micro_batch=mb, zero=0, recompute="none"), seq, gb, trainer_profile)
-    return {"predicted_bytes": bd.total, "shape_params": shape.total_params(),
-            "breakdown_mb": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in bd.gb().items()}}
+    return {
+        "predicted_bytes": bd.total,
+        "shape_params": shape.total_params(),
+        "breakdown_mb": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in bd.gb().items()},
+    }
 
 
 def measure(names: list[str], rss: bool = True) -> dict:
@@ -132,19 +172,29 @@ def measure(names: list[str], rss: bool = True) -> dict:
             pred = predict(name, trace["args"])
             if pred["shape_params"] != trace["n_params"]:
                 raise RuntimeError(f"{name}: planner counts {pred['shape_params']} params, trainer {trace['n_params']}")
-            row = {"config": dict(zip(("model", "seq_len", "global_batch", "micro_batch", "steps"), CONFIGS[name])),
-                   "grad_accum": trace["accum"], "n_params": trace["n_params"],
-                   "predicted_mb": pred["predicted_bytes"] / 1e6, "measured_mb": trace["peak_bytes"] / 1e6,
-                   "ratio": pred["predicted_bytes"] / trace["peak_bytes"],
-                   "predicted_breakdown_mb": pred["breakdown_mb"], "allocator_events": trace["events"]}
+            row = {
+                "config": dict(zip(("model", "seq_len", "global_batch", "micro_batch", "steps"), CONFIGS[name])),
+                "grad_accum": trace["accum"],
+                "n_params": trace["n_params"],
+                "predicted_mb": pred["predicted_bytes"] / 1e6,
+                "measured_mb": trace["peak_bytes"] / 1e6,
+                "ratio": pred["predicted_bytes"] / trace["peak_bytes"],
+                "predicted_breakdown_mb": pred["breakdown_mb"],
+                "allocator_events": trace["events"],
+            }
             if rss:
                 row["rss_growth_mb"] = _run_worker(name, "rss", Path(tmp))["rss_growth_bytes"] / 1e6
                 row["ratio_vs_rss"] = row["predicted_mb"] / row["rss_growth_mb"]
             row["seconds"] = time.perf_counter() - t0
             rows[name] = row
     worst = max(abs(r["ratio"] - 1) for r in rows.values())
-    return {"benchmark": "plan_memory", "metric": "peak live tensor bytes (CPU allocator trace)",
-            "models": rows, "max_abs_error": worst, "within_20pct": worst <= 0.20}
+    return {
+        "benchmark": "plan_memory",
+        "metric": "peak live tensor bytes (CPU allocator trace)",
+        "models": rows,
+        "max_abs_error": worst,
+        "within_20pct": worst <= 0.20,
+    }
 
 
 def main() -> int:
@@ -173,8 +223,14 @@ def main() -> int:
     for col in ("config", "params", "predicted MB", "measured MB", "ratio", "RSS growth MB"):
         table.add_column(col, justify="right")
     for name, r in result["models"].items():
-        table.add_row(name, f"{r['n_params']:,}", f"{r['predicted_mb']:.1f}", f"{r['measured_mb']:.1f}",
-                      f"{r['ratio']:.3f}", f"{r.get('rss_growth_mb', float('nan')):.1f}")
+        table.add_row(
+            name,
+            f"{r['n_params']:,}",
+            f"{r['predicted_mb']:.1f}",
+            f"{r['measured_mb']:.1f}",
+            f"{r['ratio']:.3f}",
+            f"{r.get('rss_growth_mb', float('nan')):.1f}",
+        )
     Console().print(table)
     print(f"max |ratio - 1| = {result['max_abs_error']:.3f}; within 20 %: {result['within_20pct']}")
     return 0

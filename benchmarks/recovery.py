@@ -61,6 +61,7 @@ detected within max(3 × step time, 10 s); goodput ≥ 0.90 with one fault per m
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -80,8 +81,18 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "recovery_job.py"
 LAUNCHERS = ("stalwart", "torchrun_dcp", "torchrun_flash", "stalwart_cold")
 DEFAULT_CONFIGS = LAUNCHERS[:3]
-PHASES = ("detect", "stop", "respawn", "detect_stop_respawn", "imports", "pg_init", "build", "restore", "first_step",
-          "agent_restarted_after_stop")
+PHASES = (
+    "detect",
+    "stop",
+    "respawn",
+    "detect_stop_respawn",
+    "imports",
+    "pg_init",
+    "build",
+    "restore",
+    "first_step",
+    "agent_restarted_after_stop",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,9 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--hang-timeout", default="auto", help="stalwart run --hang-timeout for the hang run")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated subset of {','.join(LAUNCHERS)} (default {','.join(DEFAULT_CONFIGS)}; "
-                        "stalwart_cold = stalwart with --warm-start off)")
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated subset of {','.join(LAUNCHERS)} (default {','.join(DEFAULT_CONFIGS)}; "
+        "stalwart_cold = stalwart with --warm-start off)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launched job")
     p.add_argument("--dir", type=Path, default=None, help="keep every run's logs here (default: a temp dir)")
     return p.parse_args(argv)
@@ -111,22 +125,57 @@ def launch(config: str, args: argparse.Namespace, work: Path, chaos: str, steps:
     """Run the job once under ``config``; returns the launcher's exit code, wall time and paths."""
     work.mkdir(parents=True)
     log_dir, ckpt_dir = work / "log", work / "ckpt"
-    env = {**os.environ, ENV_CHAOS: chaos, ENV_CHAOS_DIR: str(work / "chaos"), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        ENV_CHAOS: chaos,
+        ENV_CHAOS_DIR: str(work / "chaos"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop(ENV_CHAOS_FILE, None)
     # Plain torchrun shares its rendezvous store with the workers across restarts without a per-round
     # prefix, so a restarted gloo worker may read its predecessor's address: the first restart then
     # fails ("connectFullMesh ... Connection refused", one more restart) or hangs in init. The baseline
     # gets the documented switch that avoids it (stalwart run sets it itself).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    job = [str(JOB), "--ckpt", "dcp" if config == "torchrun_dcp" else "flash", "--ckpt-dir", str(ckpt_dir),
-           "--log-dir", str(log_dir), "--steps", str(steps), "--dcp-every", str(args.dcp_every),
-           "--persist-every", str(args.persist_every), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
+    job = [
+        str(JOB),
+        "--ckpt",
+        "dcp" if config == "torchrun_dcp" else "flash",
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--log-dir",
+        str(log_dir),
+        "--steps",
+        str(steps),
+        "--dcp-every",
+        str(args.dcp_every),
+        "--persist-every",
+        str(args.persist_every),
+        "--batch",
+        str(args.batch),
+        "--seq-len",
+        str(args.seq_len),
+    ]
     common = ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "3"]
     if config.startswith("stalwart"):
         common += ["--warm-start", "off" if config == "stalwart_cold" else "on"]
-        cmd = [sys.executable, "-m", "stalwart", "run", *common, "--hang-timeout", args.hang_timeout,
-               "--chaos", chaos, "--run-dir", str(work / "run"), "--summary-json", str(work / "summary.json"), *job]
+        cmd = [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "run",
+            *common,
+            "--hang-timeout",
+            args.hang_timeout,
+            "--chaos",
+            chaos,
+            "--run-dir",
+            str(work / "run"),
+            "--summary-json",
+            str(work / "summary.json"),
+            *job,
+        ]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *common, *job]
     t0 = time.time()
@@ -180,18 +229,24 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     starts = [e for r in logs for e in logs[r] if e["ev"] == "start"]
     records = [StepRecord(e["step"], e["t"], e["dt"]) for e in steps]  # dt excludes the checkpoint call
     final = final_trajectory(records)
-    out: dict[str, Any] = {"rc": run["rc"], "wall_s": run["t_end"] - run["t_start"],
-                           "finished": run["rc"] == 0 and sorted(final) == list(range(1, run["steps"] + 1)),
-                           "attempts": len({e["attempt"] for e in starts})}
+    out: dict[str, Any] = {
+        "rc": run["rc"],
+        "wall_s": run["t_end"] - run["t_start"],
+        "finished": run["rc"] == 0 and sorted(final) == list(range(1, run["steps"] + 1)),
+        "attempts": len({e["attempt"] for e in starts}),
+    }
     if steps:
         out["startup_s"] = steps[0]["t"] - run["t_start"]  # launcher start → first step done
         out["teardown_s"] = run["t_end"] - steps[-1]["t"]  # last step done → launcher exit
     out["goodput"] = goodput(records, out["wall_s"])
     tokens_per_step = args.nproc * args.batch * args.seq_len
     first = [e for e in steps if e["attempt"] == 0]
-    gaps = [(b["t"] - a["t"], b["dt"]) for a, b in zip(first, first[1:])
-            if b["step"] > 5 and b["save_s"] < 0.5 * b["dt"]]
-    all_gaps = [(b["t"] - a["t"], b["dt"]) for a, b in zip(first, first[1:]) if b["step"] > 5]
+    gaps = [
+        (b["t"] - a["t"], b["dt"])
+        for a, b in itertools.pairwise(first)
+        if b["step"] > 5 and b["save_s"] < 0.5 * b["dt"]
+    ]
+    all_gaps = [(b["t"] - a["t"], b["dt"]) for a, b in itertools.pairwise(first) if b["step"] > 5]
     out["step_s"] = statistics.median(dt for _, dt in gaps) if gaps else None
     out["tokens_per_s"] = tokens_per_step / statistics.median(g for g, _ in gaps) if gaps else None
     efficiency = sum(dt for _, dt in all_gaps) / sum(g for g, _ in all_gaps) if all_gaps else None
@@ -211,9 +266,13 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         out["error"] = "no step after the restart"
         return out
     resumed = restart_starts[0]["resume_step"]
-    figures = recovery([r for r, e in zip(records, steps, strict=True) if e["attempt"] <= attempt],
-                       [r for r, e in zip(records, steps, strict=True) if e["attempt"] > attempt], t_fault,
-                       last_step=k, resumed_step=resumed)
+    figures = recovery(
+        [r for r, e in zip(records, steps, strict=True) if e["attempt"] <= attempt],
+        [r for r, e in zip(records, steps, strict=True) if e["attempt"] > attempt],
+        t_fault,
+        last_step=k,
+        resumed_step=resumed,
+    )
     out["killed_step"], out["resume_step"] = k, resumed
     out["lost_steps"], out["mttr_s"], out["regain_s"] = figures.lost_steps, figures.mttr_s, figures.regain_s
     # fault cost for goodput_1fpm: wall from the first completion of the resumed step to the regain,
@@ -232,9 +291,16 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         inc = incidents[0]
         marks.update({k2: inc[k2] for k2 in ("detected", "stopped", "restarted") if inc.get(k2)})
         out["journal"] = {k2: inc.get(k2) for k2 in ("kind", "fault", "detected", "stopped", "restarted", "first_step")}
-    marks.update({"proc_start": t_proc, "imported": max(e["t_import"] for e in r0.values()),
-                  "pg_up": max(e["t_pg"] for e in r0.values()), "built": max(e["t_built"] for e in r0.values()),
-                  "restored": max(e["t_restored"] for e in r0.values()), "first_step": after[0]["t"]})
+    marks.update(
+        {
+            "proc_start": t_proc,
+            "imported": max(e["t_import"] for e in r0.values()),
+            "pg_up": max(e["t_pg"] for e in r0.values()),
+            "built": max(e["t_built"] for e in r0.values()),
+            "restored": max(e["t_restored"] for e in r0.values()),
+            "first_step": after[0]["t"],
+        }
+    )
     out["restore_source"] = r0[0]["source"]
     out["restore_s"] = max(e["restore_s"] for e in r0.values())
     out["breakdown_s"] = breakdown(marks)
@@ -243,8 +309,16 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def breakdown(m: dict[str, float]) -> dict[str, float]:
     """Consecutive intervals between the recovery's milestones (seconds)."""
-    order = [("detect", "detected"), ("stop", "stopped"), ("respawn", "proc_start"), ("imports", "imported"),
-             ("pg_init", "pg_up"), ("build", "built"), ("restore", "restored"), ("first_step", "first_step")]
+    order = [
+        ("detect", "detected"),
+        ("stop", "stopped"),
+        ("respawn", "proc_start"),
+        ("imports", "imported"),
+        ("pg_init", "pg_up"),
+        ("build", "built"),
+        ("restore", "restored"),
+        ("first_step", "first_step"),
+    ]
     out, prev = {}, m["fault"]
     if "detected" not in m:  # torchrun: detection, stop and respawn are one interval
         out["detect_stop_respawn"] = m["proc_start"] - prev
@@ -268,7 +342,7 @@ def hang_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     logs = [e for r in range(args.nproc) for e in read_log(work / "log" / f"rank{r}.jsonl")]
     fault = next((e for e in logs if e["ev"] == "fault"), None)
     steps = [e for e in read_log(work / "log" / "rank0.jsonl") if e["ev"] == "step" and e["attempt"] == 0]
-    step_s = statistics.median(b["t"] - a["t"] for a, b in zip(steps, steps[1:])) if len(steps) > 1 else None
+    step_s = statistics.median(b["t"] - a["t"] for a, b in itertools.pairwise(steps)) if len(steps) > 1 else None
     out: dict[str, Any] = {"rc": run["rc"], "wall_s": run["t_end"] - run["t_start"], "step_s": step_s}
     if not incs or fault is None:
         out["error"] = "no hang incident journaled"
@@ -278,8 +352,9 @@ def hang_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["hang_detect_journal_s"] = inc["detected"] - inc["fault"] if inc.get("fault") else None
     out["hang_mttr_s"] = inc["first_step"] - fault["t"] if inc.get("first_step") else None
     out["target_s"] = max(3 * step_s, 10.0) if step_s else 10.0
-    m = re.search(r"silent for \[([\d.]+)[^]]*\] s \(allowance \[([\d.]+)",
-                  (work / "launcher.log").read_text(errors="replace"))
+    m = re.search(
+        r"silent for \[([\d.]+)[^]]*\] s \(allowance \[([\d.]+)", (work / "launcher.log").read_text(errors="replace")
+    )
     if m:  # the agent's own view: silence since the last report, and the allowance it applied
         out["silent_s"], out["allowance_s"] = float(m.group(1)), float(m.group(2))
     return out
@@ -295,8 +370,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-KEYS = ("mttr_s", "regain_s", "lost_steps", "goodput", "goodput_1fpm", "fault_cost_s", "tokens_per_s", "step_s",
-        "ckpt_s_per_step", "steady_efficiency", "wall_s", "startup_s", "teardown_s", "restore_s")
+KEYS = (
+    "mttr_s",
+    "regain_s",
+    "lost_steps",
+    "goodput",
+    "goodput_1fpm",
+    "fault_cost_s",
+    "tokens_per_s",
+    "step_s",
+    "ckpt_s_per_step",
+    "steady_efficiency",
+    "wall_s",
+    "startup_s",
+    "teardown_s",
+    "restore_s",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,9 +407,14 @@ def main(argv: list[str] | None = None) -> int:
                 res = analyse(launch(c, args, root / f"{c}-{i}", chaos, args.steps), args)
                 runs[c].append(res)
                 if not args.json:
-                    print(f"[{c} #{i}] " + json.dumps({k: _round(res.get(k)) for k in
-                                                      ("rc", "mttr_s", "regain_s", "lost_steps", "goodput")}),
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[{c} #{i}] "
+                        + json.dumps(
+                            {k: _round(res.get(k)) for k in ("rc", "mttr_s", "regain_s", "lost_steps", "goodput")}
+                        ),
+                        file=sys.stderr,
+                        flush=True,
+                    )
         hangs = [hang_run(args, root / f"hang-{i}") for i in range(args.hang_repeats)] if "stalwart" in configs else []
     finally:
         if not args.dir:
@@ -330,8 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         result[c] = {k: med([r.get(k) for r in runs[c]]) for k in KEYS}
         result[c]["finished"] = all(r["finished"] for r in runs[c])
-        phases = sorted({p for r in runs[c] for p in r.get("breakdown_s", {})},
-                        key=lambda p: PHASES.index(p) if p in PHASES else len(PHASES))
+        phases = sorted(
+            {p for r in runs[c] for p in r.get("breakdown_s", {})},
+            key=lambda p: PHASES.index(p) if p in PHASES else len(PHASES),
+        )
         result[c]["breakdown_s"] = {p: med([r.get("breakdown_s", {}).get(p) for r in runs[c]]) for p in phases}
     if hangs:
         result.setdefault("stalwart", {})["hang_detect_s"] = med([h.get("hang_detect_s") for h in hangs])
@@ -339,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         result["stalwart"]["hang_allowance_s"] = med([h.get("allowance_s") for h in hangs])
     s, d, f = result.get("stalwart", {}), result.get("torchrun_dcp", {}), result.get("torchrun_flash", {})
     result["ratios"] = {
-        "mttr_s": ratio(s.get("mttr_s"), d.get("mttr_s")), "regain_s": ratio(s.get("regain_s"), d.get("regain_s")),
+        "mttr_s": ratio(s.get("mttr_s"), d.get("mttr_s")),
+        "regain_s": ratio(s.get("regain_s"), d.get("regain_s")),
         "lost_steps": ratio(s.get("lost_steps"), d.get("lost_steps")),
         "goodput": ratio(s.get("goodput"), d.get("goodput")),
         "goodput_1fpm": ratio(s.get("goodput_1fpm"), d.get("goodput_1fpm")),
@@ -353,18 +450,27 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = {
         "mttr_le_0.33_torchrun_dcp": _le(r["mttr_s"], 0.33),
         "regain_le_0.5_flash_baseline": _le(r["regain_vs_torchrun_flash"], 0.5),
-        "hang_detect_le_max_3step_10s": (None if s.get("hang_detect_s") is None
-                                         else s["hang_detect_s"] <= s["hang_target_s"]),
+        "hang_detect_le_max_3step_10s": (
+            None if s.get("hang_detect_s") is None else s["hang_detect_s"] <= s["hang_target_s"]
+        ),
         "goodput_1fpm_ge_0.90": _ge(s.get("goodput_1fpm"), 0.90),
         "tokens_per_s_ge_0.98_torchrun": _ge(r["tokens_per_s_vs_torchrun_flash"] or r["tokens_per_s"], 0.98),
     }
     result["runs"] = {c: [_clean(x) for x in runs[c]] for c in configs}
     if hangs:
         result["runs"]["stalwart_hang"] = [_clean(h) for h in hangs]
-    result["setup"] = {"nproc": args.nproc, "steps": args.steps, "kill": chaos, "dcp_every": args.dcp_every,
-                       "persist_every": args.persist_every, "tokens_per_step": args.nproc * args.batch * args.seq_len,
-                       "repeats": args.repeats, "bench_s": time.time() - t_bench, "cpus": os.cpu_count(),
-                       "load_avg_1m": os.getloadavg()[0]}
+    result["setup"] = {
+        "nproc": args.nproc,
+        "steps": args.steps,
+        "kill": chaos,
+        "dcp_every": args.dcp_every,
+        "persist_every": args.persist_every,
+        "tokens_per_step": args.nproc * args.batch * args.seq_len,
+        "repeats": args.repeats,
+        "bench_s": time.time() - t_bench,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
     if args.json:
         print(json.dumps(_clean(result)))
     else:
@@ -398,10 +504,12 @@ def print_table(r: dict[str, Any], configs: list[str]) -> None:
     for c in configs:
         print(f"{c:16}" + "".join(f"{_fmt(r[c].get(k)):>14}" for k in cols))
     if r.get("stalwart", {}).get("hang_detect_s") is not None:
-        print(f"stalwart hang detected after {r['stalwart']['hang_detect_s']:.2f} s "
-              f"(target ≤ {r['stalwart']['hang_target_s']:.1f} s)")
+        print(
+            f"stalwart hang detected after {r['stalwart']['hang_detect_s']:.2f} s "
+            f"(target ≤ {r['stalwart']['hang_target_s']:.1f} s)"
+        )
     for c in configs:
-        print(f"{c} recovery breakdown (s): " + json.dumps({k: _round(v) for k, v in r[c]['breakdown_s'].items()}))
+        print(f"{c} recovery breakdown (s): " + json.dumps({k: _round(v) for k, v in r[c]["breakdown_s"].items()}))
     print("ratios (stalwart / baseline):", json.dumps({k: _round(v) for k, v in r["ratios"].items()}))
     print("targets:", json.dumps(r["targets"]))
     print(f"{r['setup']['bench_s']:.0f} s, load average {r['setup']['load_avg_1m']:.1f} on {r['setup']['cpus']} CPUs")

@@ -52,8 +52,19 @@ from stalwart.models.registry import model_args  # noqa: E402
 # is counted with the imports.
 torch.use_deterministic_algorithms(True)
 T_IMPORT = time.time()
-GPT = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=None, ffn_hidden=None, mlp="gelu", norm="layernorm",
-           pos="learned", bias=True, tie_embeddings=True, vocab_size=257)
+GPT = dict(
+    dim=256,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=None,
+    ffn_hidden=None,
+    mlp="gelu",
+    norm="layernorm",
+    pos="learned",
+    bias=True,
+    tie_embeddings=True,
+    vocab_size=257,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ckpt == "flash":
         from stalwart.checkpoint import Checkpointer
 
-        ckpt = Checkpointer(str(args.ckpt_dir), memory_every=1, persist_every_steps=args.persist_every,
-                            keeper_log=args.log_dir / "keeper.log")
+        ckpt = Checkpointer(
+            str(args.ckpt_dir),
+            memory_every=1,
+            persist_every_steps=args.persist_every,
+            keeper_log=args.log_dir / "keeper.log",
+        )
         state = {"model": ddp, "optim": optim}
         start = ckpt.restore(state)
         source = ckpt.last_restore.source if ckpt.last_restore else "fresh"
@@ -154,9 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         start = 0
     t_restored = time.time()
-    log.write(ev="start", attempt=attempt, rank=rank, world=world, t_proc=T_PROC, t_import=T_IMPORT,
-              t_pg=t_pg, t_built=t_built, t_restored=t_restored, resume_step=start, source=source,
-              restore_s=t_restored - t_built)
+    log.write(
+        ev="start",
+        attempt=attempt,
+        rank=rank,
+        world=world,
+        t_proc=T_PROC,
+        t_import=T_IMPORT,
+        t_pg=t_pg,
+        t_built=t_built,
+        t_restored=t_restored,
+        resume_step=start,
+        source=source,
+        restore_s=t_restored - t_built,
+    )
 
     ok = False
     try:
@@ -177,8 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             save_s = time.perf_counter() - t1
             stalwart.report(step, loss=loss.item(), compute_s=dt)
             if rank == 0:
-                log.write(ev="step", step=step, t=time.time(), dt=dt, save_s=save_s, attempt=attempt,
-                          loss=round(loss.item(), 4))
+                log.write(
+                    ev="step",
+                    step=step,
+                    t=time.time(),
+                    dt=dt,
+                    save_s=save_s,
+                    attempt=attempt,
+                    loss=round(loss.item(), 4),
+                )
             fault = chaos.due("step", step=step, rank=rank)
             if fault is not None:
                 if args.ckpt == "flash":

@@ -50,16 +50,24 @@ def baseline_worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
     index = json.loads((Path(a.data) / "index.json").read_text())
-    tokens = np.concatenate([np.memmap(Path(a.data) / s["file"], dtype=index["dtype"], mode="r")
-                             for s in index["shards"]])
+    tokens = np.concatenate(
+        [np.memmap(Path(a.data) / s["file"], dtype=index["dtype"], mode="r") for s in index["shards"]]
+    )
     vocab = json.loads((Path(a.data) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
     model = build_model(a.model, model_args(a.model, vocab_size=vocab, max_seq_len=a.seq_len))
     model.init_weights(0)
     ddp = DDP(model, broadcast_buffers=False)
     params = list(ddp.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=True,
+    )
     warmup = 20
 
     def lr_factor(step: int) -> float:
@@ -75,12 +83,13 @@ def baseline_worker(a: argparse.Namespace) -> None:
     for step in range(a.steps):
         t0 = time.perf_counter()
         start = (step * a.global_batch + rank * per_rank) % (n_seq - per_rank)
-        rows = np.stack([tokens[(start + i) * a.seq_len:(start + i) * a.seq_len + a.seq_len + 1]
-                         for i in range(per_rank)]).astype(np.int64)
+        rows = np.stack(
+            [tokens[(start + i) * a.seq_len : (start + i) * a.seq_len + a.seq_len + 1] for i in range(per_rank)]
+        ).astype(np.int64)
         batch = torch.from_numpy(rows)
         x, y = batch[:, :-1], batch[:, 1:]
         for i in range(n_micro):
-            xs, ys = x[i * a.micro_batch:(i + 1) * a.micro_batch], y[i * a.micro_batch:(i + 1) * a.micro_batch]
+            xs, ys = x[i * a.micro_batch : (i + 1) * a.micro_batch], y[i * a.micro_batch : (i + 1) * a.micro_batch]
             ctx = ddp.no_sync() if i < n_micro - 1 else torch.enable_grad()
             with ctx:
                 loss = F.cross_entropy(ddp(xs).flatten(0, 1).float(), ys.flatten()) / n_micro
@@ -97,21 +106,55 @@ def baseline_worker(a: argparse.Namespace) -> None:
 
 # -- driver -----------------------------------------------------------------------------------------
 def run_baseline(a: argparse.Namespace, out: Path) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
-           __file__, "--worker", "--out", str(out), "--data", str(a.data), "--model", a.model,
-           "--steps", str(a.steps), "--seq-len", str(a.seq_len), "--global-batch", str(a.global_batch),
-           "--micro-batch", str(a.micro_batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={a.nproc}",
+        __file__,
+        "--worker",
+        "--out",
+        str(out),
+        "--data",
+        str(a.data),
+        "--model",
+        a.model,
+        "--steps",
+        str(a.steps),
+        "--seq-len",
+        str(a.seq_len),
+        "--global-batch",
+        str(a.global_batch),
+        "--micro-batch",
+        str(a.micro_batch),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
     times = json.loads(out.read_text())["step_times"]
     return a.global_batch * a.seq_len / statistics.median(times)
 
 
 def run_stalwart(a: argparse.Namespace, out: Path) -> float:
-    cmd = [sys.executable, "-m", "stalwart", "train", "--config", str(ROOT / "configs" / "debug.toml"),
-           "--nproc", str(a.nproc), "--json", f"--model.name={a.model}", f"--data.dir={a.data}",
-           f"--data.seq_len={a.seq_len}", f"--train.steps={a.steps}", f"--train.global_batch={a.global_batch}",
-           f"--train.micro_batch={a.micro_batch}", f"--train.out_dir={out}", "--checkpoint.enabled=false",
-           "--guard.enabled=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "debug.toml"),
+        "--nproc",
+        str(a.nproc),
+        "--json",
+        f"--model.name={a.model}",
+        f"--data.dir={a.data}",
+        f"--data.seq_len={a.seq_len}",
+        f"--train.steps={a.steps}",
+        f"--train.global_batch={a.global_batch}",
+        f"--train.micro_batch={a.micro_batch}",
+        f"--train.out_dir={out}",
+        "--checkpoint.enabled=false",
+        "--guard.enabled=false",
+    ]
     result = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     return float(json.loads(result.stdout.strip().splitlines()[-1])["tokens_per_s"])
 
@@ -150,22 +193,37 @@ def main(argv: list[str] | None = None) -> int:
             if not r % 2:
                 ours.append(run_stalwart(a, Path(tmp) / f"stalwart{r}"))
             if not a.json:
-                print(f"repeat {r + 1}: stalwart {ours[-1]:,.0f} tok/s, plain DDP {theirs[-1]:,.0f} tok/s",
-                      file=sys.stderr)
-    result = {"model": a.model, "nproc": a.nproc, "steps": a.steps, "seq_len": a.seq_len,
-              "global_batch": a.global_batch, "micro_batch": a.micro_batch, "repeats": a.repeats,
-              "stalwart_tokens_per_s": statistics.median(ours), "baseline_tokens_per_s": statistics.median(theirs),
-              "stalwart_runs": ours, "baseline_runs": theirs,
-              "ratio": statistics.median(ours) / statistics.median(theirs), "target": 0.99,
-              # each repeat's two runs ran back to back, under about the same load: the steadier estimate
-              "paired_ratio_median": statistics.median(o / t for o, t in zip(ours, theirs)),
-              "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()}
+                print(
+                    f"repeat {r + 1}: stalwart {ours[-1]:,.0f} tok/s, plain DDP {theirs[-1]:,.0f} tok/s",
+                    file=sys.stderr,
+                )
+    result = {
+        "model": a.model,
+        "nproc": a.nproc,
+        "steps": a.steps,
+        "seq_len": a.seq_len,
+        "global_batch": a.global_batch,
+        "micro_batch": a.micro_batch,
+        "repeats": a.repeats,
+        "stalwart_tokens_per_s": statistics.median(ours),
+        "baseline_tokens_per_s": statistics.median(theirs),
+        "stalwart_runs": ours,
+        "baseline_runs": theirs,
+        "ratio": statistics.median(ours) / statistics.median(theirs),
+        "target": 0.99,
+        # each repeat's two runs ran back to back, under about the same load: the steadier estimate
+        "paired_ratio_median": statistics.median(o / t for o, t in zip(ours, theirs)),
+        "cpu_count": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+    }
     if a.json:
         print(json.dumps(result))
     else:
-        print(f"stalwart {result['stalwart_tokens_per_s']:,.0f} tok/s vs plain DDP "
-              f"{result['baseline_tokens_per_s']:,.0f} tok/s: ratio {result['ratio']:.3f}, median of paired "
-              f"ratios {result['paired_ratio_median']:.3f} (target ≥ 0.99)")
+        print(
+            f"stalwart {result['stalwart_tokens_per_s']:,.0f} tok/s vs plain DDP "
+            f"{result['baseline_tokens_per_s']:,.0f} tok/s: ratio {result['ratio']:.3f}, median of paired "
+            f"ratios {result['paired_ratio_median']:.3f} (target ≥ 0.99)"
+        )
     return 0
 
 

@@ -10,4 +10,4 @@ and ``import stalwart`` stays cheap (stdlib only: the worker ↔ agent contract,
 from stalwart.runtime import finished, incident, phase, report
 
 __version__ = "0.1.0"
-__all__ = ["report", "phase", "finished", "incident", "__version__"]
+__all__ = ["__version__", "finished", "incident", "phase", "report"]

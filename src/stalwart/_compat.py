@@ -158,8 +158,12 @@ def checkpoint_reader(path: str, *, local: bool, read_metadata: Callable[[], Any
 def storage_info_fields(info: Any) -> dict[str, Any]:
     """The fields of a shard's storage record (``filesystem._StorageInfo``, a ``WriteResult``'s
     ``storage_data``) as JSON-able values, for sending write results between nodes."""
-    return {"path": info.relative_path, "at": info.offset, "length": info.length,
-            "transforms": list(info.transform_descriptors or []) or None}
+    return {
+        "path": info.relative_path,
+        "at": info.offset,
+        "length": info.length,
+        "transforms": list(info.transform_descriptors or []) or None,
+    }
 
 
 def storage_info(fields: dict[str, Any]) -> Any:
@@ -185,6 +189,7 @@ STORAGE_INFO_CLASS = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
 # --- device mesh (torch.distributed.device_mesh) ---------------------------------------------
 
+
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
     """The axes ``dims`` of ``mesh`` as one axis called ``name`` (FSDP2/HSDP need "dp_shard" and "dp" as
     single axes). ``DeviceMesh._flatten`` is private in torch 2.11 and 2.13 (torchtitan relies on it too);
@@ -207,9 +212,6 @@ def slice_flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
 
 
 # --- training (determinism, activation checkpointing) --------------------------------------------
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
-    _CHECKPOINT_PREFIX as CHECKPOINT_WRAPPER_PREFIX,
-)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402, F401
 
 
@@ -225,7 +227,6 @@ def set_deterministic_algorithms() -> None:
         torch.use_deterministic_algorithms(True, warn_only=False)
     else:
         torch._C._set_deterministic_algorithms(True, warn_only=False)
-
 
 
 # --- end of training section ------------------------------------------------------------------

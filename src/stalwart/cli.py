@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stalwart",
         description="Reliable, elastic LLM pretraining on PyTorch's native distributed stack. "
-                    "Run `stalwart COMMAND --help` for each command.",
+        "Run `stalwart COMMAND --help` for each command.",
     )
     parser.add_argument("--version", action="version", version=f"stalwart {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -116,8 +116,10 @@ class CheckpointConfig:
             if getattr(self, key) < 0:
                 raise ValueError(f"checkpoint.{key} must be ≥ 0 (0 = off), got {getattr(self, key)}")
         if self.persist_every_steps % self.memory_every:
-            raise ValueError(f"checkpoint.persist_every_steps={self.persist_every_steps} must be a multiple of "
-                             f"checkpoint.memory_every={self.memory_every} (only snapshotted steps can be persisted)")
+            raise ValueError(
+                f"checkpoint.persist_every_steps={self.persist_every_steps} must be a multiple of "
+                f"checkpoint.memory_every={self.memory_every} (only snapshotted steps can be persisted)"
+            )
         if self.keeper_idle_s <= 0:
             raise ValueError(f"checkpoint.keeper_idle_s must be positive, got {self.keeper_idle_s}")
 
@@ -151,8 +153,10 @@ class GuardConfig:
         if self.loss_k <= 0 or self.grad_k < 0:
             raise ValueError(f"guard.loss_k must be > 0 and guard.grad_k ≥ 0 (got {self.loss_k}, {self.grad_k})")
         if not ckpt.enabled:
-            raise ValueError("guard.enabled needs checkpoint.enabled=true: a rollback restores a checkpoint "
-                             "(set --checkpoint.enabled=true, or --guard.enabled=false)")
+            raise ValueError(
+                "guard.enabled needs checkpoint.enabled=true: a rollback restores a checkpoint "
+                "(set --checkpoint.enabled=true, or --guard.enabled=false)"
+            )
         problem = rollback_reach_problem(self.rollback_steps, ckpt)
         if problem:
             raise ValueError(problem)
@@ -168,11 +172,16 @@ def rollback_reach_problem(rollback_steps: int, ckpt: CheckpointConfig) -> str |
     if p and ckpt.keep_last >= -(-(r - 1) // p) + 1:
         return None
     need = -(-(r - 1) // p) + 1 if p else None
-    fix = (f"checkpoint.keep_last ≥ {need} (now {ckpt.keep_last})" if p else
-           "checkpoint.persist_every_steps > 0 with enough checkpoint.keep_last")
-    return (f"guard.rollback_steps={r} needs a checkpoint at least {r} steps before any step, but memory "
-            f"snapshots reach back only checkpoint.memory_every + 1 = {m + 1} steps; set {fix}, or "
-            f"guard.rollback_steps ≤ {m + 1}")
+    fix = (
+        f"checkpoint.keep_last ≥ {need} (now {ckpt.keep_last})"
+        if p
+        else "checkpoint.persist_every_steps > 0 with enough checkpoint.keep_last"
+    )
+    return (
+        f"guard.rollback_steps={r} needs a checkpoint at least {r} steps before any step, but memory "
+        f"snapshots reach back only checkpoint.memory_every + 1 = {m + 1} steps; set {fix}, or "
+        f"guard.rollback_steps ≤ {m + 1}"
+    )
 
 
 @dataclass
@@ -196,9 +205,13 @@ class Config:
         _choice("parallel.dp_mode", p.dp_mode, ("ddp", "fsdp"))
         _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
         _choice("train.dtype", t.dtype, ("auto", "float32", "bfloat16"))
-        for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
-                           ("train.micro_batch", t.micro_batch), ("data.seq_len", d.seq_len),
-                           ("train.log_every", t.log_every)):
+        for key, value in (
+            ("train.steps", t.steps),
+            ("train.global_batch", t.global_batch),
+            ("train.micro_batch", t.micro_batch),
+            ("data.seq_len", d.seq_len),
+            ("train.log_every", t.log_every),
+        ):
             if value <= 0:
                 raise ValueError(f"{key} must be positive, got {value}")
         if not 0 <= t.warmup_steps <= t.steps:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from stalwart.data import GlobalSampler, TokenDataset
-from stalwart.models import build_model, model_args, moe_args
+from stalwart.models import build_model, model_args
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,8 +57,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def build_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=True,
+    )
 
 
 def make_model(args: argparse.Namespace, vocab: int, meta: bool = False) -> torch.nn.Module:
@@ -93,8 +98,9 @@ def reference(args: argparse.Namespace, data: TokenDataset) -> dict:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets[sl].flatten()) / accum
             loss.backward()
             total += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else float("inf"),
-                                              foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.clip if args.clip > 0 else float("inf"), foreach=True
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
@@ -111,15 +117,21 @@ def save(module: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None
 
     from stalwart.checkpoint.state import FLAT_OPTIM
 
-    dcp.save({"model": get_model_state_dict(module),
-              "optim": get_optimizer_state_dict(module, opt, options=FLAT_OPTIM)}, checkpoint_id=path)
+    dcp.save(
+        {"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, opt, options=FLAT_OPTIM)},
+        checkpoint_id=path,
+    )
 
 
 def restore(module: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
     """DCP load into this layout's shards (resharding from whatever layout saved it)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from stalwart.checkpoint.state import FLAT_OPTIM
 
@@ -150,19 +162,31 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
     why = ""
     micro_batch = args.micro_batch
     if args.layout == "auto":
-        choice = auto_layout(model.args, env.world_size, args.seq_len, args.global_batch,
-                             moe=getattr(model, "moe_args", None), micro_batch=args.micro_batch)
+        choice = auto_layout(
+            model.args,
+            env.world_size,
+            args.seq_len,
+            args.global_batch,
+            moe=getattr(model, "moe_args", None),
+            micro_batch=args.micro_batch,
+        )
         layout, why = choice.layout, choice.why
         if env.rank == 0:
             print(why, file=sys.stderr)
     else:
         layout = layout_from_config(parse_layout(args.layout), env.world_size, args.dp_mode)
     mesh = build_mesh(layout)
-    options = ParallelOptions(micro_batch=micro_batch, schedule=args.schedule, virtual_stages=args.virtual_stages,
-                              layer_split=args.layer_split if not args.layer_split[0].isdigit()
-                              else tuple(int(c) for c in args.layer_split.split(",")),
-                              recompute=args.recompute, compress=args.compress,
-                              loss_parallel=not args.no_loss_parallel)
+    options = ParallelOptions(
+        micro_batch=micro_batch,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        layer_split=args.layer_split
+        if not args.layer_split[0].isdigit()
+        else tuple(int(c) for c in args.layer_split.split(",")),
+        recompute=args.recompute,
+        compress=args.compress,
+        loss_parallel=not args.no_loss_parallel,
+    )
     pm = parallelize(model, layout, mesh, options, device=env.device, init_seed=args.seed)
     opt = build_optimizer(list(pm.module.parameters()), args.lr)
     sampler = GlobalSampler(len(data), args.global_batch, seed=1234)
@@ -185,9 +209,17 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
     # every rank must agree on the loss it reports
     gathered = [None] * env.world_size
     dist.all_gather_object(gathered, losses)
-    result = {"layout": layout.as_dict(), "describe": layout.describe(), "why": why, "world_size": env.world_size,
-              "losses": losses, "grad_norms": norms, "step_times": times,
-              "ranks_agree": all(g == losses for g in gathered), "uses_ddp": layout.uses_ddp}
+    result = {
+        "layout": layout.as_dict(),
+        "describe": layout.describe(),
+        "why": why,
+        "world_size": env.world_size,
+        "losses": losses,
+        "grad_norms": norms,
+        "step_times": times,
+        "ranks_agree": all(g == losses for g in gathered),
+        "uses_ddp": layout.uses_ddp,
+    }
     # Let every rank's outstanding pipeline sends complete before gloo's threads are torn down
     # (destroying the group with unfinished P2P work aborts: "terminate called without an active exception").
     dist.barrier()

@@ -20,8 +20,7 @@ STEPS = 60
 
 
 def stalwart(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stalwart", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "stalwart", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def wait_for(what: str, check, timeout: float = 90.0):
@@ -46,24 +45,58 @@ def test_injected_kill_recovers_and_worker_incidents_are_journaled(tmp_path, mon
     run_dir, out = tmp_path / "run", tmp_path / "job"
     out.mkdir()
     job = subprocess.Popen(
-        [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-         "--run-dir", str(run_dir), "--node-id", "n0", "--summary-json", str(tmp_path / "summary.json"),
-         str(SCRIPT), "--out", str(out), "--steps", str(STEPS), "--step-s", "0.15"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--node-id",
+            "n0",
+            "--summary-json",
+            str(tmp_path / "summary.json"),
+            str(SCRIPT),
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            "--step-s",
+            "0.15",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for("the master address", (run_dir / "master.json").exists)
-        client = MasterClient(json.loads((run_dir / "master.json").read_text())["address"],
-                              (run_dir / "token").read_text().strip())
+        client = MasterClient(
+            json.loads((run_dir / "master.json").read_text())["address"], (run_dir / "token").read_text().strip()
+        )
 
         def step() -> int:
-            return max((r["step"] for n in client.status()["nodes"] for r in n["progress"].get("ranks", [])),
-                       default=-1)
+            return max(
+                (r["step"] for n in client.status()["nodes"] for r in n["progress"].get("ranks", [])), default=-1
+            )
 
         wait_for("training steps", lambda: step() >= 3)
         # A worker incident in two writes: the partial first line waits for its end.
         incidents = run_dir / "progress" / "n0" / "rank1.incidents.jsonl"
-        rollback = json.dumps({"time": time.time(), "rank": 1, "kind": "rollback", "class": "training", "step": 4,
-                               "detail": {"to_step": 2}})
+        rollback = json.dumps(
+            {
+                "time": time.time(),
+                "rank": 1,
+                "kind": "rollback",
+                "class": "training",
+                "step": 4,
+                "detail": {"to_step": 2},
+            }
+        )
         with open(incidents, "a") as f:
             f.write(rollback[:30])
         time.sleep(1.5)
@@ -91,8 +124,10 @@ def test_injected_kill_recovers_and_worker_incidents_are_journaled(tmp_path, mon
             job.kill()
             job.wait()
     assert job.returncode == 0, err[-4000:]
-    assert json.loads((out / "result.json").read_text()) == {"step": STEPS,
-                                                            "x": sum(2 * s + 1 for s in range(1, STEPS + 1))}
+    assert json.loads((out / "result.json").read_text()) == {
+        "step": STEPS,
+        "x": sum(2 * s + 1 for s in range(1, STEPS + 1)),
+    }
     rows = Journal(run_dir / "journal.sqlite").incidents()
     assert [r["kind"] for r in rows] == ["rollback", "sdc", "sigkill"]
     rollback_row, sdc_row, kill_row = rows

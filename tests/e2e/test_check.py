@@ -14,18 +14,25 @@ pytestmark = pytest.mark.e2e
 
 
 def check(*args: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "stalwart", "check", "--nodes", "4", "--json", *args],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart", "check", "--nodes", "4", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("fault, bad, slow", [
-    (None, [], []),
-    ("nan:node=2", [2], []),
-    ("node-fail:node=1", [1], []),
-    ("slow:node=3:factor=3", [], [3]),
-])
+@pytest.mark.parametrize(
+    "fault, bad, slow",
+    [
+        (None, [], []),
+        ("nan:node=2", [2], []),
+        ("node-fail:node=1", [1], []),
+        ("slow:node=3:factor=3", [], [3]),
+    ],
+)
 def test_check_names_exactly_the_bad_node(fault, bad, slow):
     code, report = check(*(["--fault", fault] if fault else []))
     assert (report["bad_nodes"], report["stragglers"]) == (bad, slow), report

@@ -29,17 +29,48 @@ def run_two_nodes(tmp_path: Path, data: Path, chaos: str | None = None) -> dict:
     with running_master(tmp_path / "journal.sqlite", "--restart-budget", "2") as address:
         procs = []
         for n in range(2):
-            cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "2", "--nproc-per-node", "1",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
-                   "--master", address, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "2",
-                   "--run-dir", str(tmp_path / f"run{n}"), *(["--chaos", chaos] if chaos else []),
-                   "-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={data}",
-                   "--data.seq_len=64", f"--train.steps={STEPS}", "--train.warmup_steps=2",
-                   f"--train.out_dir={tmp_path / 'out'}", "--checkpoint.enabled=true",
-                   f"--checkpoint.dir={tmp_path / 'ckpt'}", "--checkpoint.persist_every_steps=4",
-                   "--checkpoint.keeper_idle_s=20"]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                          env=env))
+            cmd = [
+                sys.executable,
+                "-m",
+                "stalwart",
+                "run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                job,
+                "--master",
+                address,
+                "--job-token",
+                TOKEN,
+                "--node-id",
+                f"node{n}",
+                "--max-restarts",
+                "2",
+                "--run-dir",
+                str(tmp_path / f"run{n}"),
+                *(["--chaos", chaos] if chaos else []),
+                "-m",
+                "stalwart",
+                "train",
+                "--config",
+                "configs/debug.toml",
+                f"--data.dir={data}",
+                "--data.seq_len=64",
+                f"--train.steps={STEPS}",
+                "--train.warmup_steps=2",
+                f"--train.out_dir={tmp_path / 'out'}",
+                "--checkpoint.enabled=true",
+                f"--checkpoint.dir={tmp_path / 'ckpt'}",
+                "--checkpoint.persist_every_steps=4",
+                "--checkpoint.keeper_idle_s=20",
+            ]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
         for proc in procs:
             _, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-4000:]

@@ -20,16 +20,36 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 STEPS = 8
-COMMON = ("--data.seq_len=32", f"--train.steps={STEPS}", "--train.warmup_steps=2", "--train.global_batch=12",
-          "--train.micro_batch=2", "--checkpoint.enabled=true", "--checkpoint.persist_every_steps=4",
-          "--checkpoint.keeper_idle_s=30")
+COMMON = (
+    "--data.seq_len=32",
+    f"--train.steps={STEPS}",
+    "--train.warmup_steps=2",
+    "--train.global_batch=12",
+    "--train.micro_batch=2",
+    "--checkpoint.enabled=true",
+    "--checkpoint.persist_every_steps=4",
+    "--checkpoint.keeper_idle_s=30",
+)
 
 
-
-def train(out: Path, data: Path, shm: Path, *extra: str, chaos: str = "", expect_ok: bool = True,
-          nproc: int = 2) -> dict | subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "stalwart", "train", f"--nproc={nproc}", "--config", "configs/debug.toml",
-           f"--data.dir={data}", *COMMON, f"--train.out_dir={out}", f"--checkpoint.shm_dir={shm}", "--json", *extra]
+def train(
+    out: Path, data: Path, shm: Path, *extra: str, chaos: str = "", expect_ok: bool = True, nproc: int = 2
+) -> dict | subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "train",
+        f"--nproc={nproc}",
+        "--config",
+        "configs/debug.toml",
+        f"--data.dir={data}",
+        *COMMON,
+        f"--train.out_dir={out}",
+        f"--checkpoint.shm_dir={shm}",
+        "--json",
+        *extra,
+    ]
     env = dict(os.environ, STALWART_CHAOS=chaos, STALWART_CHAOS_DIR=str(out / "chaos"))
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -38,7 +58,7 @@ def train(out: Path, data: Path, shm: Path, *extra: str, chaos: str = "", expect
     except subprocess.TimeoutExpired:  # TorchElastic workers run in their own sessions: kill them by pid
         import psutil
 
-        for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+        for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
             child.kill()
         stdout, stderr = proc.communicate()
         raise AssertionError(f"training timed out:\n{stderr[-4000:]}") from None
@@ -109,8 +129,9 @@ def test_fsdp_kill_after_snapshot_restores_from_memory_bitwise(stdlib_data, shm_
     # Two launches rather than torchrun --max-restarts: restarted gloo workers sometimes hang in
     # connectFullMesh on this stack (see DESIGN.md pitfalls); the restore path is the same.
     _, ref = fsdp_ref
-    killed = train(tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp", chaos="kill:rank=1:step=5",
-                   expect_ok=False)
+    killed = train(
+        tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp", chaos="kill:rank=1:step=5", expect_ok=False
+    )
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     wait_for_text(tmp_path / "keeper.log", "save-on-failure step 5")
     summary = train(tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp")

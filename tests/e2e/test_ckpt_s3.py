@@ -26,8 +26,11 @@ def s3_env():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -39,8 +42,12 @@ def s3_env():
                 server.kill()
                 pytest.fail("moto server did not start")
             time.sleep(0.2)
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": url}
+    env = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": url,
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import s3fs
@@ -58,12 +65,29 @@ def test_s3_persist_verify_and_restore(s3_env, stdlib_data, tmp_path, capsys):
     shm = Path("/dev/shm") / f"stalwart-s3-{uuid.uuid4().hex[:8]}"
     shm.mkdir()
     try:
+
         def train(steps: int, out: Path) -> dict:
-            cmd = [sys.executable, "-m", "stalwart", "train", "--config", "configs/debug.toml", "--nproc", "1",
-                   f"--data.dir={stdlib_data}", "--data.seq_len=32", f"--train.steps={steps}",
-                   "--train.warmup_steps=2", f"--train.out_dir={out}", "--checkpoint.enabled=true",
-                   f"--checkpoint.dir={url}", "--checkpoint.persist_every_steps=3", f"--checkpoint.shm_dir={shm}",
-                   "--checkpoint.keeper_idle_s=20", "--json"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "stalwart",
+                "train",
+                "--config",
+                "configs/debug.toml",
+                "--nproc",
+                "1",
+                f"--data.dir={stdlib_data}",
+                "--data.seq_len=32",
+                f"--train.steps={steps}",
+                "--train.warmup_steps=2",
+                f"--train.out_dir={out}",
+                "--checkpoint.enabled=true",
+                f"--checkpoint.dir={url}",
+                "--checkpoint.persist_every_steps=3",
+                f"--checkpoint.shm_dir={shm}",
+                "--checkpoint.keeper_idle_s=20",
+                "--json",
+            ]
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
             assert result.returncode == 0, result.stderr[-4000:]
             return json.loads((out / "summary.json").read_text())

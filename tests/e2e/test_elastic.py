@@ -6,7 +6,6 @@ checkpoint. The rendezvous store is served by the master, so it does not die wit
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,10 +29,30 @@ RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a
 
 def start_master(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     ready = tmp_path / "master.json"
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "master", "--db", str(tmp_path / "journal.sqlite"),
-                             "--port", "0", "--rdzv-port", "0", "--job-token", TOKEN, "--node-timeout", "5",
-                             "--ready-file", str(ready), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "master",
+            "--db",
+            str(tmp_path / "journal.sqlite"),
+            "--port",
+            "0",
+            "--rdzv-port",
+            "0",
+            "--job-token",
+            TOKEN,
+            "--node-timeout",
+            "5",
+            "--ready-file",
+            str(ready),
+            *flags,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
@@ -45,10 +64,22 @@ def train_args(data: Path, out: Path) -> list[str]:
     """The trainer's arguments, outputs under `out`. The learning rate is below debug.toml's 3e-3, which
     sits at the edge of stability: there two fault-free runs at world sizes 1 and 2 (another order of
     floating-point sums) part by 5 % per step within 160 steps; at 1e-3 by 1e-5."""
-    return ["--config", "configs/debug.toml", f"--data.dir={data}", "--data.seq_len=32", f"--train.steps={STEPS}",
-            "--train.warmup_steps=2", "--train.lr=1e-3", "--train.min_lr=1e-4", f"--train.global_batch={BATCH}",
-            "--train.micro_batch=4", f"--train.out_dir={out / 'out'}", "--checkpoint.enabled=true",
-            f"--checkpoint.dir={out / 'ckpt'}", "--checkpoint.persist_every_steps=5"]
+    return [
+        "--config",
+        "configs/debug.toml",
+        f"--data.dir={data}",
+        "--data.seq_len=32",
+        f"--train.steps={STEPS}",
+        "--train.warmup_steps=2",
+        "--train.lr=1e-3",
+        "--train.min_lr=1e-4",
+        f"--train.global_batch={BATCH}",
+        "--train.micro_batch=4",
+        f"--train.out_dir={out / 'out'}",
+        "--checkpoint.enabled=true",
+        f"--checkpoint.dir={out / 'ckpt'}",
+        "--checkpoint.persist_every_steps=5",
+    ]
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -57,24 +88,59 @@ def losses(out: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics}
 
 
-def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int, run: Sequence[str] = (),
-               train: Sequence[str] = (), script: Sequence[str] = ()) -> subprocess.Popen:
+def start_node(
+    tmp_path: Path,
+    data: Path,
+    address: str,
+    job: str,
+    n: int,
+    run: Sequence[str] = (),
+    train: Sequence[str] = (),
+    script: Sequence[str] = (),
+) -> subprocess.Popen:
     """One node's `stalwart run` of the trainer (`train`: more overrides) or of `script`; `run`: more
     flags for stalwart run (later ones win)."""
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-id", job, "--rdzv-conf", RDZV,
-           "--master", address, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "3",
-           "--chaos", "slow:seconds=0.1",  # every step: the node is lost mid-run, not after it
-           "--run-dir", str(tmp_path / f"run{n}"), *run,
-           *(script or ["-m", "stalwart", "train", *train_args(data, tmp_path), *train])]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"),
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        job,
+        "--rdzv-conf",
+        RDZV,
+        "--master",
+        address,
+        "--job-token",
+        TOKEN,
+        "--node-id",
+        f"node{n}",
+        "--max-restarts",
+        "3",
+        "--chaos",
+        "slow:seconds=0.1",  # every step: the node is lost mid-run, not after it
+        "--run-dir",
+        str(tmp_path / f"run{n}"),
+        *run,
+        *(script or ["-m", "stalwart", "train", *train_args(data, tmp_path), *train]),
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"), start_new_session=True
+    )
 
 
 def lose_node(proc: subprocess.Popen, job: str, n: int) -> None:
     """What a dead host looks like: every process of the node gone at once, shared memory too."""
     victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    victims += [p for p in psutil.process_iter(["cmdline"]) if any(f"{job}-node{n}" in c for c in p.info["cmdline"] or [])]
+    victims += [
+        p for p in psutil.process_iter(["cmdline"]) if any(f"{job}-node{n}" in c for c in p.info["cmdline"] or [])
+    ]
     for v in victims:
         try:
             v.kill()
@@ -101,8 +167,9 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         lose_node(nodes[1], job, 1)
         # Shrunk: node 0 trains alone, from step `committed` or later, and commits one-rank checkpoints.
         while not (storage.latest() and (storage.manifest(storage.latest()) or {}).get("world_size") == 1):
-            assert time.monotonic() < deadline + 120 and nodes[0].poll() is None, \
-                (tmp_path / "node0.log").read_text()[-4000:]
+            assert time.monotonic() < deadline + 120 and nodes[0].poll() is None, (tmp_path / "node0.log").read_text()[
+                -4000:
+            ]
             time.sleep(0.2)
         shrunk_at = storage.latest()
         nodes[1] = start_node(tmp_path, stdlib_data, address, job, 1)  # the node is back: grow
@@ -124,8 +191,12 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         # The loss curve of a fault-free 2-rank run, within 1e-3: world 2 → 1 → 2 changes only the order
         # of floating-point sums (gradient accumulation makes up the missing rank's share of the batch).
         reference = tmp_path / "reference"
-        subprocess.run([sys.executable, "-m", "stalwart", "train", "--nproc", "2", *train_args(stdlib_data, reference)],
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "stalwart", "train", "--nproc", "2", *train_args(stdlib_data, reference)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         got, want = losses(tmp_path / "out"), losses(reference / "out")
         assert set(got) == set(want) == set(range(1, STEPS + 1))
         worst = max(abs(got[s] - want[s]) / want[s] for s in want)

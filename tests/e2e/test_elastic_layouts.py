@@ -30,17 +30,50 @@ STEPS, BATCH, WORKERS = 10, 8, 2  # BATCH: test_train_layouts' global batch
 
 def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> subprocess.Popen:
     """One node of the TP2 job: an agent with two workers; dp is whatever the ranks allow (2, then 1)."""
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "1:2", "--nproc-per-node", str(WORKERS),
-           "--rdzv-backend", "c10d", "--rdzv-id", job, "--rdzv-conf", RDZV,
-           "--master", address, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "3",
-           "--chaos", "slow:seconds=0.2",  # every step: the node is lost mid-run, not after it
-           "--run-dir", str(tmp_path / f"run{n}"),
-           "-m", "stalwart", "train", *COMMON, f"--data.dir={data}", f"--train.steps={STEPS}",
-           "--parallel.tp=2", f"--train.out_dir={tmp_path / 'out'}", "--checkpoint.enabled=true",
-           f"--checkpoint.dir={tmp_path / 'ckpt'}", "--checkpoint.persist_every_steps=2",
-           f"--checkpoint.keep_last={STEPS}", "--checkpoint.keeper_idle_s=20"]  # keep the one shrunk from
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"),
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        str(WORKERS),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        job,
+        "--rdzv-conf",
+        RDZV,
+        "--master",
+        address,
+        "--job-token",
+        TOKEN,
+        "--node-id",
+        f"node{n}",
+        "--max-restarts",
+        "3",
+        "--chaos",
+        "slow:seconds=0.2",  # every step: the node is lost mid-run, not after it
+        "--run-dir",
+        str(tmp_path / f"run{n}"),
+        "-m",
+        "stalwart",
+        "train",
+        *COMMON,
+        f"--data.dir={data}",
+        f"--train.steps={STEPS}",
+        "--parallel.tp=2",
+        f"--train.out_dir={tmp_path / 'out'}",
+        "--checkpoint.enabled=true",
+        f"--checkpoint.dir={tmp_path / 'ckpt'}",
+        "--checkpoint.persist_every_steps=2",
+        f"--checkpoint.keep_last={STEPS}",
+        "--checkpoint.keeper_idle_s=20",
+    ]  # keep the one shrunk from
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"), start_new_session=True
+    )
 
 
 def node_log(tmp_path: Path, n: int) -> str:

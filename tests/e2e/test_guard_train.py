@@ -25,20 +25,48 @@ from stalwart.health.log_rules import diagnose
 
 pytestmark = pytest.mark.e2e
 STEPS, BATCH, ROLLBACK, SKIP = 12, 8, 2, 2
-COMMON = ("--data.seq_len=32", f"--train.steps={STEPS}", "--train.warmup_steps=2", f"--train.global_batch={BATCH}",
-          "--train.micro_batch=2", "--checkpoint.enabled=true", "--checkpoint.persist_every_steps=2",
-          "--checkpoint.keeper_idle_s=10", "--guard.enabled=true", "--guard.warmup_steps=4", "--guard.window=5",
-          f"--guard.rollback_steps={ROLLBACK}", f"--guard.skip_batches={SKIP}", "--guard.max_rollbacks=2")
-
+COMMON = (
+    "--data.seq_len=32",
+    f"--train.steps={STEPS}",
+    "--train.warmup_steps=2",
+    f"--train.global_batch={BATCH}",
+    "--train.micro_batch=2",
+    "--checkpoint.enabled=true",
+    "--checkpoint.persist_every_steps=2",
+    "--checkpoint.keeper_idle_s=10",
+    "--guard.enabled=true",
+    "--guard.warmup_steps=4",
+    "--guard.window=5",
+    f"--guard.rollback_steps={ROLLBACK}",
+    f"--guard.skip_batches={SKIP}",
+    "--guard.max_rollbacks=2",
+)
 
 
 def train(out: Path, data: Path, shm: Path, *extra: str, chaos: str = "") -> subprocess.CompletedProcess:
     """`stalwart train --nproc 2`; incidents land in out/progress as under `stalwart run`."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, STALWART_CHAOS=chaos, STALWART_CHAOS_DIR=str(out / "chaos"),
-               STALWART_PROGRESS_DIR=str(out / "progress"))
-    cmd = [sys.executable, "-m", "stalwart", "train", "--nproc=2", "--config", "configs/debug.toml",
-           f"--data.dir={data}", *COMMON, f"--train.out_dir={out}", f"--checkpoint.shm_dir={shm}", "--json", *extra]
+    env = dict(
+        os.environ,
+        STALWART_CHAOS=chaos,
+        STALWART_CHAOS_DIR=str(out / "chaos"),
+        STALWART_PROGRESS_DIR=str(out / "progress"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "train",
+        "--nproc=2",
+        "--config",
+        "configs/debug.toml",
+        f"--data.dir={data}",
+        *COMMON,
+        f"--train.out_dir={out}",
+        f"--checkpoint.shm_dir={shm}",
+        "--json",
+        *extra,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     (out / "train.log").write_text(result.stderr)  # kept for post-mortems
     return result
@@ -60,8 +88,7 @@ def faulted(stdlib_data, shm_root, tmp_path_factory):
     return out, summary(out, train(out, stdlib_data, shm_root, chaos="nan:rank=1:step=6;spike:step=10"))
 
 
-def test_nan_rolls_back_skips_and_matches_a_run_that_skips_the_same_samples(faulted, stdlib_data, shm_root,
-                                                                           tmp_path):
+def test_nan_rolls_back_skips_and_matches_a_run_that_skips_the_same_samples(faulted, stdlib_data, shm_root, tmp_path):
     out, run = faulted
     nan = run["guard"]["rollbacks"][0]
     assert (nan["step"], nan["kind"]) == (6, "nan")
@@ -70,14 +97,17 @@ def test_nan_rolls_back_skips_and_matches_a_run_that_skips_the_same_samples(faul
     assert (start, stop) == (nan["rolled_back_to"] * BATCH, (nan["rolled_back_to"] + SKIP) * BATCH)
     assert run["steps"] == STEPS
     # The fault-free reference skips the recorded ranges from the start; same world size, bitwise.
-    ref = summary(tmp_path, train(tmp_path, stdlib_data, shm_root,
-                                  f"--data.skip_samples={run['guard']['skip_samples']}"))
+    ref = summary(
+        tmp_path, train(tmp_path, stdlib_data, shm_root, f"--data.skip_samples={run['guard']['skip_samples']}")
+    )
     assert ref["guard"]["rollbacks"] == [], "no false alarm in the fault-free run"
     assert (ref["final_hash"], ref["optim_hash"]) == (run["final_hash"], run["optim_hash"])
     assert ref["samples_consumed"] == run["samples_consumed"]
     journal = incidents(out, 0)
-    assert [(i["kind"], i["class"], i["step"]) for i in journal] == [("rollback", "training", 6),
-                                                                     ("rollback", "training", 10)]
+    assert [(i["kind"], i["class"], i["step"]) for i in journal] == [
+        ("rollback", "training", 6),
+        ("rollback", "training", 10),
+    ]
     assert journal[0]["detail"]["skipped_samples"] == [start, stop] and journal[0]["detail"]["verdict"] == "nan"
     assert incidents(out, 1) == [], "one journal entry per rollback, from rank 0"
     assert "matmul burn-in correct on all 2 ranks" in (out / "train.log").read_text()
@@ -92,7 +122,9 @@ def test_spike_is_caught_on_its_step_and_rolled_back_far_enough(faulted):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     nan_back = run["guard"]["rollbacks"][0]["rolled_back_to"]
     assert [(r["step"], r["rollback"]["step"]) for r in records if "rollback" in r] == [
-        (nan_back + 1, 6), (spike["rolled_back_to"] + 1, 10)]  # on the first step after each rollback
+        (nan_back + 1, 6),
+        (spike["rolled_back_to"] + 1, 10),
+    ]  # on the first step after each rollback
     assert all(r["loss"] < 100 for r in records), "no poisoned step was ever applied or logged as a step"
 
 
@@ -100,9 +132,11 @@ def test_repeated_spikes_beyond_the_budget_stop_the_job_with_a_report(stdlib_dat
     result = train(tmp_path, stdlib_data, shm_root, chaos="spike:step=9:once=0")
     assert result.returncode != 0
     assert "RollbackLimitExceeded: 3 rollbacks within 1000 steps (limit 2)" in result.stderr
-    report = result.stderr[result.stderr.index("RollbackLimitExceeded:"):]
-    rollbacks = [tuple(map(int, m)) for m in
-                 re.findall(r"step 9: loss_spike → back to (\d+), skipped samples (\d+)\.\.(\d+)", report)[:2]]
+    report = result.stderr[result.stderr.index("RollbackLimitExceeded:") :]
+    rollbacks = [
+        tuple(map(int, m))
+        for m in re.findall(r"step 9: loss_spike → back to (\d+), skipped samples (\d+)\.\.(\d+)", report)[:2]
+    ]
     assert len(rollbacks) == 2 and all(back <= 9 - ROLLBACK for back, _, _ in rollbacks), report
     assert rollbacks[1][2] > rollbacks[0][2], "the second rollback skips further than the first"
     assert "step 9: loss_spike (not rolled back)" in report
@@ -137,8 +171,14 @@ def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_fu
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sampler = GlobalSampler(100, 4)
     state = {"model": model, "optim": opt, "sampler": sampler}
-    ckpt = Checkpointer(str(tmp_path / "ck"), persist_every_steps=2, keep_last=3, shm_root=str(shm_root),
-                        keeper_idle_s=5, keeper_log=tmp_path / "keeper.log")
+    ckpt = Checkpointer(
+        str(tmp_path / "ck"),
+        persist_every_steps=2,
+        keep_last=3,
+        shm_root=str(shm_root),
+        keeper_idle_s=5,
+        keeper_log=tmp_path / "keeper.log",
+    )
     weights = {}
     for step in range(1, 9):
         sampler.next_batch(0, 1)

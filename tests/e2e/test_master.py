@@ -32,9 +32,26 @@ def free_port() -> int:
 
 def start_master(db: Path, port: int, *extra: str) -> tuple[subprocess.Popen, str]:
     ready = db.parent / f"ready-{time.monotonic_ns()}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "stalwart", "master", "--db", str(db), "--port", str(port),
-                             "--job-token", TOKEN, "--ready-file", str(ready), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "master",
+            "--db",
+            str(db),
+            "--port",
+            str(port),
+            "--job-token",
+            TOKEN,
+            "--ready-file",
+            str(ready),
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert proc.poll() is None, proc.stderr.read()
@@ -71,10 +88,13 @@ def raw(address: str, method: str, path: str, token: str | None, body: bytes | N
 
 
 def test_every_call_needs_the_token(master):
-    for method, path, body in (("GET", "/v1/status", None),
-                               ("POST", "/v1/nodes/join", b'{"node_id":"n","host":"h","nproc":1}'),
-                               ("POST", "/v1/restarts", b'{"reason":"x"}'),
-                               ("POST", "/v1/chaos", b'{"spec":"kill:rank=1"}'), ("GET", "/metrics", None)):
+    for method, path, body in (
+        ("GET", "/v1/status", None),
+        ("POST", "/v1/nodes/join", b'{"node_id":"n","host":"h","nproc":1}'),
+        ("POST", "/v1/restarts", b'{"reason":"x"}'),
+        ("POST", "/v1/chaos", b'{"spec":"kill:rank=1"}'),
+        ("GET", "/metrics", None),
+    ):
         assert raw(master, method, path, None, body) == 401
         assert raw(master, method, path, "wrong", body) == 403
     assert raw(master, "GET", "/v1/status", TOKEN) == 200
@@ -112,8 +132,14 @@ def test_membership_incidents_and_global_restart_budget(master):
     assert [n["node_id"] for n in status["nodes"]] == ["node-0", "node-1"]
     assert status["nodes"][0]["progress"] == {"step": 7, "phase": "train"}
     [inc] = status["incidents"]
-    assert (inc["kind"], inc["class"], inc["fault"], inc["detected"], inc["restarted"], inc["first_step"]) == \
-        ("sigkill", "system", 10.0, 10.2, 11.0, 12.5)
+    assert (inc["kind"], inc["class"], inc["fault"], inc["detected"], inc["restarted"], inc["first_step"]) == (
+        "sigkill",
+        "system",
+        10.0,
+        10.2,
+        11.0,
+        12.5,
+    )
     assert inc["details"] == {"lost_steps": 1}
     assert [d["action"] for d in status["decisions"]] == ["restart", "restart", "give_up"]
 
@@ -176,8 +202,9 @@ def test_silent_node_is_declared_lost(tmp_path):
                 break
             time.sleep(0.2)
         assert states == {"node-0": "alive", "node-1": "lost"}
-        assert any(d["action"] == "node_lost" and d["details"]["node_id"] == "node-1"
-                   for d in client.status()["decisions"])
+        assert any(
+            d["action"] == "node_lost" and d["details"]["node_id"] == "node-1" for d in client.status()["decisions"]
+        )
 
 
 def test_master_binds_loopback_by_default(tmp_path):
@@ -200,8 +227,14 @@ def test_prometheus_metrics_from_the_journal(master):
     client = MasterClient(master, TOKEN)
     client.join("node-0", "hostA", 1)
     client.join("node-1", "hostB", 1)
-    client.call("POST", "/v1/nodes/heartbeat", {"node_id": "node-0", "progress": {
-        "ranks": [{"rank": 0, "step": 41}], "window": {"compute_s": 0.25, "steps": 5}}})
+    client.call(
+        "POST",
+        "/v1/nodes/heartbeat",
+        {
+            "node_id": "node-0",
+            "progress": {"ranks": [{"rank": 0, "step": 41}], "window": {"compute_s": 0.25, "steps": 5}},
+        },
+    )
     client.open_incident("sigkill", "node-1", "system", {"detected": time.time()})
     client.open_incident("sigkill", "node-1", "system", {"detected": time.time()})
     client.open_incident("sdc", "node-0", "hardware")
@@ -210,8 +243,11 @@ def test_prometheus_metrics_from_the_journal(master):
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=")
         text = response.read().decode()
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-               for line in text.splitlines() if line and not line.startswith("#")}
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples['stalwart_nodes{state="alive"}'] == 2 and samples['stalwart_nodes{state="lost"}'] == 0
     assert samples['stalwart_incidents_total{class="system",kind="sigkill"}'] == 2
     assert samples['stalwart_incidents_total{class="hardware",kind="sdc"}'] == 1
@@ -226,13 +262,18 @@ def test_injected_faults_are_journaled_and_delivered_with_heartbeats(master):
     with pytest.raises(MasterError, match="unknown action"):
         client.chaos("explode:rank=1")
     first, second = client.chaos("kill:rank=1:step=7"), client.chaos("hang:rank=0")
-    beat = lambda after: client.call("POST", "/v1/nodes/heartbeat",  # noqa: E731
-                                     {"node_id": "node-0", "progress": {}, "chaos_after": after})
+    beat = lambda after: client.call(
+        "POST",
+        "/v1/nodes/heartbeat",
+        {"node_id": "node-0", "progress": {}, "chaos_after": after},
+    )
     assert [c["spec"] for c in beat(0)["chaos"]] == ["kill:rank=1:step=7", "hang:rank=0"]
     assert [c["id"] for c in beat(first)["chaos"]] == [second] and beat(second)["chaos"] == []
     assert client.heartbeat("node-0", {})["chaos"] == [], "agents that do not ask get none"
-    assert [d["details"]["spec"] for d in client.status()["decisions"] if d["action"] == "chaos"] == \
-        ["kill:rank=1:step=7", "hang:rank=0"]
+    assert [d["details"]["spec"] for d in client.status()["decisions"] if d["action"] == "chaos"] == [
+        "kill:rank=1:step=7",
+        "hang:rank=0",
+    ]
 
 
 def test_a_straggler_is_evicted_only_when_a_spare_waits(tmp_path):
@@ -262,8 +303,13 @@ def test_a_straggler_is_evicted_only_when_a_spare_waits(tmp_path):
         status = client.status()
         assert status["evicted"] == ["node-1"] and status["stragglers"] == []
         [evict] = [d for d in status["decisions"] if d["action"] == "evict"]
-        assert evict["details"] == {"node_id": "node-1", "acted": True, "cause": "straggler",
-                                    "ratio": evict["details"]["ratio"], "spares": ["node-2"]}
+        assert evict["details"] == {
+            "node_id": "node-1",
+            "acted": True,
+            "cause": "straggler",
+            "ratio": evict["details"]["ratio"],
+            "spares": ["node-2"],
+        }
         assert beat("node-1", True)["leave"], "the evicted node hears it until it leaves"
         assert client.request_restart("peer left", "node-1", round_=0)["leave"]
         assert "leave" not in client.request_restart("peer left", "node-0", round_=0)
@@ -275,8 +321,18 @@ def test_a_failed_precheck_evicts_the_node_and_a_slow_one_is_journaled(master):
     client = MasterClient(master, TOKEN)
     for n in range(3):
         client.join(f"node-{n}", "h", 1)
-    check = lambda node, ok, s, *why: client.call("POST", "/v1/nodes/precheck", {  # noqa: E731
-        "node_id": node, "ok": ok, "matmul_s": s, "seconds": 0.2, "reasons": list(why), "devices": []})
+    check = lambda node, ok, s, *why: client.call(
+        "POST",
+        "/v1/nodes/precheck",
+        {
+            "node_id": node,
+            "ok": ok,
+            "matmul_s": s,
+            "seconds": 0.2,
+            "reasons": list(why),
+            "devices": [],
+        },
+    )
     assert check("node-0", True, 0.001) == {"admit": True, "ratio": None}
     assert check("node-1", True, 0.0011)["admit"]
     verdict = check("node-2", False, 0.001, "local rank 0 (cpu): matmul result differs")
@@ -300,7 +356,7 @@ def test_a_node_that_keeps_failing_is_evicted_if_the_job_keeps_its_minimum(tmp_p
         for n in range(2):
             client.join(f"node-{n}", "h", 1, {"min_nodes": 2})
             client.heartbeat(f"node-{n}", {"member": True})
-        fail = lambda node, **details: client.open_incident("sigkill", node, "system", details=details)  # noqa: E731
+        fail = lambda node, **details: client.open_incident("sigkill", node, "system", details=details)
         fail("node-1")
         fail("node-0", consequential=True)  # a peer's failure caused by node-1's: not node-0's fault
         fail("node-1")

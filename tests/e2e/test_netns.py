@@ -59,10 +59,16 @@ def partition() -> Iterator[dict[str, str]]:
         pytest.skip(reason)
     tag, net = uuid.uuid4().hex[:6], f"10.{random.randint(200, 250)}.{random.randint(0, 255)}"
     ns, host_if, ns_if = f"sw-{tag}", f"swh{tag}", f"swn{tag}"
-    steps = [("netns", "add", ns), ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
-             ("link", "set", ns_if, "netns", ns), ("addr", "add", f"{net}.1/24", "dev", host_if),
-             ("link", "set", host_if, "up"), ("-n", ns, "addr", "add", f"{net}.2/24", "dev", ns_if),
-             ("-n", ns, "link", "set", ns_if, "up"), ("-n", ns, "link", "set", "lo", "up")]
+    steps = [
+        ("netns", "add", ns),
+        ("link", "add", host_if, "type", "veth", "peer", "name", ns_if),
+        ("link", "set", ns_if, "netns", ns),
+        ("addr", "add", f"{net}.1/24", "dev", host_if),
+        ("link", "set", host_if, "up"),
+        ("-n", ns, "addr", "add", f"{net}.2/24", "dev", ns_if),
+        ("-n", ns, "link", "set", ns_if, "up"),
+        ("-n", ns, "link", "set", "lo", "up"),
+    ]
     try:
         for step in steps:
             done = _ip(*step)
@@ -74,36 +80,81 @@ def partition() -> Iterator[dict[str, str]]:
         _ip("link", "del", host_if)
 
 
-def start_node(tmp_path: Path, address: str, job: str, n: int, local_ip: str, ifname: str,
-               ns: str | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-id", job, "--local-addr", local_ip,
-           "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-           "--master", address, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "3",
-           "--hang-timeout", "3", "--run-dir", str(tmp_path / f"run{n}"), "--warm-start", "off",
-           str(SCRIPT), "--out", str(tmp_path / "job"), "--steps", str(STEPS), "--step-s", "0.1"]
+def start_node(
+    tmp_path: Path, address: str, job: str, n: int, local_ip: str, ifname: str, ns: str | None = None
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        job,
+        "--local-addr",
+        local_ip,
+        "--rdzv-conf",
+        "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "--master",
+        address,
+        "--job-token",
+        TOKEN,
+        "--node-id",
+        f"node{n}",
+        "--max-restarts",
+        "3",
+        "--hang-timeout",
+        "3",
+        "--run-dir",
+        str(tmp_path / f"run{n}"),
+        "--warm-start",
+        "off",
+        str(SCRIPT),
+        "--out",
+        str(tmp_path / "job"),
+        "--steps",
+        str(STEPS),
+        "--step-s",
+        "0.1",
+    ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": ifname}  # gloo's own address: on the veth, not the hostname's
-    return subprocess.Popen(["ip", "netns", "exec", ns, *cmd] if ns else cmd, env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / f"node{n}.log", "w"), start_new_session=True)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *cmd] if ns else cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"node{n}.log", "w"),
+        start_new_session=True,
+    )
 
 
 def test_a_node_cut_off_the_network_is_lost_and_the_job_goes_on_without_it(tmp_path, partition):
     (tmp_path / "job").mkdir()
     job = f"netns-{uuid.uuid4().hex[:8]}"
-    master, address = start_master(tmp_path / "journal.sqlite", 0, "--host", partition["host_ip"],
-                                   "--rdzv-port", "0", "--node-timeout", "4")
+    master, address = start_master(
+        tmp_path / "journal.sqlite", 0, "--host", partition["host_ip"], "--rdzv-port", "0", "--node-timeout", "4"
+    )
     client = MasterClient(address, TOKEN)
-    nodes = [start_node(tmp_path, address, job, 0, partition["host_ip"], partition["host_if"]),
-             start_node(tmp_path, address, job, 1, partition["ns_ip"], partition["ns_if"], partition["ns"])]
+    nodes = [
+        start_node(tmp_path, address, job, 0, partition["host_ip"], partition["host_if"]),
+        start_node(tmp_path, address, job, 1, partition["ns_ip"], partition["ns_if"], partition["ns"]),
+    ]
     try:
         deadline = time.monotonic() + 90
         while True:  # both nodes train: steps reported by a rank on each side of the link
-            steps = {n["node_id"]: max((r["step"] for r in n["progress"].get("ranks", [])), default=-1)
-                     for n in client.status()["nodes"]}
+            steps = {
+                n["node_id"]: max((r["step"] for r in n["progress"].get("ranks", [])), default=-1)
+                for n in client.status()["nodes"]
+            }
             if len(steps) == 2 and min(steps.values()) >= 3:
                 break
-            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), \
-                (tmp_path / "node1.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), (
+                tmp_path / "node1.log"
+            ).read_text()[-3000:]
             time.sleep(0.2)
         cut = _ip("-n", partition["ns"], "link", "set", partition["ns_if"], "down")
         assert cut.returncode == 0, cut.stderr

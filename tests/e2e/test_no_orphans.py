@@ -96,19 +96,46 @@ def _steps_logged(out: Path) -> int:
         return 0
 
 
-@pytest.mark.parametrize("ending, warm", [("success", "on"), ("worker-failure", "on"), ("ctrl-c", "on"),
-                                          ("agent-sigkill", "on"), ("agent-sigkill", "off")])
+@pytest.mark.parametrize(
+    "ending, warm",
+    [("success", "on"), ("worker-failure", "on"), ("ctrl-c", "on"), ("agent-sigkill", "on"), ("agent-sigkill", "off")],
+)
 def test_nothing_outlives_the_agent(stdlib_data, tmp_path, ending, warm):
     node_id = f"orphans-{uuid.uuid4().hex[:8]}"
     out, run_dir, log = tmp_path / "out", tmp_path / "run", tmp_path / "run.log"
     steps = 4 if ending in ("success", "worker-failure") else 10_000  # the others are interrupted
-    cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
-           "--node-id", node_id, "--run-dir", str(run_dir), "--warm-start", warm,
-           *(["--chaos", "raise:rank=1:step=3"] if ending == "worker-failure" else []),
-           "-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={stdlib_data}",
-           "--data.seq_len=32", f"--train.steps={steps}", "--train.warmup_steps=2", "--train.log_every=1",
-           f"--train.out_dir={out}", "--checkpoint.enabled=true", f"--checkpoint.dir={tmp_path / 'ckpt'}",
-           "--checkpoint.persist_every_steps=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--node-id",
+        node_id,
+        "--run-dir",
+        str(run_dir),
+        "--warm-start",
+        warm,
+        *(["--chaos", "raise:rank=1:step=3"] if ending == "worker-failure" else []),
+        "-m",
+        "stalwart",
+        "train",
+        "--config",
+        "configs/debug.toml",
+        f"--data.dir={stdlib_data}",
+        "--data.seq_len=32",
+        f"--train.steps={steps}",
+        "--train.warmup_steps=2",
+        "--train.log_every=1",
+        f"--train.out_dir={out}",
+        "--checkpoint.enabled=true",
+        f"--checkpoint.dir={tmp_path / 'ckpt'}",
+        "--checkpoint.persist_every_steps=2",
+    ]
     env = {**os.environ, "STALWART_CHAOS_DIR": str(tmp_path / "chaos")}
     with open(log, "wb") as sink:
         agent = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -124,11 +151,16 @@ def test_nothing_outlives_the_agent(stdlib_data, tmp_path, ending, warm):
                 watch.scan()  # a process started at the very end is recorded too
                 time.sleep(0.2)
         text = log.read_text()
-        assert {"success": code == 0, "worker-failure": code == 1, "ctrl-c": code != 0,
-                "agent-sigkill": code == -signal.SIGKILL}[ending], (code, text[-3000:])
+        assert {
+            "success": code == 0,
+            "worker-failure": code == 1,
+            "ctrl-c": code != 0,
+            "agent-sigkill": code == -signal.SIGKILL,
+        }[ending], (code, text[-3000:])
         cmdlines = list(watch.seen.values())
-        assert any("stalwart.checkpoint" in c and "--parent" in c for c in cmdlines), \
+        assert any("stalwart.checkpoint" in c and "--parent" in c for c in cmdlines), (
             f"the agent started no keeper: {cmdlines}"
+        )
         assert sum("stalwart train" in c or "zygote_client" in c for c in cmdlines) >= 2, cmdlines  # the workers
         assert watch.alive() == {}, f"left running {GONE_WITHIN_S} s after the agent: {watch.alive()}"
         if ending == "success":  # the keeper committed the last step and removed the snapshots

@@ -21,10 +21,17 @@ RTOL = 1e-4
 
 
 def harness(out: Path, data: Path, *args: str, nproc: int = 0) -> dict:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-                if nproc else [sys.executable])
-    result = subprocess.run([*launcher, str(HARNESS), f"--data={data}", f"--out={out}", f"--steps={STEPS}", *args],
-                            capture_output=True, text=True, timeout=300)
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if nproc
+        else [sys.executable]
+    )
+    result = subprocess.run(
+        [*launcher, str(HARNESS), f"--data={data}", f"--out={out}", f"--steps={STEPS}", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     run = json.loads(out.read_text())
     run["stderr"] = result.stderr
@@ -58,8 +65,11 @@ LAYOUTS = {
     # 2-D FSDP2 × TP with loss parallel (vocabulary-sharded logits) and selective recompute
     "fsdp2_tp2": (4, ["--layout=dp_shard=2,tp=2", "--recompute=selective"], {"dp_shard": 2, "tp": 2}),
     # PP over FSDP2 with lighter end stages and full recompute
-    "pp2_fsdp2_lighter_ends_recompute": (4, ["--layout=pp=2,dp_shard=2", "--layer-split=lighter_ends",
-                                             "--recompute=full"], {"pp": 2, "dp_shard": 2}),
+    "pp2_fsdp2_lighter_ends_recompute": (
+        4,
+        ["--layout=pp=2,dp_shard=2", "--layer-split=lighter_ends", "--recompute=full"],
+        {"pp": 2, "dp_shard": 2},
+    ),
 }
 
 
@@ -94,8 +104,7 @@ def test_auto_layout_fits_runs_and_explains(stdlib_data, tmp_path, reference):
 
 @pytest.mark.parametrize("compress,rtol", [("bf16", 2e-3), ("powersgd", 5e-2)])
 def test_ddp_gradient_compression_trains_close_to_exact(compress, rtol, stdlib_data, tmp_path, reference):
-    run = harness(tmp_path / "c.json", stdlib_data, "--layout=dp=2", "--dp-mode=ddp", f"--compress={compress}",
-                  nproc=2)
+    run = harness(tmp_path / "c.json", stdlib_data, "--layout=dp=2", "--dp-mode=ddp", f"--compress={compress}", nproc=2)
     assert run["uses_ddp"]
     # lossy by design: close to the uncompressed curve, yet visibly off it (exact DDP is ~1e-7 off)
     deviation = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"]))
@@ -110,8 +119,9 @@ def test_checkpoint_reshards_across_layouts(stdlib_data, tmp_path, reference):
     ckpt = tmp_path / "ckpt"
     first = harness(tmp_path / "a.json", stdlib_data, "--layout=pp=2", "--steps=5", f"--save={ckpt}", nproc=2)
     assert first["losses"] == pytest.approx(reference["losses"][:5], rel=RTOL)
-    resumed = harness(tmp_path / "b.json", stdlib_data, "--layout=tp=2", "--steps=5", f"--load={ckpt}",
-                      "--start-step=5", nproc=2)
+    resumed = harness(
+        tmp_path / "b.json", stdlib_data, "--layout=tp=2", "--steps=5", f"--load={ckpt}", "--start-step=5", nproc=2
+    )
     assert resumed["ranks_agree"]
     for step, (a, b) in enumerate(zip(resumed["losses"], reference["losses"][5:]), 6):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: {a} vs {b}"

@@ -14,9 +14,29 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "recovery.py"
 
 
 def test_recovery_benchmark_smoke(tmp_path):
-    cmd = [sys.executable, str(BENCH), "--json", "--repeats", "1", "--steps", "14", "--kill-step", "8",
-           "--dcp-every", "5", "--hang-step", "4", "--hang-timeout", "2", "--configs", "stalwart,torchrun_dcp",
-           "--timeout", "120", "--dir", str(tmp_path / "runs")]
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--json",
+        "--repeats",
+        "1",
+        "--steps",
+        "14",
+        "--kill-step",
+        "8",
+        "--dcp-every",
+        "5",
+        "--hang-step",
+        "4",
+        "--hang-timeout",
+        "2",
+        "--configs",
+        "stalwart,torchrun_dcp",
+        "--timeout",
+        "120",
+        "--dir",
+        str(tmp_path / "runs"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)

@@ -19,9 +19,24 @@ def launch(tmp_path: Path, *script_args: str, run_args: tuple[str, ...] = (), ti
     out = tmp_path / "job"
     out.mkdir(exist_ok=True)
     summary = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2",
-           "--run-dir", str(tmp_path / "run"), "--summary-json", str(summary), *run_args,
-           str(SCRIPT), "--out", str(out), *script_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--summary-json",
+        str(summary),
+        *run_args,
+        str(SCRIPT),
+        "--out",
+        str(out),
+        *script_args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return proc, json.loads(summary.read_text()) if summary.exists() else None, out
 
@@ -56,10 +71,27 @@ def test_syntax_error_fails_fast_with_traceback(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\ndef broken(:\n    pass\n")
     summary_path = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2",
-                           "--max-restarts", "3", "--run-dir", str(tmp_path / "run"),
-                           "--summary-json", str(summary_path), str(bad)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--summary-json",
+            str(summary_path),
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "SyntaxError" in proc.stderr and "not restarting" in proc.stderr
     summary = json.loads(summary_path.read_text())
@@ -78,8 +110,9 @@ def test_restart_budget_is_enforced(tmp_path):
 
 def test_torchrun_flags_and_environment_as_torchrun(tmp_path):
     """A fault-free run with torchrun's own flags: same environment, same result, exit 0."""
-    proc, summary, out = launch(tmp_path, run_args=("--max-restarts", "1", "--monitor-interval", "0.2",
-                                                    "--rdzv-id", "compat"))
+    proc, summary, out = launch(
+        tmp_path, run_args=("--max-restarts", "1", "--monitor-interval", "0.2", "--rdzv-id", "compat")
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "result.json").read_text())["x"] == EXPECTED_X
     assert summary["incidents"] == [] and summary["restarts_used"] == 0

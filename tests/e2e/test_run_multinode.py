@@ -20,18 +20,47 @@ from .test_run import EXPECTED_X, SCRIPT
 pytestmark = pytest.mark.e2e
 
 
-def start_agents(tmp_path: Path, master: str, nodes: int, nproc: int, *script_args: str,
-                 window_s: float = 1.0) -> list[subprocess.Popen]:
+def start_agents(
+    tmp_path: Path, master: str, nodes: int, nproc: int, *script_args: str, window_s: float = 1.0
+) -> list[subprocess.Popen]:
     port = free_port()
     (tmp_path / "job").mkdir(exist_ok=True)
     procs = []
     for n in range(nodes):
-        cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn",
-               "--master", master, "--job-token", TOKEN, "--node-id", f"node{n}", "--max-restarts", "2",
-               "--straggler-window", str(window_s),
-               "--run-dir", str(tmp_path / f"run{n}"), "--summary-json", str(tmp_path / f"summary{n}.json"),
-               str(SCRIPT), "--out", str(tmp_path / "job"), *script_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "run",
+            "--nnodes",
+            str(nodes),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "mn",
+            "--master",
+            master,
+            "--job-token",
+            TOKEN,
+            "--node-id",
+            f"node{n}",
+            "--max-restarts",
+            "2",
+            "--straggler-window",
+            str(window_s),
+            "--run-dir",
+            str(tmp_path / f"run{n}"),
+            "--summary-json",
+            str(tmp_path / f"summary{n}.json"),
+            str(SCRIPT),
+            "--out",
+            str(tmp_path / "job"),
+            *script_args,
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -75,8 +104,9 @@ def test_killed_master_does_not_disturb_training(tmp_path):
         assert status["master_starts"] == 2 and status["restarts_used"] == 0
         assert [n["node_id"] for n in status["nodes"]] == ["node0"]
         assert status["nodes"][0]["progress"]["ranks"], "heartbeats reached the restarted master"
-        assert {p.name for p in (tmp_path / "job").glob("attempt-*")} == {"attempt-rank0-0", "attempt-rank1-0"}, \
+        assert {p.name for p in (tmp_path / "job").glob("attempt-*")} == {"attempt-rank0-0", "attempt-rank1-0"}, (
             "workers were never restarted"
+        )
     finally:
         master.terminate()
         master.wait(10)
@@ -84,8 +114,9 @@ def test_killed_master_does_not_disturb_training(tmp_path):
 
 def test_slow_node_is_flagged_as_straggler(tmp_path):
     with running_master(tmp_path / "journal.sqlite", "--straggler-windows", "3") as address:
-        agents = start_agents(tmp_path, address, 2, 1, "--steps", "60", "--step-s", "0.05",
-                              "--slow-rank", "1", "--slow-factor", "3")
+        agents = start_agents(
+            tmp_path, address, 2, 1, "--steps", "60", "--step-s", "0.05", "--slow-rank", "1", "--slow-factor", "3"
+        )
         # 1-second windows so three of them pass well within the run.
         finish(agents)
         status = MasterClient(address, TOKEN).status()

@@ -17,13 +17,37 @@ STEPS = 12
 
 
 def run_job(tmp_path: Path, data: Path, chaos: str | None = None) -> tuple[dict, dict]:
-    cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "2", "--hang-timeout", "3", "--run-dir", str(tmp_path / "run"),
-           "--summary-json", str(tmp_path / "run.json"), *(["--chaos", chaos] if chaos else []),
-           "-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={data}",
-           "--data.seq_len=64", f"--train.steps={STEPS}", "--train.warmup_steps=2",
-           f"--train.out_dir={tmp_path / 'out'}", "--checkpoint.enabled=true",
-           f"--checkpoint.dir={tmp_path / 'ckpt'}", "--checkpoint.persist_every_steps=4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--hang-timeout",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--summary-json",
+        str(tmp_path / "run.json"),
+        *(["--chaos", chaos] if chaos else []),
+        "-m",
+        "stalwart",
+        "train",
+        "--config",
+        "configs/debug.toml",
+        f"--data.dir={data}",
+        "--data.seq_len=64",
+        f"--train.steps={STEPS}",
+        "--train.warmup_steps=2",
+        f"--train.out_dir={tmp_path / 'out'}",
+        "--checkpoint.enabled=true",
+        f"--checkpoint.dir={tmp_path / 'ckpt'}",
+        "--checkpoint.persist_every_steps=4",
+    ]
     env = {**__import__("os").environ, "STALWART_CHAOS_DIR": str(tmp_path / "chaos")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -37,8 +61,9 @@ def reference(stdlib_data, tmp_path_factory):
     return summary
 
 
-@pytest.mark.parametrize("action, kind", [("kill", "sigkill"), ("segv", "sigsegv"), ("raise", "exit"),
-                                          ("stop", "hang"), ("hang", "hang")])
+@pytest.mark.parametrize(
+    "action, kind", [("kill", "sigkill"), ("segv", "sigsegv"), ("raise", "exit"), ("stop", "hang"), ("hang", "hang")]
+)
 def test_fault_recovers_to_bitwise_identical_weights(stdlib_data, tmp_path, reference, action, kind):
     run, summary = run_job(tmp_path, stdlib_data, f"{action}:rank=1:step=6")
     assert summary["final_hash"] == reference["final_hash"]

@@ -40,17 +40,26 @@ STEPS = 60
 EVICTED = 3  # stalwart run's exit code for a node that left the job
 
 
-def node(tmp_path: Path, data: Path, address: str, job: str, n: int, chaos: str = "",
-         script: tuple[str, ...] = ()) -> subprocess.Popen:
+def node(
+    tmp_path: Path, data: Path, address: str, job: str, n: int, chaos: str = "", script: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """test_elastic's node (debug trainer, `--nnodes 1:2`), with a precheck; or running `script`."""
     base = "slow:seconds=0.05"  # a pace that leaves time to kill a node mid-run
-    flags = ("--precheck", "--straggler-window", "1",
-             "--summary-json", str(tmp_path / f"summary{n}.json"), "--chaos", f"{base};{chaos}" if chaos else base)
+    flags = (
+        "--precheck",
+        "--straggler-window",
+        "1",
+        "--summary-json",
+        str(tmp_path / f"summary{n}.json"),
+        "--chaos",
+        f"{base};{chaos}" if chaos else base,
+    )
     return start_node(tmp_path, data, address, job, n, run=flags, train=(f"--train.steps={STEPS}",), script=script)
 
 
-def wait_for(what: str, condition: Callable[[], bool], nodes: dict[int, subprocess.Popen], tmp_path: Path,
-             timeout: float = 90) -> None:
+def wait_for(
+    what: str, condition: Callable[[], bool], nodes: dict[int, subprocess.Popen], tmp_path: Path, timeout: float = 90
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         dead = {n: p.returncode for n, p in nodes.items() if p.poll() not in (None, EVICTED)}
@@ -73,9 +82,19 @@ def committed_at_world_2(storage: Storage) -> bool:
 def reference_run(tmp_path: Path, data: Path) -> subprocess.Popen:
     """The fault-free run at world size 2 (two local workers, same data, batch and steps)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "stalwart", "train", "--nproc", "2",
-         *test_elastic.train_args(data, tmp_path / "reference"), f"--train.steps={STEPS}"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "reference.log", "w"))
+        [
+            sys.executable,
+            "-m",
+            "stalwart",
+            "train",
+            "--nproc",
+            "2",
+            *test_elastic.train_args(data, tmp_path / "reference"),
+            f"--train.steps={STEPS}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "reference.log", "w"),
+    )
 
 
 def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_joins(stdlib_data, tmp_path):
@@ -92,8 +111,12 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
         assert nodes[3].wait(timeout=90) == EVICTED, (tmp_path / "node3.log").read_text()[-3000:]
         assert "precheck failed" in (tmp_path / "node3.log").read_text()
         # Two nodes form the round; the third waits beyond --nnodes MAX (TorchElastic keeps it out).
-        wait_for("a round and a spare", lambda: (len(client.status()["members"]), len(client.status()["spares"]))
-                 == (2, 1), nodes, tmp_path)
+        wait_for(
+            "a round and a spare",
+            lambda: (len(client.status()["members"]), len(client.status()["spares"])) == (2, 1),
+            nodes,
+            tmp_path,
+        )
         status = client.status()
         [spare], members = status["spares"], sorted(status["members"])
         # A whole node dies once the job committed a checkpoint of both ranks; the spare takes its place.
@@ -127,8 +150,9 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
     assert any(d["action"] == "node_lost" and d["details"]["node_id"] == f"node{lost}" for d in journal.decisions())
     # Every start ran the precheck (the survivor: first start and the restart) and it stayed cheap.
     replacement = int(spare[-1])
-    prechecks = {n: json.loads((tmp_path / f"summary{n}.json").read_text())["prechecks"]
-                 for n in (survivor, replacement)}
+    prechecks = {
+        n: json.loads((tmp_path / f"summary{n}.json").read_text())["prechecks"] for n in (survivor, replacement)
+    }
     assert len(prechecks[survivor]) == 2 and len(prechecks[replacement]) == 1, prechecks
     assert all(p["ok"] and p["seconds"] < 2.0 for ps in prechecks.values() for p in ps), prechecks
 
@@ -173,8 +197,9 @@ def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place
     script = (str(tmp_path / "work.py"), "--out", str(tmp_path / "job"), "--steps", str(steps))
     # A 10× slow node (≈5× measured: the throttle lags) is far above a 2.5× threshold for 3 windows;
     # ordinary noise on a busy 2-core host is not.
-    master, address = start_master(tmp_path, "--straggler-policy", "evict", "--straggler-windows", "3",
-                                   "--straggler-threshold", "2.5")
+    master, address = start_master(
+        tmp_path, "--straggler-policy", "evict", "--straggler-windows", "3", "--straggler-threshold", "2.5"
+    )
     client = MasterClient(address, TOKEN)
     nodes: dict[int, subprocess.Popen] = {}
     try:

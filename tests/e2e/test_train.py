@@ -15,14 +15,24 @@ WARMUP = ("--train.warmup_steps=2",)  # short runs: the 1-process reference uses
 
 
 def stalwart(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stalwart", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "stalwart", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def train(out: Path, data: Path, *extra: str, nproc: int = 1, steps: int = STEPS) -> dict:
-    result = stalwart("train", "--config", "configs/debug.toml", "--nproc", str(nproc), "--json",
-                      f"--data.dir={data}", "--data.seq_len=64", f"--train.steps={steps}", *WARMUP,
-                      f"--train.out_dir={out}", *extra)
+    result = stalwart(
+        "train",
+        "--config",
+        "configs/debug.toml",
+        "--nproc",
+        str(nproc),
+        "--json",
+        f"--data.dir={data}",
+        "--data.seq_len=64",
+        f"--train.steps={steps}",
+        *WARMUP,
+        f"--train.out_dir={out}",
+        *extra,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     summary["losses"] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -54,8 +64,9 @@ def test_ddp_two_ranks_matches_one_process(ddp_run, reference):
 
 @pytest.mark.parametrize("reshard", ["true", "false"], ids=["zero3", "zero2"])
 def test_fsdp2_two_ranks_matches_one_process(stdlib_data, tmp_path, reference, reshard):
-    run = train(tmp_path, stdlib_data, "--parallel.dp_mode=fsdp", f"--parallel.reshard_after_forward={reshard}",
-                nproc=2)
+    run = train(
+        tmp_path, stdlib_data, "--parallel.dp_mode=fsdp", f"--parallel.reshard_after_forward={reshard}", nproc=2
+    )
     assert run["dp_mode"] == "fsdp"
     assert_same_curve(run, reference)
 
@@ -71,10 +82,29 @@ def test_deterministic_runs_are_bitwise_identical(stdlib_data, tmp_path, ddp_run
 def test_under_torchrun_uses_launcher_environment(stdlib_data, tmp_path, reference):
     out = tmp_path / "torchrun"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={stdlib_data}",
-         "--data.seq_len=64", f"--train.steps={STEPS}", *WARMUP, f"--train.out_dir={out}", "--json"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "stalwart",
+            "train",
+            "--config",
+            "configs/debug.toml",
+            f"--data.dir={stdlib_data}",
+            "--data.seq_len=64",
+            f"--train.steps={STEPS}",
+            *WARMUP,
+            f"--train.out_dir={out}",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -107,4 +137,6 @@ def test_every_command_explains_itself():
         assert result.returncode == 0 and len(result.stdout) > 200, command
     assert "--section.key" in stalwart("train", "--help").stdout
     assert "--vocab-size" in stalwart("data", "prepare", "--help").stdout
-    assert "--nproc-per-node" in stalwart("run", "--help").stdout and "--hang-timeout" in stalwart("run", "--help").stdout
+    assert (
+        "--nproc-per-node" in stalwart("run", "--help").stdout and "--hang-timeout" in stalwart("run", "--help").stdout
+    )

@@ -29,8 +29,17 @@ pytestmark = pytest.mark.e2e
 STEPS, MORE = 10, 2  # layout runs; the restored run continues for MORE steps
 RTOL = 1e-4
 KILL = "kill:rank=1:step=6"  # SIGKILL of rank 1 after step 6
-COMMON = ("--config", "configs/debug.toml", "--data.seq_len=32", "--train.global_batch=8", "--train.micro_batch=2",
-          "--train.warmup_steps=0", "--train.lr=3e-3", "--train.min_lr=3e-3", "--train.log_every=100")
+COMMON = (
+    "--config",
+    "configs/debug.toml",
+    "--data.seq_len=32",
+    "--train.global_batch=8",
+    "--train.micro_batch=2",
+    "--train.warmup_steps=0",
+    "--train.lr=3e-3",
+    "--train.min_lr=3e-3",
+    "--train.log_every=100",
+)
 
 
 def losses(out: Path) -> list[float]:
@@ -39,8 +48,19 @@ def losses(out: Path) -> list[float]:
 
 def train(out: Path, data: Path, *extra: str, nproc: int = 2, steps: int = STEPS) -> dict:
     """`stalwart train --nproc N`; returns summary.json plus the logged losses and stderr."""
-    cmd = [sys.executable, "-m", "stalwart", "train", f"--nproc={nproc}", *COMMON, f"--data.dir={data}",
-           f"--train.steps={steps}", f"--train.out_dir={out}", "--json", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "train",
+        f"--nproc={nproc}",
+        *COMMON,
+        f"--data.dir={data}",
+        f"--train.steps={steps}",
+        f"--train.out_dir={out}",
+        "--json",
+        *extra,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -50,18 +70,47 @@ def train(out: Path, data: Path, *extra: str, nproc: int = 2, steps: int = STEPS
 def checkpointed(out: Path, shm: Path, persist_every_steps: int = 5, keeper_idle_s: float = 10.0) -> list[str]:
     """Flash checkpoints into OUT/ckpt; the snapshots go to a private /dev/shm root (conftest's).
     ``persist_every_steps=0``: resume from OUT/ckpt but write nothing there (no keeper process)."""
-    return ["--checkpoint.enabled=true", f"--checkpoint.dir={out / 'ckpt'}", f"--checkpoint.shm_dir={shm}",
-            f"--checkpoint.persist_every_steps={persist_every_steps}", f"--checkpoint.keeper_idle_s={keeper_idle_s}"]
+    return [
+        "--checkpoint.enabled=true",
+        f"--checkpoint.dir={out / 'ckpt'}",
+        f"--checkpoint.shm_dir={shm}",
+        f"--checkpoint.persist_every_steps={persist_every_steps}",
+        f"--checkpoint.keeper_idle_s={keeper_idle_s}",
+    ]
 
 
-def run_job(tmp: Path, data: Path, shm: Path, *extra: str, nproc: int, chaos: str,
-            steps: int = STEPS) -> tuple[dict, dict]:
+def run_job(
+    tmp: Path, data: Path, shm: Path, *extra: str, nproc: int, chaos: str, steps: int = STEPS
+) -> tuple[dict, dict]:
     """`stalwart run` (job master + agent) over `stalwart train` with flash checkpoints and a fault."""
-    cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", "1", "--hang-timeout", "60", "--run-dir", str(tmp / "run"),
-           "--summary-json", str(tmp / "run.json"), "--chaos", chaos,
-           "-m", "stalwart", "train", *COMMON, f"--data.dir={data}", f"--train.steps={steps}",
-           f"--train.out_dir={tmp}", *checkpointed(tmp, shm, keeper_idle_s=60), *extra]  # outlives the restart
+    cmd = [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "1",
+        "--hang-timeout",
+        "60",
+        "--run-dir",
+        str(tmp / "run"),
+        "--summary-json",
+        str(tmp / "run.json"),
+        "--chaos",
+        chaos,
+        "-m",
+        "stalwart",
+        "train",
+        *COMMON,
+        f"--data.dir={data}",
+        f"--train.steps={steps}",
+        f"--train.out_dir={tmp}",
+        *checkpointed(tmp, shm, keeper_idle_s=60),
+        *extra,
+    ]  # outlives the restart
     env = dict(os.environ, STALWART_CHAOS_DIR=str(tmp / "chaos"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -129,8 +178,15 @@ def reference(stdlib_data, tmp_path_factory) -> list[float]:
 LAYOUTS = {
     # name: (config overrides, expected degrees); TP2 with replicated logits and selective recompute
     "tp2": (["--parallel.tp=2", "--parallel.loss_parallel=false", "--parallel.recompute=selective"], {"tp": 2}),
-    "pp2_interleaved": (["--parallel.pp=2", "--parallel.schedule=interleaved_1f1b", "--parallel.virtual_stages=2",
-                         "--parallel.recompute=full"], {"pp": 2}),
+    "pp2_interleaved": (
+        [
+            "--parallel.pp=2",
+            "--parallel.schedule=interleaved_1f1b",
+            "--parallel.virtual_stages=2",
+            "--parallel.recompute=full",
+        ],
+        {"pp": 2},
+    ),
 }
 
 
@@ -143,8 +199,10 @@ def test_layouts_match_one_process(stdlib_data, tmp_path, reference):
 def test_expert_parallel_moe_matches_one_process(stdlib_data, tmp_path):
     moe = "--model.name=debug-moe"
     ep2 = ("--parallel.dp_mode=fsdp", "--parallel.ep=2")
-    ref, run = concurrently(partial(train, tmp_path / "ref", stdlib_data, moe, nproc=1),
-                            partial(train, tmp_path / "ep", stdlib_data, moe, *ep2))
+    ref, run = concurrently(
+        partial(train, tmp_path / "ref", stdlib_data, moe, nproc=1),
+        partial(train, tmp_path / "ep", stdlib_data, moe, *ep2),
+    )
     assert_matches(run, ref["losses"], {"dp_shard": 2, "ep": 2})
     records = [json.loads(line) for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["aux_loss"] > 0 for r in records), "the load-balancing loss is logged"
@@ -162,7 +220,8 @@ def test_pp2_restores_from_disk_and_recovers_from_sigkill_bitwise(stdlib_data, t
 
     (clean, more), killed = concurrently(
         clean_then_from_disk,
-        partial(run_job, tmp_path / "killed", stdlib_data, shm_root, pp2, nproc=2, chaos=KILL, steps=STEPS + MORE))
+        partial(run_job, tmp_path / "killed", stdlib_data, shm_root, pp2, nproc=2, chaos=KILL, steps=STEPS + MORE),
+    )
     assert_matches(clean, reference[:STEPS], {"pp": 2})
     # The hashes cover the whole model (every pipeline stage): equal to the hash of the persisted
     # final checkpoint loaded into a plain model.
@@ -187,11 +246,13 @@ def test_fsdp2_tp2_recovers_bitwise_and_restores_under_auto(stdlib_data, tmp_pat
     def clean_then_auto() -> tuple[dict, dict]:
         clean = train(tmp_path / "clean", stdlib_data, *layout, *checkpointed(tmp_path / "clean", shm_root), nproc=4)
         auto = restore_copy(tmp_path / "clean" / "ckpt", tmp_path / "auto")
-        return clean, train(auto, stdlib_data, "--parallel.layout=auto", *checkpointed(auto, shm_root, 0),
-                            steps=STEPS + MORE)
+        return clean, train(
+            auto, stdlib_data, "--parallel.layout=auto", *checkpointed(auto, shm_root, 0), steps=STEPS + MORE
+        )
 
     (clean, more), killed = concurrently(
-        clean_then_auto, partial(run_job, tmp_path / "killed", stdlib_data, shm_root, *layout, nproc=4, chaos=KILL))
+        clean_then_auto, partial(run_job, tmp_path / "killed", stdlib_data, shm_root, *layout, nproc=4, chaos=KILL)
+    )
     assert_matches(clean, reference[:STEPS], {"dp_shard": 2, "tp": 2})
     assert clean["final_hash"] == checkpoint_hash(tmp_path / "clean" / "ckpt", STEPS)
     assert_recovered_bitwise(killed, equal_to=clean)

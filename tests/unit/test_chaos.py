@@ -21,8 +21,11 @@ def chaos_env(tmp_path, monkeypatch):
 
 
 def test_names_are_the_contracts():
-    assert (chaos.ENV_SPEC, chaos.ENV_DIR, faults.ENV_FILE) == (runtime.ENV_CHAOS, runtime.ENV_CHAOS_DIR,
-                                                                runtime.ENV_CHAOS_FILE)
+    assert (chaos.ENV_SPEC, chaos.ENV_DIR, faults.ENV_FILE) == (
+        runtime.ENV_CHAOS,
+        runtime.ENV_CHAOS_DIR,
+        runtime.ENV_CHAOS_FILE,
+    )
 
 
 def test_a_spec_set_after_the_contract_was_read_still_fires_once(chaos_env, tmp_path):

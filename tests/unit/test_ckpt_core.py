@@ -138,7 +138,8 @@ def test_optimizer_state_is_keyed_per_parameter_and_the_cache_reads_fresh_hyperp
     assert not any(k.startswith("optim.") for k in second.objects)
     assert [g["params"] for g in second.groups["optim"]] == [names]
     assert {k for k in second.tensors if k.startswith("optim.")} == {
-        f"optim.state.{n}.{s}" for n in names for s in ("step", "exp_avg", "exp_avg_sq")}
+        f"optim.state.{n}.{s}" for n in names for s in ("step", "exp_avg", "exp_avg_sq")
+    }
     lr = second.groups["optim"][0]["lr"]
     assert lr == opt.param_groups[0]["lr"] == pytest.approx(first.groups["optim"][0]["lr"] * 2 / 3)
     w = SnapshotWriter(shm, 0, 1)
@@ -212,7 +213,7 @@ def test_double_buffer_alternates_slots_and_generations(shm):
     with SnapshotView(shm, slots[1]) as view:  # the older slot is intact and complete
         assert view.step == 2
         fresh, _, _ = tiny(seed=1)
-        fresh.load_state_dict({k[len("model."):]: view.tensor(k) for k in view.entries if k.startswith("model.")})
+        fresh.load_state_dict({k[len("model.") :]: view.tensor(k) for k in view.entries if k.startswith("model.")})
         assert state_dict_hash(fresh.state_dict()) == hashes[2]
     w.close()
 
@@ -256,7 +257,7 @@ def test_pre_step_hook_keeps_snapshot_consistent(shm, monkeypatch, tmp_path):
     assert state_dict_hash(model.state_dict()) != at_save
     w.wait()
     with SnapshotView(shm, complete_slots(shm, 0)[0]) as view:
-        snap = {k[len("model."):]: view.tensor(k).clone() for k in view.entries if k.startswith("model.")}
+        snap = {k[len("model.") :]: view.tensor(k).clone() for k in view.entries if k.startswith("model.")}
     assert state_dict_hash(snap) == at_save
     assert w.stats["wait_s"] > 0
     hook.remove()
@@ -286,8 +287,13 @@ def test_capture_reuses_dcp_state_dicts_but_always_shows_current_values():
     def same_as_fresh() -> bool:
         a = cached.capture()
         b = TrainingState({"model": model, "optim": opt, "sched": sched}, 0).capture()
-        return (a.tensors.keys() == b.tensors.keys() and a.objects == b.objects and a.mappings == b.mappings
-                and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors))
+        return (
+            a.tensors.keys() == b.tensors.keys()
+            and a.objects == b.objects
+            and a.mappings == b.mappings
+            and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+        )
+
     for _ in range(3):
         step(model, opt, sched)
         assert same_as_fresh()
@@ -296,6 +302,7 @@ def test_capture_reuses_dcp_state_dicts_but_always_shows_current_values():
     step(model, opt, sched)
     nested = cached.state_dict(for_load=True)
     from stalwart.checkpoint.state import set_path
+
     for key, path in saved.mappings.items():
         if key in snapshot:
             set_path(nested, path, snapshot[key])

@@ -63,8 +63,14 @@ def test_agent_keeper_learns_storage_from_job_json_and_stops_on_sigterm(root, tm
         _snapshot(job, [1, 2], persist={2})
         job.paths.owner(0).write_text(f'{{"pid": {os.getpid()}, "rank": 0, "world_size": 1}}')  # a live worker
         storage = Storage(str(tmp_path / "ckpt"))
-        job.write_job(storage, 1, [0], {"persist_every_steps": 2, "persist_every_s": 0, "keep_last": 3,
-                                        "keep_every": 0, "idle_s": 0.1}, keeper=True, keeper_log=tmp_path / "job.log")
+        job.write_job(
+            storage,
+            1,
+            [0],
+            {"persist_every_steps": 2, "persist_every_s": 0, "keep_last": 3, "keep_every": 0, "idle_s": 0.1},
+            keeper=True,
+            keeper_log=tmp_path / "job.log",
+        )
         assert _until(lambda: storage.latest() == 2), (tmp_path / "agent-keeper.log").read_text()
         assert job.keeper_alive()
         time.sleep(0.5)  # far beyond idle_s: the agent's keeper does not idle out, the agent ends it
@@ -82,12 +88,19 @@ def test_agent_keeper_saves_on_failure_when_stopped(root, tmp_path):
     step all ranks hold although no persist was due."""
     job = NodeJob(root)
     _snapshot(job, [1, 2, 3], persist=set())
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     job.paths.owner(0).write_text(f'{{"pid": {int(dead.stdout)}, "rank": 0, "world_size": 1}}')
     storage = Storage(str(tmp_path / "ckpt"))
-    job.write_job(storage, 1, [0], {"persist_every_steps": 0, "persist_every_s": 0, "keep_last": 3, "keep_every": 0,
-                                    "idle_s": 120}, keeper=True, keeper_log=None)
+    job.write_job(
+        storage,
+        1,
+        [0],
+        {"persist_every_steps": 0, "persist_every_s": 0, "keep_last": 3, "keep_every": 0, "idle_s": 120},
+        keeper=True,
+        keeper_log=None,
+    )
     keeper = job.spawn_keeper(tmp_path / "keeper.log", parent=os.getpid(), grace_s=20)
     try:
         assert _until(lambda: storage.latest() == 3), (tmp_path / "keeper.log").read_text()
@@ -99,10 +112,19 @@ def test_agent_keeper_saves_on_failure_when_stopped(root, tmp_path):
 
 
 def test_agent_keeper_exits_when_the_agent_is_killed(root, tmp_path):
-    agent = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time; from stalwart.checkpoint import NodeJob; "
-        f"p = NodeJob({str(root)!r}).spawn_keeper({str(tmp_path / 'keeper.log')!r}, parent=os.getpid()); "
-        "print(p.pid, flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, sys, time; from stalwart.checkpoint import NodeJob; "
+                f"p = NodeJob({str(root)!r}).spawn_keeper({str(tmp_path / 'keeper.log')!r}, parent=os.getpid()); "
+                "print(p.pid, flush=True); time.sleep(600)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     keeper_pid = int(agent.stdout.readline())
     try:
         time.sleep(1.0)

@@ -24,7 +24,7 @@ from stalwart.checkpoint.persist import retention
 from stalwart.checkpoint.shm import JobPaths, complete_slots, read_json
 from stalwart.utils import state_dict_hash
 
-WORKER = r'''
+WORKER = r"""
 import argparse, json, os, torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -64,7 +64,7 @@ ck.wait()
 if a.no_close:
     os._exit(0)
 ck.close()
-'''
+"""
 
 
 @pytest.fixture
@@ -98,9 +98,24 @@ def run_worker(env, steps, *flags, chaos="", world=1, timeout=120):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(
-        base, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(
+                base,
+                RANK=str(r),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+        )
+        for r in range(world)
+    ]
     return procs
 
 
@@ -172,10 +187,17 @@ def test_kill_during_persist_corrupt_shard_and_cli(env, tmp_path, cli):
     NodeJob(paths.root).persist_step(storage, 3, 1, "test")
     assert storage.latest() == 3
 
-    code = ("import sys; from stalwart.checkpoint import NodeJob, Storage; "
-            "NodeJob(sys.argv[1]).persist_step(Storage(sys.argv[2]), 4, 1, 'test')")
-    died = subprocess.run([sys.executable, "-c", code, str(paths.root), str(env["ck"])], capture_output=True,
-                          text=True, env=dict(os.environ, STALWART_CHAOS="kill:at=persist:step=4"), timeout=60)
+    code = (
+        "import sys; from stalwart.checkpoint import NodeJob, Storage; "
+        "NodeJob(sys.argv[1]).persist_step(Storage(sys.argv[2]), 4, 1, 'test')"
+    )
+    died = subprocess.run(
+        [sys.executable, "-c", code, str(paths.root), str(env["ck"])],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, STALWART_CHAOS="kill:at=persist:step=4"),
+        timeout=60,
+    )
     assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
     assert storage.latest() == 3 and 4 in storage.steps() and storage.committed() == [3]
     ls = json.loads(cli("ckpt", "ls", str(env["ck"]), "--json")[1])
@@ -251,8 +273,7 @@ def test_keeper_coalesces_when_persist_is_slow(env, monkeypatch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": opt}
     log = env["out"] / "keeper.log"
-    ck = Checkpointer(str(env["ck"]), persist_every_steps=1, shm_root=str(env["shm"]), keeper_log=log,
-                      keeper_idle_s=10)
+    ck = Checkpointer(str(env["ck"]), persist_every_steps=1, shm_root=str(env["shm"]), keeper_log=log, keeper_idle_s=10)
     assert ck.restore(state) == 0
     for step in range(1, 31):
         model(torch.randn(8, 16)).pow(2).mean().backward()

@@ -23,6 +23,7 @@ def test_torch_version_in_supported_range() -> None:
 
 # --- elastic agent, launcher, process helpers -------------------------------------------------
 
+
 def _agent(max_restarts: int = 5):  # a LocalElasticAgent that starts nothing (no rendezvous until run())
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -34,8 +35,13 @@ def _agent(max_restarts: int = 5):  # a LocalElasticAgent that starts nothing (n
         def get_run_id(self) -> str:
             return "compat"
 
-    spec = WorkerSpec(role="w", local_world_size=1, entrypoint="true", rdzv_handler=Handler(),  # type: ignore[arg-type]
-                      max_restarts=max_restarts)
+    spec = WorkerSpec(
+        role="w",
+        local_world_size=1,
+        entrypoint="true",
+        rdzv_handler=Handler(),  # type: ignore[arg-type]
+        max_restarts=max_restarts,
+    )
     return LocalElasticAgent(spec, DefaultLogsSpecs(), "spawn", **_compat.local_agent_kwargs(3))
 
 
@@ -48,13 +54,13 @@ def test_agent_overrides_match_the_base_class() -> None:
         method = getattr(LocalElasticAgent, name, None)
         assert callable(method), f"LocalElasticAgent.{name} is gone: StalwartAgent overrides it"
         params = tuple(inspect.signature(method).parameters)
-        assert params[:len(leading)] == leading, f"LocalElasticAgent.{name}{params}: expected {leading} first"
+        assert params[: len(leading)] == leading, f"LocalElasticAgent.{name}{params}: expected {leading} first"
     # the overrides in stalwart's agent take the same leading parameters
     from stalwart.launch.agent import StalwartAgent
 
     for name, leading in _compat.AGENT_OVERRIDES.items():
         ours = tuple(inspect.signature(getattr(StalwartAgent, name)).parameters)
-        assert ours[:len(leading)] == leading or ours[1:] == ("args", "kwargs"), (name, ours)
+        assert ours[: len(leading)] == leading or ours[1:] == ("args", "kwargs"), (name, ours)
 
 
 def test_local_agent_kwargs_are_accepted() -> None:
@@ -101,7 +107,13 @@ def test_leave_rendezvous_round_reaches_the_handler_internals() -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
     backend = C10dRendezvousBackend(store, "compat")
     handler = dr.DynamicRendezvousHandler.from_backend(
-        "compat", store, backend, min_nodes=1, max_nodes=1, timeout=dr.RendezvousTimeout(join=datetime.timedelta(seconds=10)))
+        "compat",
+        store,
+        backend,
+        min_nodes=1,
+        max_nodes=1,
+        timeout=dr.RendezvousTimeout(join=datetime.timedelta(seconds=10)),
+    )
     info = handler.next_rendezvous()
     assert info.world_size == 1
     assert handler._state_holder.state.participants  # this node is in the round
@@ -131,9 +143,11 @@ def test_join_non_daemon_threads_joins() -> None:
     import subprocess
     import sys
 
-    code = ("import threading, time\nfrom stalwart import _compat\ndone = []\n"
-            "t = threading.Thread(target=lambda: (time.sleep(0.2), done.append(1)))\nt.start()\n"
-            "_compat.join_non_daemon_threads()\nassert done == [1] and not t.is_alive()\nprint('joined')\n")
+    code = (
+        "import threading, time\nfrom stalwart import _compat\ndone = []\n"
+        "t = threading.Thread(target=lambda: (time.sleep(0.2), done.append(1)))\nt.start()\n"
+        "_compat.join_non_daemon_threads()\nassert done == [1] and not t.is_alive()\nprint('joined')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "joined" in out.stdout, out.stderr
 
@@ -145,11 +159,15 @@ def test_join_non_daemon_threads_joins() -> None:
 
 
 def test_flatten_state_dict_gives_dcp_keys_and_paths() -> None:
-    flat, paths = _compat.flatten_state_dict({"m": {"w": torch.ones(1)}, "o": {"param_groups": [{"lr": 0.1}],
-                                                                                "state.a.b": 2}})
+    flat, paths = _compat.flatten_state_dict(
+        {"m": {"w": torch.ones(1)}, "o": {"param_groups": [{"lr": 0.1}], "state.a.b": 2}}
+    )
     assert set(flat) == {"m.w", "o.param_groups.0.lr", "o.state.a.b"}
-    assert paths == {"m.w": ("m", "w"), "o.param_groups.0.lr": ("o", "param_groups", 0, "lr"),
-                     "o.state.a.b": ("o", "state.a.b")}
+    assert paths == {
+        "m.w": ("m", "w"),
+        "o.param_groups.0.lr": ("o", "param_groups", 0, "lr"),
+        "o.state.a.b": ("o", "state.a.b"),
+    }
 
 
 def _tiny_state() -> dict[str, Any]:
@@ -231,6 +249,7 @@ def test_storage_info_round_trips_through_json_and_pickles_by_the_allowed_name()
 
 # --- device mesh (torch.distributed.device_mesh) ---------------------------------------------
 
+
 def test_flatten_mesh_and_slice_with_a_flattened_axis() -> None:
     """``DeviceMesh._flatten`` makes a named axis of several; the root mesh can then be sliced by it,
     alone or with another axis (HSDP), without a warning escaping. World of one process (gloo)."""
@@ -278,7 +297,6 @@ def test_set_deterministic_algorithms_sets_the_public_flag() -> None:
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
-
 
 
 # --- end of training section ------------------------------------------------------------------

@@ -22,8 +22,11 @@ def corpus(tmp_path):
 def test_byte_prepare_roundtrip(corpus, tmp_path):
     out = tmp_path / "out"
     manifest = prepare([str(corpus)], out, tokenizer="byte", shard_tokens=500)
-    texts = [(corpus / "a.txt").read_text(), *[f"document number {i}" for i in range(20)],
-             (corpus / "sub" / "b.md").read_text()]
+    texts = [
+        (corpus / "a.txt").read_text(),
+        *[f"document number {i}" for i in range(20)],
+        (corpus / "sub" / "b.md").read_text(),
+    ]
     expected_tokens = sum(len(t.encode()) + 1 for t in texts)
     assert manifest["n_tokens"] == expected_tokens
     assert manifest["n_documents"] == 22 and manifest["n_shards"] == -(-expected_tokens // 500)
@@ -72,15 +75,18 @@ def test_corruption_is_detected(corpus, tmp_path):
     assert verify(out) == ["shard_00001.bin"]
 
 
-@pytest.mark.parametrize("setup, kwargs, match", [
-    (lambda d: None, {}, "has no text files"),
-    (lambda d: (d / "x.txt").write_bytes(b"abc\x00def"), {}, "looks binary"),
-    (lambda d: (d / "x.txt").write_bytes(b"\xff\xfe\xfa"), {}, "not UTF-8"),
-    (lambda d: (d / "x.jsonl").write_text('{"text": "ok"}\n{broken\n'), {}, r"x.jsonl:2: invalid JSON"),
-    (lambda d: (d / "x.jsonl").write_text('{"body": "no text"}\n'), {}, "string field 'text'"),
-    (lambda d: (d / "x.txt").write_text("fine"), {"tokenizer": "wordpiece"}, "unknown tokenizer 'wordpiece'"),
-    (lambda d: (d / "x.txt").write_text(""), {}, "hold no text"),
-])
+@pytest.mark.parametrize(
+    "setup, kwargs, match",
+    [
+        (lambda d: None, {}, "has no text files"),
+        (lambda d: (d / "x.txt").write_bytes(b"abc\x00def"), {}, "looks binary"),
+        (lambda d: (d / "x.txt").write_bytes(b"\xff\xfe\xfa"), {}, "not UTF-8"),
+        (lambda d: (d / "x.jsonl").write_text('{"text": "ok"}\n{broken\n'), {}, r"x.jsonl:2: invalid JSON"),
+        (lambda d: (d / "x.jsonl").write_text('{"body": "no text"}\n'), {}, "string field 'text'"),
+        (lambda d: (d / "x.txt").write_text("fine"), {"tokenizer": "wordpiece"}, "unknown tokenizer 'wordpiece'"),
+        (lambda d: (d / "x.txt").write_text(""), {}, "hold no text"),
+    ],
+)
 def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path, setup, kwargs, match):
     src = tmp_path / "in"
     src.mkdir()

@@ -111,10 +111,24 @@ def _save_two_ranks(mode: str, tmp: Path, shm: Path) -> Path:
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(script), mode, str(shm), str(tmp / "expected.pt")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), mode, str(shm), str(tmp / "expected.pt")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out
@@ -153,8 +167,14 @@ def test_plain_dcp_loads_a_stalwart_checkpoint_into_torch_templates(mode, tmp_pa
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     for layout in ("flat", "nested"):
         out = tmp_path / f"loaded-{layout}.pt"
-        run = subprocess.run([sys.executable, str(script), str(checkpoint), layout, str(out)], env=env, check=False,
-                             capture_output=True, text=True, timeout=240)
+        run = subprocess.run(
+            [sys.executable, str(script), str(checkpoint), layout, str(out)],
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert run.returncode == 0, run.stderr[-4000:]
         loaded = torch.load(out, weights_only=True)
         assert loaded["model"].keys() == expected["model"].keys()
@@ -165,8 +185,9 @@ def test_plain_dcp_loads_a_stalwart_checkpoint_into_torch_templates(mode, tmp_pa
         groups = loaded["optim"]["param_groups"]
         assert [g["lr"] for g in groups] == [0.0123, 0.0123], layout
         assert [g["weight_decay"] for g in groups] == [0.05, 0.0] and groups[0]["betas"] == (0.8, 0.95)
-        index_to_name = {i: n for g, eg in zip(groups, expected["optim"]["param_groups"])
-                         for i, n in zip(g["params"], eg["params"])}
+        index_to_name = {
+            i: n for g, eg in zip(groups, expected["optim"]["param_groups"]) for i, n in zip(g["params"], eg["params"])
+        }
         assert sorted(index_to_name.values()) == sorted(names)
         for index, state in loaded["optim"]["state"].items():
             for k, v in expected["optim"]["state"][index_to_name[index]].items():

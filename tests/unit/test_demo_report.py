@@ -6,10 +6,16 @@ from stalwart.demo.job import JobResult
 from stalwart.demo.report import lost_steps, recoveries, report
 
 
-def incident(node: str, kind: str, fault: float | None, detected: float, first_step: float | None,
-             **details) -> dict:
-    return {"node_id": node, "kind": kind, "class": "system", "fault": fault, "detected": detected,
-            "first_step": first_step, "details": details}
+def incident(node: str, kind: str, fault: float | None, detected: float, first_step: float | None, **details) -> dict:
+    return {
+        "node_id": node,
+        "kind": kind,
+        "class": "system",
+        "fault": fault,
+        "detected": detected,
+        "first_step": first_step,
+        "details": details,
+    }
 
 
 # Rank 1 (node1) killed at t=10 after step 5; node0's rank 0 fails on the broken connection; both
@@ -21,9 +27,23 @@ INCIDENTS = [
     incident("node1", "hang", 20.0, 30.1, 40.0, ranks=[1], last_step=8),
     incident("node0", "rollback", 35.0, 35.5, None, source="worker"),
 ]
-METRICS = [{"step": s, "time": t, "step_time_s": 1.0} for s, t in
-           [(1, 5.0), (2, 6.0), (3, 7.0), (4, 8.0), (5, 9.0), (4, 15.0), (5, 16.0), (6, 17.0), (7, 18.0),
-            (8, 19.0), (9, 41.0), (10, 42.0)]]
+METRICS = [
+    {"step": s, "time": t, "step_time_s": 1.0}
+    for s, t in [
+        (1, 5.0),
+        (2, 6.0),
+        (3, 7.0),
+        (4, 8.0),
+        (5, 9.0),
+        (4, 15.0),
+        (5, 16.0),
+        (6, 17.0),
+        (7, 18.0),
+        (8, 19.0),
+        (9, 41.0),
+        (10, 42.0),
+    ]
+]
 
 
 def test_one_recovery_per_fault_with_the_cause_on_the_faulted_rank():
@@ -39,11 +59,19 @@ def test_lost_steps_count_the_recomputed_steps():
 
 
 def test_report_goodput_and_comparison():
-    job = JobResult([0, 0], 50.0, INCIDENTS, 2, {"steps": 10, "final_hash": "h", "checkpoint": {
-        "hook_wait_s": 0.5, "save_call_s": 0.25}}, METRICS)
+    job = JobResult(
+        [0, 0],
+        50.0,
+        INCIDENTS,
+        2,
+        {"steps": 10, "final_hash": "h", "checkpoint": {"hook_wait_s": 0.5, "save_call_s": 0.25}},
+        METRICS,
+    )
     result = report(job, [("kill", 5), ("hang", 8)], "h", True, fault_rank=1)
-    assert [(i["injected"], i["kind"], i["lost_steps"]) for i in result["incidents"]] == \
-        [("kill", "sigkill", 2), ("hang", "hang", 0)]
+    assert [(i["injected"], i["kind"], i["lost_steps"]) for i in result["incidents"]] == [
+        ("kill", "sigkill", 2),
+        ("hang", "hang", 0),
+    ]
     assert result["incidents"][0]["detected_s"] == 0.2 and result["incidents"][0]["mttr_s"] == 5.0
     assert result["incidents"][0]["regain_s"] == 7.0  # step 6 (past step 5) at t=17
     assert result["incidents"][1]["mttr_s"] == result["incidents"][1]["regain_s"] == 21.1  # step 9 at t=41
@@ -51,7 +79,8 @@ def test_report_goodput_and_comparison():
     assert result["stall_s"] == 0.75 and result["bitwise_equal"] is True
     assert report(job, [], "other", False)["bitwise_equal"] is False
     # An incident nobody injected does not shift the attribution of the injected ones.
-    spurious = [incident("node1", "hang", None, 1.0, 4.0, ranks=[1], last_step=0)] + INCIDENTS
-    attributed = report(JobResult([0, 0], 50.0, spurious, 3, job.summary, METRICS), [("kill", 5), ("hang", 8)],
-                        "h", True, fault_rank=1)["incidents"]
+    spurious = [incident("node1", "hang", None, 1.0, 4.0, ranks=[1], last_step=0), *INCIDENTS]
+    attributed = report(
+        JobResult([0, 0], 50.0, spurious, 3, job.summary, METRICS), [("kill", 5), ("hang", 8)], "h", True, fault_rank=1
+    )["incidents"]
     assert [(i["injected"], i["kind"]) for i in attributed] == [(None, "hang"), ("kill", "sigkill"), ("hang", "hang")]

@@ -68,8 +68,14 @@ def test_rollback_budget_stops_with_a_report():
     roll(Verdict("nan", 120, math.nan, math.nan), 110, (1760, 1920))
     roll(Verdict("loss_spike", 300, 9.0, 3.0), 290, (4640, 4800))  # old ones aged out
     entry = roll(Verdict("grad_spike", 330, 80.0, 5.0), 320, (5120, 5280))
-    assert entry == {"step": 330, "kind": "grad_spike", "value": 80.0, "threshold": 5.0, "rolled_back_to": 320,
-                     "skipped_samples": [5120, 5280]}
+    assert entry == {
+        "step": 330,
+        "kind": "grad_spike",
+        "value": 80.0,
+        "threshold": 5.0,
+        "rolled_back_to": 320,
+        "skipped_samples": [5120, 5280],
+    }
     with pytest.raises(RollbackLimitExceeded) as err:
         roll(Verdict("loss_spike", 350, 9.0, 3.0), 340, (5440, 5600))
     message = str(err.value)

@@ -27,15 +27,18 @@ class Failure:
     message: Any = None
 
 
-def p(rank: int, step: int, t: float, reports: int | None = None, phase: str = "step",
-      compute_s: float = float("nan")) -> Progress:
+def p(
+    rank: int, step: int, t: float, reports: int | None = None, phase: str = "step", compute_s: float = float("nan")
+) -> Progress:
     return Progress(rank, step, t, phase, 1.0, step + 1 if reports is None else reports, compute_s)
 
 
 def test_missing_or_unwritten_records_count_from_the_start():
     got = detect.progress_of({0: None, 1: p(1, 4, 0.0), 2: p(2, 4, 99.0)}, started_at=50.0)
-    assert [(x.rank, x.step, x.time, x.phase, x.reports) for x in got[:2]] == [(0, -1, 50.0, "init", 0),
-                                                                               (1, -1, 50.0, "init", 0)]
+    assert [(x.rank, x.step, x.time, x.phase, x.reports) for x in got[:2]] == [
+        (0, -1, 50.0, "init", 0),
+        (1, -1, 50.0, "init", 0),
+    ]
     assert got[2].time == 99.0
 
 
@@ -74,8 +77,7 @@ def test_worker_exit_user_errors_fail_fast_depending_on_progress():
     assert "ValueError: bad batch size" in before.details["traceback"]
     after = detect.worker_exit({0: Failure(1, 3)}, {0: tb}, [p(0, -1, 0.0, reports=0)], True, 5.0, NO_FAULT)
     assert after.retry, "the same error after steps completed may be transient: restart"
-    syntax = detect.worker_exit({0: Failure(1, 3)}, {0: "SyntaxError: invalid\n"}, [p(0, 3, 1.0)], True, 5.0,
-                                NO_FAULT)
+    syntax = detect.worker_exit({0: Failure(1, 3)}, {0: "SyntaxError: invalid\n"}, [p(0, 3, 1.0)], True, 5.0, NO_FAULT)
     assert not syntax.retry
     plain = detect.worker_exit({0: Failure(7, 3)}, {}, [p(0, 3, 1.0)], True, 5.0, NO_FAULT)
     assert (plain.kind, plain.retry, plain.details["evidence"]) == ("exit", True, "exit code 7")
@@ -88,8 +90,9 @@ def test_first_step_waits_for_every_rank():
 
 
 def test_worker_reports_become_journal_entries():
-    sdc = detect.worker_report({"kind": "sdc", "class": "hardware", "rank": 1, "step": 7, "time": 5,
-                                "detail": {"evict": True}}, "n1", 9.0)
+    sdc = detect.worker_report(
+        {"kind": "sdc", "class": "hardware", "rank": 1, "step": 7, "time": 5, "detail": {"evict": True}}, "n1", 9.0
+    )
     assert sdc.times == {"detected": 9.0, "fault": 5.0} and sdc.details["source"] == "worker"
     assert sdc.evict_reason == "silent data corruption on rank 1 (node n1) at step 7"
     rollback = detect.worker_report({"kind": "rollback", "detail": "to step 3"}, "n1", 9.0)
@@ -210,13 +213,26 @@ def test_round_store_handler_tells_workers_which_store_without_touching_the_envi
         def use_agent_store(self) -> bool:  # torch's: shares its store unless the switch is "1"
             return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
 
-        def get_backend(self) -> str: return "c10d"
-        def next_rendezvous(self): return "info"  # type: ignore[override]
-        def is_closed(self) -> bool: return self.closed
-        def set_closed(self) -> None: self.closed = True
-        def num_nodes_waiting(self) -> int: return 2
-        def get_run_id(self) -> str: return "job"
-        def shutdown(self) -> bool: return True
+        def get_backend(self) -> str:
+            return "c10d"
+
+        def next_rendezvous(self):
+            return "info"  # type: ignore[override]
+
+        def is_closed(self) -> bool:
+            return self.closed
+
+        def set_closed(self) -> None:
+            self.closed = True
+
+        def num_nodes_waiting(self) -> int:
+            return 2
+
+        def get_run_id(self) -> str:
+            return "job"
+
+        def shutdown(self) -> bool:
+            return True
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     handler = RoundStoreHandler(Inner())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,8 +15,16 @@ from stalwart.launch.eviction import EvictionPolicy
 
 
 def nodes(now: float, **members: bool | None) -> list[dict]:
-    return [{"node_id": n, "state": "alive", "last_heartbeat": now, "info": {"min_nodes": 2},
-             "progress": {} if m is None else {"member": m}} for n, m in members.items()]
+    return [
+        {
+            "node_id": n,
+            "state": "alive",
+            "last_heartbeat": now,
+            "info": {"min_nodes": 2},
+            "progress": {} if m is None else {"member": m},
+        }
+        for n, m in members.items()
+    ]
 
 
 def test_spares_wait_beside_a_running_round_only():
@@ -56,11 +63,14 @@ def test_node_faults_parse_with_their_own_point_and_factor():
         faults.parse("node-fail:at=step")
 
 
-@pytest.mark.parametrize("spec, ok, reason", [
-    (None, True, None),
-    ("nan:at=precheck", False, "differs from the seeded reference"),
-    ("node-fail", False, "burn-in raised RuntimeError"),
-])
+@pytest.mark.parametrize(
+    "spec, ok, reason",
+    [
+        (None, True, None),
+        ("nan:at=precheck", False, "differs from the seeded reference"),
+        ("node-fail", False, "burn-in raised RuntimeError"),
+    ],
+)
 def test_precheck_catches_a_bad_device(monkeypatch, tmp_path, spec, ok, reason):
     monkeypatch.setenv(faults.ENV_DIR, str(tmp_path))
     if spec:

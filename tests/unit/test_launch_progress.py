@@ -105,27 +105,44 @@ def test_hang_allowance_follows_phase_and_learned_step_time():
 
 
 # retry: (before any step completed, after progress)
-@pytest.mark.parametrize("log, kind, cls, retry", [
-    ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus", "gpu_xid", "hardware", (True, True)),
-    ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "ecc", "hardware", (True, True)),
-    ("node1:123 [0] NCCL WARN Call to connect returned Connection refused", "nccl", "system", (True, True)),
-    ("[E ProcessGroupNCCL.cpp] Watchdog caught collective operation timeout", "nccl", "system", (True, True)),
-    ("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer", "connection", "system",
-     (True, True)),
-    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom", "user", (False, True)),
-    ('  File "train.py", line 3\n    def f(:\nSyntaxError: invalid syntax', "syntax_error", "user",
-     (False, False)),
-    ("ModuleNotFoundError: No module named 'foo'", "import_error", "user", (False, False)),
-    ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)", "shape_error", "user",
-     (False, True)),
-    ("step 100: loss is nan", "nan", "user", (True, True)),
-    ("stalwart.train.guard.RollbackLimitExceeded: 3 rollbacks within 1000 steps (limit 2)", "rollback_limit",
-     "user", (False, False)),
-    ("stalwart.train.guard.RollbackUnavailable: non-finite loss at step 1: cannot roll back", "rollback_limit",
-     "user", (False, False)),
-    ("stalwart.train.guard.SilentDataCorruption: non-finite loss at step 5; rank(s) [1] failed", "sdc",
-     "hardware", (True, True)),
-])
+@pytest.mark.parametrize(
+    "log, kind, cls, retry",
+    [
+        ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus", "gpu_xid", "hardware", (True, True)),
+        ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "ecc", "hardware", (True, True)),
+        ("node1:123 [0] NCCL WARN Call to connect returned Connection refused", "nccl", "system", (True, True)),
+        ("[E ProcessGroupNCCL.cpp] Watchdog caught collective operation timeout", "nccl", "system", (True, True)),
+        (
+            "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer",
+            "connection",
+            "system",
+            (True, True),
+        ),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom", "user", (False, True)),
+        ('  File "train.py", line 3\n    def f(:\nSyntaxError: invalid syntax', "syntax_error", "user", (False, False)),
+        ("ModuleNotFoundError: No module named 'foo'", "import_error", "user", (False, False)),
+        ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)", "shape_error", "user", (False, True)),
+        ("step 100: loss is nan", "nan", "user", (True, True)),
+        (
+            "stalwart.train.guard.RollbackLimitExceeded: 3 rollbacks within 1000 steps (limit 2)",
+            "rollback_limit",
+            "user",
+            (False, False),
+        ),
+        (
+            "stalwart.train.guard.RollbackUnavailable: non-finite loss at step 1: cannot roll back",
+            "rollback_limit",
+            "user",
+            (False, False),
+        ),
+        (
+            "stalwart.train.guard.SilentDataCorruption: non-finite loss at step 5; rank(s) [1] failed",
+            "sdc",
+            "hardware",
+            (True, True),
+        ),
+    ],
+)
 def test_log_rules_classify(log, kind, cls, retry):
     d = diagnose("some normal output\n" + log + "\nmore output")
     assert (d.kind, d.cls, (d.retry(False), d.retry(True))) == (kind, cls, retry)
@@ -134,8 +151,10 @@ def test_log_rules_classify(log, kind, cls, retry):
 
 def test_clean_log_has_no_diagnosis_and_traceback_extraction():
     assert diagnose("step 1 loss 2.0\nstep 2 loss 1.9\n") is None
-    log = ("noise\nTraceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n    boom()\n"
-           "ZeroDivisionError: division by zero\nafter\n")
+    log = (
+        'noise\nTraceback (most recent call last):\n  File "a.py", line 1, in <module>\n    boom()\n'
+        "ZeroDivisionError: division by zero\nafter\n"
+    )
     assert last_traceback(log).splitlines()[-1] == "ZeroDivisionError: division by zero"
     assert last_traceback("nothing here") is None
 

@@ -3,8 +3,18 @@ import torch
 
 from stalwart.models import SPECS, ModelArgs, Transformer, count_params, get_spec, meta_param_count
 
-PAPER_SHAPES = ["llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b",
-                "gpt3-175b", "bloom-176b", "falcon-180b", "opt-175b"]
+PAPER_SHAPES = [
+    "llama2-7b",
+    "llama2-13b",
+    "llama2-70b",
+    "llama3-8b",
+    "llama3-70b",
+    "llama3-405b",
+    "gpt3-175b",
+    "bloom-176b",
+    "falcon-180b",
+    "opt-175b",
+]
 
 
 @pytest.mark.parametrize("name", PAPER_SHAPES)
@@ -25,11 +35,14 @@ def test_unknown_model_is_a_clear_error():
         get_spec("llama9")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dim=100, n_heads=3), "divisible"),
-    (dict(n_kv_heads=3), "multiple"),
-    (dict(mlp="relu"), "model.mlp"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dim=100, n_heads=3), "divisible"),
+        (dict(n_kv_heads=3), "multiple"),
+        (dict(mlp="relu"), "model.mlp"),
+    ],
+)
 def test_bad_shape_is_rejected(kwargs, match):
     base = dict(dim=64, n_layers=1, n_heads=4, vocab_size=50)
     with pytest.raises(ValueError, match=match):
@@ -37,15 +50,15 @@ def test_bad_shape_is_rejected(kwargs, match):
 
 
 def _tiny(**kw) -> Transformer:
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden=96,
-                     max_seq_len=32, **kw)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden=96, max_seq_len=32, **kw)
     model = Transformer(args)
     model.init_weights(seed=3)
     return model
 
 
-@pytest.mark.parametrize("kw", [{}, {"pos": "learned", "mlp": "gelu", "norm": "layernorm", "bias": True},
-                                {"pos": "alibi"}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"pos": "learned", "mlp": "gelu", "norm": "layernorm", "bias": True}, {"pos": "alibi"}]
+)
 def test_forward_shape_and_causality(kw):
     model = _tiny(**kw)
     tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -75,7 +88,7 @@ def test_tied_embeddings_share_storage_and_count_once():
 def test_init_is_deterministic_and_seed_dependent():
     a, b, c = _tiny(), _tiny(), Transformer(_tiny().args)
     c.init_weights(seed=4)
-    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (n, p), q, _r in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(p, q), n
     assert not all(torch.equal(p, r) for p, r in zip(a.parameters(), c.parameters()))
 

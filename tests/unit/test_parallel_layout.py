@@ -26,11 +26,14 @@ def test_layout_sizes_and_description():
     assert Layout(dp_replicate=4).uses_ddp and not Layout(dp_replicate=2, tp=2).uses_ddp
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(dp_shard=2, ep=4), "must divide parallel.dp_shard"),
-    (dict(ep=2), "must divide parallel.dp_shard=1"),
-    (dict(tp=0), "positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(dp_shard=2, ep=4), "must divide parallel.dp_shard"),
+        (dict(ep=2), "must divide parallel.dp_shard=1"),
+        (dict(tp=0), "positive integer"),
+    ],
+)
 def test_layout_rejects_with_actionable_message(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Layout(**kwargs)
@@ -50,11 +53,14 @@ def test_world_mismatch_names_both_numbers():
         Layout(dp_shard=2, tp=2).check_world(2)
 
 
-@pytest.mark.parametrize("layout,kw,message", [
-    (Layout(tp=4), {}, r"tp=4 must divide model.n_heads=4 and model.n_kv_heads=2.*use tp in \[1, 2\]"),
-    (Layout(pp=4), dict(virtual_stages=2), "8 pipeline stages but the model has only 4 layers"),
-    (Layout(dp_shard=2, ep=2), {}, "needs a mixture-of-experts model"),
-])
+@pytest.mark.parametrize(
+    "layout,kw,message",
+    [
+        (Layout(tp=4), {}, r"tp=4 must divide model.n_heads=4 and model.n_kv_heads=2.*use tp in \[1, 2\]"),
+        (Layout(pp=4), dict(virtual_stages=2), "8 pipeline stages but the model has only 4 layers"),
+        (Layout(dp_shard=2, ep=2), {}, "needs a mixture-of-experts model"),
+    ],
+)
 def test_model_checks(layout, kw, message):
     with pytest.raises(ValueError, match=message):
         layout.check_model(DEBUG, None, **kw)
@@ -82,7 +88,9 @@ def test_mesh_owns_its_flattened_axes():
         mesh = build_mesh(Layout())
         assert isinstance(mesh, Mesh) and set(mesh.flat) == {"dp", "dp_shard", "dp_replicate,dp_shard"}
         assert mesh["dp"] is mesh.flat["dp"] and mesh["dp_replicate", "dp_shard"].mesh_dim_names == (
-            "dp_replicate", "dp_shard")
+            "dp_replicate",
+            "dp_shard",
+        )
         assert mesh["tp"].mesh_dim_names == ("tp",) and coords(mesh).dp_size == 1
         assert build_mesh(Layout()).flat["dp"] is not None  # a second mesh gets its own
     finally:
@@ -158,15 +166,18 @@ def test_interleaved_stage_placement():
 
 
 # -- options -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout,opts,message", [
-    (Layout(pp=2), ParallelOptions(virtual_stages=2), "needs schedule='interleaved_1f1b'"),
-    (Layout(pp=2), ParallelOptions(schedule="interleaved_1f1b"), "virtual_stages ≥ 2"),
-    (Layout(pp=2), ParallelOptions(schedule="zb"), "not one of"),
-    (Layout(dp_shard=2), ParallelOptions(compress="powersgd"), "needs plain DDP"),
-    (Layout(), ParallelOptions(compress="bf16"), "dp = 1"),
-    (Layout(dp_replicate=2), ParallelOptions(compress="int8"), "not one of"),
-    (Layout(), ParallelOptions(recompute="some"), "not one of"),
-])
+@pytest.mark.parametrize(
+    "layout,opts,message",
+    [
+        (Layout(pp=2), ParallelOptions(virtual_stages=2), "needs schedule='interleaved_1f1b'"),
+        (Layout(pp=2), ParallelOptions(schedule="interleaved_1f1b"), "virtual_stages ≥ 2"),
+        (Layout(pp=2), ParallelOptions(schedule="zb"), "not one of"),
+        (Layout(dp_shard=2), ParallelOptions(compress="powersgd"), "needs plain DDP"),
+        (Layout(), ParallelOptions(compress="bf16"), "dp = 1"),
+        (Layout(dp_replicate=2), ParallelOptions(compress="int8"), "not one of"),
+        (Layout(), ParallelOptions(recompute="some"), "not one of"),
+    ],
+)
 def test_option_checks(layout, opts, message):
     with pytest.raises(ValueError, match=message):
         opts.check(layout)

@@ -27,8 +27,11 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
-            for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def test_moe_model_shape_registry_and_determinism():
@@ -87,6 +90,7 @@ def test_aux_loss_gradient_is_that_of_the_explicit_objective():
             w, i, a = originals[m](xx)
             auxes.append(a)
             return w, i, a
+
         m.route = route
     ce = F.cross_entropy(explicit(x).flatten(0, 1), y.flatten())
     (ce + 0.01 * scale * torch.stack(auxes).sum()).backward()
@@ -165,8 +169,10 @@ def test_state_hash_of_pipeline_parts_merged_equals_the_whole():
     first, last = {"a": whole["a"]}, {"b": whole["b"], "c": whole["c"]}
     assert state_dict_hash(_merge(_digested(first), _digested(last))) == state_dict_hash(whole)
     assert state_dict_hash(_merge(_digested(first), _digested({"b": whole["b"]}))) != state_dict_hash(whole)
-    groups = _merge({"param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.1, "params": []}]},
-                    {"param_groups": [{"lr": 0.1, "params": ["b"]}, {"lr": 0.1, "params": ["c"]}]})
+    groups = _merge(
+        {"param_groups": [{"lr": 0.1, "params": ["a"]}, {"lr": 0.1, "params": []}]},
+        {"param_groups": [{"lr": 0.1, "params": ["b"]}, {"lr": 0.1, "params": ["c"]}]},
+    )
     assert groups == {"param_groups": [{"lr": 0.1, "params": ["a", "b"]}, {"lr": 0.1, "params": ["c"]}]}
     with pytest.raises(ValueError, match="disagree at .param_groups\\[0\\].lr"):
         _merge({"param_groups": [{"lr": 0.1}]}, {"param_groups": [{"lr": 0.2}]})
@@ -194,8 +200,9 @@ def test_meta_build_materialises_the_same_weights_as_init_weights(name):
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert torch.equal(model.rope, _model(name).rope), "buffers are recomputed after to_empty"
-    assert not torch.equal(want["layers.0.attention.wq.weight"], _model(name, seed=6).state_dict()[
-        "layers.0.attention.wq.weight"]), "the seed matters"
+    assert not torch.equal(
+        want["layers.0.attention.wq.weight"], _model(name, seed=6).state_dict()["layers.0.attention.wq.weight"]
+    ), "the seed matters"
 
 
 def test_init_of_a_parameter_does_not_depend_on_the_others():
@@ -205,7 +212,7 @@ def test_init_of_a_parameter_does_not_depend_on_the_others():
     whole = _model(seed=2)
 
     pruned = _meta()
-    ids, stages = split_model(pruned, 1, 2)
+    _ids, stages = split_model(pruned, 1, 2)
     materialize(pruned, stages, torch.device("cpu"), seed=2)
     for name, p in pruned.named_parameters():
         assert torch.equal(p, whole.get_parameter(name)), name

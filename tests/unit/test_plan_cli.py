@@ -19,11 +19,21 @@ def run_json(capsys, *argv):
 
 def test_seed_preset_summary(capsys):
     r = run_json(capsys, *SEED)
-    for key in ("flops_per_token", "total_flops", "days", "memory_per_gpu_gb", "memory_breakdown_gb",
-                "layouts", "p_fail_day", "mtbf_hours", "checkpoint_interval_s", "ettr"):
+    for key in (
+        "flops_per_token",
+        "total_flops",
+        "days",
+        "memory_per_gpu_gb",
+        "memory_breakdown_gb",
+        "layouts",
+        "p_fail_day",
+        "mtbf_hours",
+        "checkpoint_interval_s",
+        "ettr",
+    ):
         assert key in r, key
     assert r["days"] == pytest.approx(30, abs=1)  # seed: ≈ 30 days
-    assert r["p_fail_day"] == pytest.approx(1 - 0.999 ** 8192)
+    assert r["p_fail_day"] == pytest.approx(1 - 0.999**8192)
     best = r["layouts"][0]
     for key in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "memory_gb", "step_time_s", "mfu"):
         assert key in best, key
@@ -33,8 +43,20 @@ def test_seed_preset_summary(capsys):
 
 
 def test_raw_numbers(capsys):
-    r = run_json(capsys, "time", "--params", "175e9", "--gpu-flops", "1000e12", "--gpus", "8192",
-                 "--tokens", "10T", "--mfu", "0.5")
+    r = run_json(
+        capsys,
+        "time",
+        "--params",
+        "175e9",
+        "--gpu-flops",
+        "1000e12",
+        "--gpus",
+        "8192",
+        "--tokens",
+        "10T",
+        "--mfu",
+        "0.5",
+    )
     assert r["flops_per_token"] == 6 * 175e9
     assert r["days"] == pytest.approx(6 * 175e9 * 10e12 / (8192 * 1e15 * 0.5) / 86400)
     assert "layouts" not in r
@@ -47,11 +69,14 @@ def test_inverse_modes(capsys):
     assert r["solved_for"] == "tokens" and r["tokens"] == pytest.approx(5e12, rel=0.02)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--gpus", "-8"], "--gpus must be a positive"),
-    (["--gpu", "tpu9"], "unknown GPU 'tpu9'"),
-    (["--mfu", "1.5"], "MFU"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--gpus", "-8"], "--gpus must be a positive"),
+        (["--gpu", "tpu9"], "unknown GPU 'tpu9'"),
+        (["--mfu", "1.5"], "MFU"),
+    ],
+)
 def test_invalid_input_is_a_clean_error(capsys, argv, message):
     base = dict(zip(SEED[::2], SEED[1::2]))
     base.update(dict(zip(argv[::2], argv[1::2])))

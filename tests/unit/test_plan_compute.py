@@ -12,12 +12,15 @@ def days(n_params, tokens, gpus, flops, mfu):
     return training_days(total_flops(tokens, flops_per_token(n_params)), gpus, flops, mfu)
 
 
-@pytest.mark.parametrize("name,n_params,tokens,gpus,flops,mfu,published_days", [
-    ("seed: 175B on 8192 H100", 175e9, 10e12, 8192, 1000e12, 0.5, 30),
-    ("OPT-175B (achieved 147 TFLOP/s)", 175e9, 300e9, 992, 147e12, 1.0, 25),
-    ("BLOOM-176B (achieved 150 TFLOP/s)", 176e9, 366e9, 384, 150e12, 1.0, 77),
-    ("Falcon-180B", 180e9, 3.5e12, 4096, 312e12, 0.5, 68),
-])
+@pytest.mark.parametrize(
+    "name,n_params,tokens,gpus,flops,mfu,published_days",
+    [
+        ("seed: 175B on 8192 H100", 175e9, 10e12, 8192, 1000e12, 0.5, 30),
+        ("OPT-175B (achieved 147 TFLOP/s)", 175e9, 300e9, 992, 147e12, 1.0, 25),
+        ("BLOOM-176B (achieved 150 TFLOP/s)", 176e9, 366e9, 384, 150e12, 1.0, 77),
+        ("Falcon-180B", 180e9, 3.5e12, 4096, 312e12, 0.5, 68),
+    ],
+)
 def test_published_runs(name, n_params, tokens, gpus, flops, mfu, published_days):
     assert days(n_params, tokens, gpus, flops, mfu) == pytest.approx(published_days, abs=1.0), name
 
@@ -46,12 +49,15 @@ def test_chinchilla_default():
     assert compute.chinchilla_tokens(70e9) == pytest.approx(1.4e12)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(n_gpus=-8, peak_flops=1e15, mfu=0.5), "GPUs"),
-    (dict(n_gpus=8, peak_flops=1e15, mfu=1.2), "MFU"),
-    (dict(n_gpus=8, peak_flops=1e15, mfu=0.0), "MFU"),
-    (dict(n_gpus=8, peak_flops=-1.0, mfu=0.5), "FLOP/s"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(n_gpus=-8, peak_flops=1e15, mfu=0.5), "GPUs"),
+        (dict(n_gpus=8, peak_flops=1e15, mfu=1.2), "MFU"),
+        (dict(n_gpus=8, peak_flops=1e15, mfu=0.0), "MFU"),
+        (dict(n_gpus=8, peak_flops=-1.0, mfu=0.5), "FLOP/s"),
+    ],
+)
 def test_invalid_inputs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         training_days(1e24, **kwargs)

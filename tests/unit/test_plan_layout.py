@@ -20,8 +20,7 @@ def run_search(model, gpu, n_gpus, batch, zero, network_gbps, mem=MemoryOptions(
 
 # BLOOM-176B (BigScience 2022): 48 nodes × 8 A100-80GB, 4 × 100 Gb/s Omni-Path per node (6.25 GB/s
 # per GPU), global batch 2048 × 2048 tokens, ZeRO-1, bf16 with fp32 gradient accumulation, no SP.
-BLOOM_MEM = MemoryOptions(Precision(grad_bytes=4.0), ActivationOptions(sequence_parallel=False,
-                                                                       flash_attention=False))
+BLOOM_MEM = MemoryOptions(Precision(grad_bytes=4.0), ActivationOptions(sequence_parallel=False, flash_attention=False))
 
 
 def test_bloom_published_layout_ranks_top10():

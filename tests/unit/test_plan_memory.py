@@ -9,9 +9,17 @@ from pathlib import Path
 import pytest
 
 from stalwart.models import SPECS, ModelArgs, meta_param_count
-from stalwart.plan.memory import (ActivationOptions, MemoryOptions, Precision, korthikanti_layer_bytes,
-                                  layer_activation_bytes, memory_per_gpu, min_nodes_for, model_state_bytes,
-                                  stage_memory)
+from stalwart.plan.memory import (
+    ActivationOptions,
+    MemoryOptions,
+    Precision,
+    korthikanti_layer_bytes,
+    layer_activation_bytes,
+    memory_per_gpu,
+    min_nodes_for,
+    model_state_bytes,
+    stage_memory,
+)
 from stalwart.plan.parallel import Strategy, partition_layers
 from stalwart.plan.shape import ModelShape, shape_for
 
@@ -39,18 +47,32 @@ def test_bloom_checkpoint_size_matches_published():
 
 # Korthikanti et al. 2022, Table 2 forms for a GPT layer (GELU 4h, MHA, dropout, 16-bit),
 # evaluated by hand for GPT-3 175B: s = 2048, b = 1, h = 12288, a = 96 → sbh = 25,165,824, 5as/h = 80.
-GPT = ModelShape("gpt", dim=12288, n_layers=96, n_heads=96, kv_heads=96, ffn_hidden=4 * 12288,
-                 vocab_size=50257, mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True)
+GPT = ModelShape(
+    "gpt",
+    dim=12288,
+    n_layers=96,
+    n_heads=96,
+    kv_heads=96,
+    ffn_hidden=4 * 12288,
+    vocab_size=50257,
+    mlp="gelu",
+    norm="layernorm",
+    bias=True,
+    tie_embeddings=True,
+)
 PAPER = ActivationOptions(sequence_parallel=False, flash_attention=False, dropout=True, fused_norm=True)
 
 
-@pytest.mark.parametrize("tp,sp,recompute,expected", [
-    (1, False, "none", 25_165_824 * 114),  # sbh(34 + 5as/h)
-    (8, False, "none", 25_165_824 * 23),  # sbh(10 + 24/t + 5as/(ht))
-    (8, True, "none", 25_165_824 * 114 / 8),  # sbh(34 + 5as/h)/t
-    (8, True, "selective", 25_165_824 * 34 / 8),  # sbh·34/t
-    (8, False, "full", 2 * 25_165_824),  # 2sbh
-])
+@pytest.mark.parametrize(
+    "tp,sp,recompute,expected",
+    [
+        (1, False, "none", 25_165_824 * 114),  # sbh(34 + 5as/h)
+        (8, False, "none", 25_165_824 * 23),  # sbh(10 + 24/t + 5as/(ht))
+        (8, True, "none", 25_165_824 * 114 / 8),  # sbh(34 + 5as/h)/t
+        (8, True, "selective", 25_165_824 * 34 / 8),  # sbh·34/t
+        (8, False, "full", 2 * 25_165_824),  # 2sbh
+    ],
+)
 def test_korthikanti_closed_forms(tp, sp, recompute, expected):
     opts = ActivationOptions(sequence_parallel=sp, flash_attention=False, dropout=True, fused_norm=True)
     got = layer_activation_bytes(GPT, 2048, 1, tp=tp, recompute=recompute, opts=opts, act_bytes=2)
@@ -75,12 +97,15 @@ def test_tiny_shape_count():
     assert meta_param_count(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=100, ffn_hidden=256)) == N_TINY
 
 
-@pytest.mark.parametrize("zero,weights,grads,optimizer", [
-    (0, 2 * N_TINY, 2 * N_TINY, 12 * N_TINY),
-    (1, 2 * N_TINY, 2 * N_TINY, 12 * N_TINY / 8),
-    (2, 2 * N_TINY, 2 * N_TINY / 8, 12 * N_TINY / 8),
-    (3, 2 * N_TINY / 8, 2 * N_TINY / 8, 12 * N_TINY / 8),
-])
+@pytest.mark.parametrize(
+    "zero,weights,grads,optimizer",
+    [
+        (0, 2 * N_TINY, 2 * N_TINY, 12 * N_TINY),
+        (1, 2 * N_TINY, 2 * N_TINY, 12 * N_TINY / 8),
+        (2, 2 * N_TINY, 2 * N_TINY / 8, 12 * N_TINY / 8),
+        (3, 2 * N_TINY / 8, 2 * N_TINY / 8, 12 * N_TINY / 8),
+    ],
+)
 def test_zero_stages_by_hand(zero, weights, grads, optimizer):
     bd = memory_per_gpu(TINY, Strategy.of(dp=8, zero=zero), 64, 8)
     assert (bd.weights, bd.grads, bd.optimizer) == pytest.approx((weights, grads, optimizer))
@@ -110,8 +135,18 @@ def test_first_stage_holds_more_micro_batches():
 
 
 def test_moe_experts_shard_over_ep():
-    moe = ModelShape("moe", dim=64, n_layers=2, n_heads=4, kv_heads=4, ffn_hidden=256, vocab_size=100,
-                     num_experts=8, top_k=2, expert_hidden=128)
+    moe = ModelShape(
+        "moe",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        kv_heads=4,
+        ffn_hidden=256,
+        vocab_size=100,
+        num_experts=8,
+        top_k=2,
+        expert_hidden=128,
+    )
     expert = 3 * 64 * 128
     dense = EMB + 2 * (16384 + 128 + 64 * 8) + HEAD
     assert moe.total_params() == dense + 2 * 8 * expert
@@ -124,10 +159,10 @@ def test_moe_experts_shard_over_ep():
 def test_bloom_published_setting_fits_like_reported():
     # BLOOM: 8DP×12PP×4TP, ZeRO-1, micro-batch 2, full recompute, bf16 with fp32 grads, no SP/flash.
     # BigScience reported ~60 GB used per 80 GB GPU (allocator reserve included, so ≥ our tensor peak).
-    opts = MemoryOptions(Precision(grad_bytes=4.0), ActivationOptions(sequence_parallel=False,
-                                                                      flash_attention=False))
-    bd = memory_per_gpu(shape_for("bloom-176b"), Strategy.of(8, 4, 12, micro_batch=2, zero=1, recompute="full"),
-                        2048, 2048, opts)
+    opts = MemoryOptions(Precision(grad_bytes=4.0), ActivationOptions(sequence_parallel=False, flash_attention=False))
+    bd = memory_per_gpu(
+        shape_for("bloom-176b"), Strategy.of(8, 4, 12, micro_batch=2, zero=1, recompute="full"), 2048, 2048, opts
+    )
     assert 0.5 * 60 < bd.total / GB < 1.1 * 60
 
 
@@ -140,8 +175,13 @@ def test_fp32_trainer_has_no_master_copy():
 
 def test_real_trainer_peak_within_20_percent():
     """benchmarks/plan_memory.py: predicted vs the CPU allocator's measured peak of the real trainer."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_memory.py"), "--configs", "debug",
-                           "--no-rss", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_memory.py"), "--configs", "debug", "--no-rss", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     row = result["models"]["debug"]

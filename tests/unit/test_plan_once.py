@@ -34,13 +34,30 @@ print("CALLS " + json.dumps(dict(calls, steps=summary["steps"], layout=summary["
 
 @pytest.mark.parametrize("layout", ["manual", "auto"])
 def test_one_process_plans_once(stdlib_data: Path, tmp_path: Path, layout: str) -> None:
-    overrides = {"data.dir": str(stdlib_data), "data.prepare_default": "false", "data.seq_len": "32",
-                 "train.steps": "1", "train.warmup_steps": "0", "train.global_batch": "4", "train.micro_batch": "2",
-                 "train.out_dir": str(tmp_path), "train.log_every": "1", "parallel.layout": layout}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    proc = subprocess.run([sys.executable, "-c", COUNT_AND_TRAIN, json.dumps(overrides)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    overrides = {
+        "data.dir": str(stdlib_data),
+        "data.prepare_default": "false",
+        "data.seq_len": "32",
+        "train.steps": "1",
+        "train.warmup_steps": "0",
+        "train.global_batch": "4",
+        "train.micro_batch": "2",
+        "train.out_dir": str(tmp_path),
+        "train.log_every": "1",
+        "parallel.layout": layout,
+    }
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNT_AND_TRAIN, json.dumps(overrides)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     calls = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("CALLS "))[6:])
     assert calls["steps"] == 1 and calls["resolve"] == 1, calls

@@ -4,8 +4,16 @@ import math
 
 import pytest
 
-from stalwart.plan.reliability import (Policy, compare_policies, daly_interval, ettr, ettr_two_tier,
-                                       job_mtbf_hours, p_any_failure, young_interval)
+from stalwart.plan.reliability import (
+    Policy,
+    compare_policies,
+    daly_interval,
+    ettr,
+    ettr_two_tier,
+    job_mtbf_hours,
+    p_any_failure,
+    young_interval,
+)
 
 
 def test_seed_failure_odds():
@@ -48,7 +56,8 @@ def test_two_tier_and_policies():
     # all failures from storage, no snapshot cost: first-order single-tier loss
     e = ettr_two_tier(60, 0, 0, 3600, 60, 600, 86400, fast_recoverable=0.0)
     assert e == pytest.approx((1 / (1 + 60 / 3600)) * (1 - (1830 + 600) / 86400))
-    rows = compare_policies([Policy("disk 3h", 10800, 60, 600),
-                             Policy("disk + memory", 10800, 60, 600, 60, 1, 60, 0.9)], 86400, 30)
+    rows = compare_policies(
+        [Policy("disk 3h", 10800, 60, 600), Policy("disk + memory", 10800, 60, 600, 60, 1, 60, 0.9)], 86400, 30
+    )
     assert [r["name"] for r in rows] == ["disk + memory", "disk 3h"]
     assert rows[0]["wall_days"] == pytest.approx(30 / rows[0]["ettr"])

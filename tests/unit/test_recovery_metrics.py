@@ -9,8 +9,10 @@ from stalwart.demo.recovery_metrics import StepRecord, final_trajectory, goodput
 # Steps 1..5 done at t=1..5; the fault at t=5.5 after step 5; the restart resumes from the step-3
 # checkpoint and redoes 4, 5 at t=9, 10, then 6 at t=11. Every step's work is 0.5 s, 0.1 s of it in
 # the checkpoint call.
-LOG = [StepRecord(s, t, 0.5, 0.1) for s, t in [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0),
-                                                (4, 9.0), (5, 10.0), (6, 11.0)]]
+LOG = [
+    StepRecord(s, t, 0.5, 0.1)
+    for s, t in [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (4, 9.0), (5, 10.0), (6, 11.0)]
+]
 
 
 def test_recovery_figures_of_one_fault():

@@ -14,10 +14,20 @@ def test_defaults_without_a_launcher() -> None:
 
 
 def test_reads_torchrun_and_stalwart_variables() -> None:
-    env = runtime.WorkerEnv.from_environ({
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-        runtime.ENV_PROGRESS_DIR: "/p", runtime.ENV_JOB_ID: "j", runtime.ENV_NODE_ID: "n",
-        runtime.ENV_CHAOS: "kill:rank=1:step=2", runtime.ENV_PARENT_REPORTS: "1"})
+    env = runtime.WorkerEnv.from_environ(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            runtime.ENV_PROGRESS_DIR: "/p",
+            runtime.ENV_JOB_ID: "j",
+            runtime.ENV_NODE_ID: "n",
+            runtime.ENV_CHAOS: "kill:rank=1:step=2",
+            runtime.ENV_PARENT_REPORTS: "1",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.group_rank) == (3, 4, 1, 2, 1)
     assert env.launched and env.under_agent and env.parent_reports
     assert (env.progress_dir, env.job_id, env.node_id, env.chaos) == ("/p", "j", "n", "kill:rank=1:step=2")
@@ -82,9 +92,11 @@ def test_import_stalwart_is_stdlib_only_and_reads_nothing() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, stalwart, stalwart.runtime as r; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'rich')); "
-            "assert not bad, bad; assert r.env._current is None and not r.progress._resolved; print('ok')")
+    code = (
+        "import sys, stalwart, stalwart.runtime as r; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'rich')); "
+        "assert not bad, bad; assert r.env._current is None and not r.progress._resolved; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
 
@@ -95,8 +107,13 @@ def test_runtime_imports_nothing_of_stalwart_outside_itself() -> None:
 
     for path in Path(runtime.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert not name.startswith("stalwart") or name.startswith("stalwart.runtime"), (path.name, name)
 
@@ -108,10 +125,14 @@ def test_every_stalwart_variable_is_named_in_the_contract() -> None:
 
     named = {getattr(runtime, n) for n in runtime.__all__ if n.startswith("ENV_")}
     src = Path(runtime.__file__).parents[1]
-    used = {(path.relative_to(src).as_posix(), node.value) for path in src.rglob("*.py")
-            for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and re.fullmatch(r"STALWART_[A-Z_]+", node.value)}
+    used = {
+        (path.relative_to(src).as_posix(), node.value)
+        for path in src.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.fullmatch(r"STALWART_[A-Z_]+", node.value)
+    }
     assert {value for _, value in used} <= named, sorted(u for u in used if u[1] not in named)
 
 

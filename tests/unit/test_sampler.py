@@ -1,3 +1,5 @@
+import functools
+import operator
 from collections import Counter
 
 import numpy as np
@@ -59,8 +61,9 @@ def test_global_stream_is_independent_of_world_size(worlds, steps):
         sampler = GlobalSampler(37, 12, seed=5)
         stream = []
         for _ in range(steps):
-            stream.extend(np.concatenate([sampler.samples_at(*sampler.rank_slice(r, world))
-                                          for r in range(world)]).tolist())
+            stream.extend(
+                np.concatenate([sampler.samples_at(*sampler.rank_slice(r, world)) for r in range(world)]).tolist()
+            )
             sampler.consumed += 12
         streams.append(stream)
     assert all(s == streams[0] for s in streams)
@@ -97,7 +100,10 @@ def test_configured_skip_range_equals_a_rollback_skip():
     assert rolled.skip(2) == (8, 16)
     assert head + _stream(rolled, 10) == _stream(configured, 12)
     plain = GlobalSampler(50, 4, seed=3).samples_at(0, 56).tolist()
-    assert sum(_stream(GlobalSampler(50, 4, seed=3, skip=[(8, 16)]), 12), []) == plain[:8] + plain[16:]
+    assert (
+        functools.reduce(operator.iadd, _stream(GlobalSampler(50, 4, seed=3, skip=[(8, 16)]), 12), [])
+        == plain[:8] + plain[16:]
+    )
     ranks = [GlobalSampler(50, 4, seed=3, skip=[(6, 10)]) for _ in range(3)]  # ranks' slices of a batch
     for batch in _stream(GlobalSampler(50, 4, seed=3, skip=[(6, 10)]), 5):
         assert np.concatenate([s.next_batch(r, 3) for r, s in enumerate(ranks)]).tolist() == batch

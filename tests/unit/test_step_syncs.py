@@ -65,10 +65,21 @@ def trainer(stdlib_data: Path, tmp_path: Path):
     from stalwart.dist import init_distributed, shutdown
     from stalwart.train.trainer import Trainer
 
-    cfg = load_config("configs/debug.toml", {
-        "data.dir": str(stdlib_data), "data.prepare_default": False, "data.seq_len": 32,
-        "train.global_batch": 4, "train.micro_batch": 2, "train.steps": 20, "train.log_every": 10,
-        "train.warmup_steps": 0, "train.threads": 1, "train.out_dir": str(tmp_path)})
+    cfg = load_config(
+        "configs/debug.toml",
+        {
+            "data.dir": str(stdlib_data),
+            "data.prepare_default": False,
+            "data.seq_len": 32,
+            "train.global_batch": 4,
+            "train.micro_batch": 2,
+            "train.steps": 20,
+            "train.log_every": 10,
+            "train.warmup_steps": 0,
+            "train.threads": 1,
+            "train.out_dir": str(tmp_path),
+        },
+    )
     env = init_distributed("gloo")
     try:
         t = Trainer(cfg, env)
@@ -137,8 +148,16 @@ def test_records_wait_for_their_host_copy_except_at_log_steps(tmp_path: Path, mo
             def step_done():
                 return None
 
-    hook = MetricsHook(tmp_path, total_steps=4, log_every=2, tokens_per_step=8, world_size=1,
-                       flops_per_token=1.0, peak_flops=None, main=True)
+    hook = MetricsHook(
+        tmp_path,
+        total_steps=4,
+        log_every=2,
+        tokens_per_step=8,
+        world_size=1,
+        flops_per_token=1.0,
+        peak_flops=None,
+        main=True,
+    )
     hook.open(0, progress=False)
     path = tmp_path / "metrics.jsonl"
 

@@ -17,7 +17,7 @@ import pytest
 from stalwart.launch.zygote import Zygote
 from stalwart.launch.zygote_worker import parse_python_args
 
-SCRIPT = '''
+SCRIPT = """
 import os, signal, sys, time
 import zyg_probe
 print("out", os.environ.get("PROBE"), sys.argv[1:], os.getcwd(), os.getppid(), zyg_probe.VERSION, flush=True)
@@ -36,7 +36,7 @@ if what == "stop":
     os.kill(os.getpid(), signal.SIGSTOP)
 if what in ("graceful", "sleep"):
     time.sleep(60)
-'''
+"""
 
 
 @pytest.fixture()
@@ -57,8 +57,14 @@ def zygote(tmp_path, monkeypatch):
 def start(z: Zygote, tmp_path: Path, what: str, *python_args: str) -> subprocess.Popen:
     exe, args = z.entrypoint([*python_args, "-u", str(tmp_path / "job.py"), what])
     env = {**os.environ, **z.env(), "PROBE": "p1"}
-    return subprocess.Popen([exe, *args], env=env, cwd=tmp_path, start_new_session=True,
-                            stdout=open(tmp_path / f"{what}.out", "w"), stderr=open(tmp_path / f"{what}.err", "w"))
+    return subprocess.Popen(
+        [exe, *args],
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=open(tmp_path / f"{what}.out", "w"),
+        stderr=open(tmp_path / f"{what}.err", "w"),
+    )
 
 
 def output(tmp_path: Path, what: str) -> tuple[str, str]:
@@ -169,21 +175,29 @@ def test_a_forked_worker_reads_its_own_contract_not_the_zygotes(tmp_path, monkey
     lib.mkdir()
     (lib / "zyg_contract.py").write_text(
         "from stalwart import runtime\nfrom stalwart.runtime import progress\n"
-        "ZYGOTE_NODE = runtime.worker_env().node_id\nprogress.writer()\n")
+        "ZYGOTE_NODE = runtime.worker_env().node_id\nprogress.writer()\n"
+    )
     monkeypatch.setenv("PYTHONPATH", f"{lib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("STALWART_NODE_ID", "zygote-node")
     monkeypatch.delenv("STALWART_PROGRESS_DIR", raising=False)
     (tmp_path / "job.py").write_text(
         "import os, zyg_contract\nfrom stalwart import runtime\nfrom stalwart.runtime import progress\n"
-        "print(zyg_contract.ZYGOTE_NODE, runtime.worker_env().node_id, progress.writer() is not None, os.getppid())\n")
+        "print(zyg_contract.ZYGOTE_NODE, runtime.worker_env().node_id, progress.writer() is not None, os.getppid())\n"
+    )
     z = Zygote(["zyg_contract"], tmp_path / "z")
     z.ensure()
     try:
         exe, args = z.entrypoint(["-u", str(tmp_path / "job.py")])
-        env = {**os.environ, **z.env(), "STALWART_NODE_ID": "worker-node",
-               "STALWART_PROGRESS_DIR": str(tmp_path / "progress"), "RANK": "0"}
-        out = subprocess.run([exe, *args], check=False, env=env, cwd=tmp_path, capture_output=True, text=True,
-                             timeout=60)
+        env = {
+            **os.environ,
+            **z.env(),
+            "STALWART_NODE_ID": "worker-node",
+            "STALWART_PROGRESS_DIR": str(tmp_path / "progress"),
+            "RANK": "0",
+        }
+        out = subprocess.run(
+            [exe, *args], check=False, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
         zygote_node, node, has_writer, parent = out.stdout.split()
         assert int(parent) == z.proc.pid, "forked by the zygote, not started cold"

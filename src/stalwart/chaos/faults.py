@@ -44,8 +44,7 @@ from stalwart import runtime
 ENV_SPEC = runtime.ENV_CHAOS
 ENV_DIR = runtime.ENV_CHAOS_DIR
 ENV_FILE = runtime.ENV_CHAOS_FILE
-ACTIONS = ("kill", "segv", "exit", "raise", "exception", "hang", "stop", "delay", "slow", "nan", "spike",
-           "node-fail")
+ACTIONS = ("kill", "segv", "exit", "raise", "exception", "hang", "stop", "delay", "slow", "nan", "spike", "node-fail")
 ALIASES = {"exception": "raise", "slow": "delay"}
 NUMERIC = ("nan", "spike")  # applied by the trainer to the loss, not by fire()
 NODE = ("node-fail",)  # applied by the node check (stalwart.health.precheck), not by fire()
@@ -78,8 +77,9 @@ class Fault:
         return math.nan if self.action == "nan" else self.factor
 
     def matches(self, point: str, step: int | None, rank: int | None) -> bool:
-        return (self.at == point and (self.rank is None or self.rank == rank)
-                and (self.step is None or self.step == step))
+        return (
+            self.at == point and (self.rank is None or self.rank == rank) and (self.step is None or self.step == step)
+        )
 
     @property
     def marker(self) -> Path:
@@ -129,17 +129,26 @@ def parse(spec: str) -> list[Fault]:
         if action not in ACTIONS:
             raise ValueError(f"{ENV_SPEC}: unknown action {action!r} in {text!r}; use one of {', '.join(ACTIONS)}")
         action = ALIASES.get(action, action)
-        kw: dict[str, object] = {"once": action != "delay",
-                                 "at": "loss" if action in NUMERIC else "precheck" if action in NODE else "step"}
+        kw: dict[str, object] = {
+            "once": action != "delay",
+            "at": "loss" if action in NUMERIC else "precheck" if action in NODE else "step",
+        }
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep or key not in KEYS:
-                raise ValueError(f"{ENV_SPEC}: bad item {pair!r} in {text!r}; expected key=value with key in "
-                                 f"{', '.join(KEYS)}")
+                raise ValueError(
+                    f"{ENV_SPEC}: bad item {pair!r} in {text!r}; expected key=value with key in {', '.join(KEYS)}"
+                )
             try:
-                kw[key] = (value if key == "at"
-                           else float(value) if key in ("seconds", "factor")
-                           else value.lower() in ("1", "true", "yes") if key == "once" else int(value))
+                kw[key] = (
+                    value
+                    if key == "at"
+                    else float(value)
+                    if key in ("seconds", "factor")
+                    else value.lower() in ("1", "true", "yes")
+                    if key == "once"
+                    else int(value)
+                )
             except ValueError:
                 raise ValueError(f"{ENV_SPEC}: {key} expects a number in {text!r}, got {value!r}") from None
         fault = Fault(action, text=text, **kw)  # type: ignore[arg-type]
@@ -155,8 +164,10 @@ def _check_node_fault(fault: Fault) -> None:
     """Faults at the agent's points must be ones it applies (a typo must not pass silently)."""
     allowed = NODE_POINTS.get(fault.at)
     if allowed is not None and fault.action not in allowed:
-        raise ValueError(f"{ENV_SPEC}: {fault.text!r}: at={fault.at} takes "
-                         f"{' or '.join('slow' if a == 'delay' else a for a in allowed)}")
+        raise ValueError(
+            f"{ENV_SPEC}: {fault.text!r}: at={fault.at} takes "
+            f"{' or '.join('slow' if a == 'delay' else a for a in allowed)}"
+        )
     if fault.action in NODE and fault.at != "precheck":
         raise ValueError(f"{ENV_SPEC}: {fault.text!r}: node-fail applies at the precheck only")
 

@@ -55,20 +55,40 @@ def _setup_logging(rank: int) -> None:
 class Checkpointer:
     """Flash checkpoints of a dict of Stateful things; see the module docstring."""
 
-    def __init__(self, dir: str, *, memory_every: int = 1, persist_every_steps: int = 0,
-                 persist_every_s: float = 0.0, keep_last: int = 3, keep_every: int = 0,
-                 shm_root: str = "/dev/shm", job_id: str | None = None, keeper: bool = True,
-                 keeper_idle_s: float = 120.0, keeper_log: str | Path | None = None,
-                 storage_options: dict[str, Any] | None = None, process_group: Any = None,
-                 rng: bool = True, persist_timeout_s: float = 600.0) -> None:
-        for key, value, low in (("memory_every", memory_every, 1), ("persist_every_steps", persist_every_steps, 0),
-                                ("persist_every_s", persist_every_s, 0), ("keep_last", keep_last, 1),
-                                ("keep_every", keep_every, 0), ("keeper_idle_s", keeper_idle_s, 1e-3)):
+    def __init__(
+        self,
+        dir: str,
+        *,
+        memory_every: int = 1,
+        persist_every_steps: int = 0,
+        persist_every_s: float = 0.0,
+        keep_last: int = 3,
+        keep_every: int = 0,
+        shm_root: str = "/dev/shm",
+        job_id: str | None = None,
+        keeper: bool = True,
+        keeper_idle_s: float = 120.0,
+        keeper_log: str | Path | None = None,
+        storage_options: dict[str, Any] | None = None,
+        process_group: Any = None,
+        rng: bool = True,
+        persist_timeout_s: float = 600.0,
+    ) -> None:
+        for key, value, low in (
+            ("memory_every", memory_every, 1),
+            ("persist_every_steps", persist_every_steps, 0),
+            ("persist_every_s", persist_every_s, 0),
+            ("keep_last", keep_last, 1),
+            ("keep_every", keep_every, 0),
+            ("keeper_idle_s", keeper_idle_s, 1e-3),
+        ):
             if value < low:
                 raise ValueError(f"checkpoint {key}={value} must be ≥ {low}")
         if persist_every_steps and persist_every_steps % memory_every:
-            raise ValueError(f"checkpoint persist_every_steps={persist_every_steps} must be a multiple of "
-                             f"memory_every={memory_every}: only snapshotted steps can be persisted")
+            raise ValueError(
+                f"checkpoint persist_every_steps={persist_every_steps} must be a multiple of "
+                f"memory_every={memory_every}: only snapshotted steps can be persisted"
+            )
         if not Path(shm_root).is_dir():
             raise ValueError(f"checkpoint shm_dir {shm_root!r} is not a directory; use a tmpfs such as /dev/shm")
         self.group = process_group
@@ -77,8 +97,9 @@ class Checkpointer:
         env = worker_env()
         self.local_rank = env.local_rank if dist.is_initialized() else 0
         # Unset (a hand-rolled launcher that sets only RANK/WORLD_SIZE): every rank is local, as before.
-        local_world = (env.local_world_size if "LOCAL_WORLD_SIZE" in os.environ else self.world) \
-            if dist.is_initialized() else 1
+        local_world = (
+            (env.local_world_size if "LOCAL_WORLD_SIZE" in os.environ else self.world) if dist.is_initialized() else 1
+        )
         # Ranks on a node are contiguous (TorchElastic assigns them so); each node's keeper persists its own.
         first = self.rank - self.local_rank
         self.node_ranks = list(range(first, first + local_world))
@@ -91,27 +112,52 @@ class Checkpointer:
         self.paths = self.job.paths
         # Under `stalwart run` the agent runs the keeper of its job's default directory; we start one
         # only without an agent, or for a directory it does not serve (another shm root or job id).
-        self.keeper_by_agent = bool(env.under_agent and env.job_id and keeper) and \
-            self.job.root.resolve() == NodeJob.of_agent(env.job_id, env.node_id).root.resolve()
+        self.keeper_by_agent = (
+            bool(env.under_agent and env.job_id and keeper)
+            and self.job.root.resolve() == NodeJob.of_agent(env.job_id, env.node_id).root.resolve()
+        )
         self._job_lock = self.job.attach()  # the keeper never removes files while we hold it
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
-        atomic_write(self.paths.owner(self.rank), json.dumps({
-            "pid": os.getpid(), "rank": self.rank, "world_size": self.world, "host": socket.gethostname(),
-            "time": time.time()}).encode())
+        atomic_write(
+            self.paths.owner(self.rank),
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "rank": self.rank,
+                    "world_size": self.world,
+                    "host": socket.gethostname(),
+                    "time": time.time(),
+                }
+            ).encode(),
+        )
         self._keeper_proc: Any = None
         self._keeper_checked = 0.0
         if self.local_rank == 0:
-            self.job.write_job(self.storage, self.world, self.node_ranks, {
-                "persist_every_steps": persist_every_steps, "persist_every_s": persist_every_s,
-                "keep_last": keep_last, "keep_every": keep_every, "idle_s": keeper_idle_s},
-                keeper=keeper, keeper_log=keeper_log)
+            self.job.write_job(
+                self.storage,
+                self.world,
+                self.node_ranks,
+                {
+                    "persist_every_steps": persist_every_steps,
+                    "persist_every_s": persist_every_s,
+                    "keep_last": keep_last,
+                    "keep_every": keep_every,
+                    "idle_s": keeper_idle_s,
+                },
+                keeper=keeper,
+                keeper_log=keeper_log,
+            )
             if not keeper and (persist_every_steps or persist_every_s):
-                raise ValueError("persisting needs the keeper process; set keeper=True or both persist "
-                                 "intervals to 0 (memory-only)")
+                raise ValueError(
+                    "persisting needs the keeper process; set keeper=True or both persist intervals to 0 (memory-only)"
+                )
             if not keeper:
-                log.warning("memory-only checkpoints (no keeper): snapshots survive a worker crash but not "
-                            "a node loss, and nothing is written to %s", self.storage.url)
+                log.warning(
+                    "memory-only checkpoints (no keeper): snapshots survive a worker crash but not "
+                    "a node loss, and nothing is written to %s",
+                    self.storage.url,
+                )
         self.writer = SnapshotWriter(self.paths, self.rank, self.world)
         self._bound: tuple[tuple[int, ...], TrainingState] | None = None
         self._hooked: set[int] = set()
@@ -157,8 +203,9 @@ class Checkpointer:
         held = f"memory holds {memory or 'nothing'}, storage {committed or 'nothing'}"
         if target is None:
             raise LookupError(f"no checkpoint before step {before} to roll back to ({held})")
-        info = restore_state(self._bind(state), self.paths, self.storage, self.rank, self.world, self.group,
-                             max_step=target)
+        info = restore_state(
+            self._bind(state), self.paths, self.storage, self.rank, self.world, self.group, max_step=target
+        )
         if info.source == "fresh":
             raise LookupError(f"no usable checkpoint ≤ step {target} ({held}): {'; '.join(info.skipped)}")
         if not eligible:
@@ -184,8 +231,9 @@ class Checkpointer:
                 if newer and kept:
                     self.storage.set_latest(kept[0])
                 if newer:
-                    log.warning("rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer,
-                                self.storage.url)
+                    log.warning(
+                        "rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer, self.storage.url
+                    )
         if dist.is_initialized():
             dist.barrier(self.group)
 
@@ -195,8 +243,11 @@ class Checkpointer:
         for s in complete_slots(self.paths, self.rank):
             self.paths.slot(self.rank, s.slot, "json").unlink(missing_ok=True)
         if self.rank == 0:
-            log.warning("not resuming (resume disabled): starting at step 0; checkpoints written from now on "
-                        "supersede those in %s", self.storage.url)
+            log.warning(
+                "not resuming (resume disabled): starting at step 0; checkpoints written from now on "
+                "supersede those in %s",
+                self.storage.url,
+            )
         self.last_restore = RestoreInfo("fresh", 0, 0.0, "resume disabled")
         return 0
 
@@ -293,20 +344,27 @@ class Checkpointer:
                 # A grace period covers a keeper that had copied it and is committing.
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > 2.0:
-                    raise RuntimeError(f"step {step} is no longer held in memory (overwritten before the "
-                                       "keeper persisted it)")
+                    raise RuntimeError(
+                        f"step {step} is no longer held in memory (overwritten before the keeper persisted it)"
+                    )
             if self.keeper_by_agent:
                 keeperless_since = 0.0 if self.job.keeper_alive() else keeperless_since or time.monotonic()
                 if keeperless_since and time.monotonic() - keeperless_since > 30.0:
-                    raise RuntimeError(f"no keeper serves {self.paths.root}: the agent's keeper is not running "
-                                       "(see keeper.log in the run directory)")
+                    raise RuntimeError(
+                        f"no keeper serves {self.paths.root}: the agent's keeper is not running "
+                        "(see keeper.log in the run directory)"
+                    )
             elif self.local_rank == 0:
                 before = self._keeper_proc
                 self._ensure_keeper()
                 spawned += self._keeper_proc is not before
                 if spawned > 3:
-                    raise RuntimeError(f"the keeper keeps exiting before persisting step {step}; see "
-                                       f"{self.keeper_log or self.paths.root / 'keeper.log'}")
+                    raise RuntimeError(
+                        f"the keeper keeps exiting before persisting step {step}; see "
+                        f"{self.keeper_log or self.paths.root / 'keeper.log'}"
+                    )
             time.sleep(0.02)
-        raise RuntimeError(f"step {step} was not persisted within {self.persist_timeout_s} s; see the keeper "
-                           f"log ({self.keeper_log or self.paths.root / 'keeper.log'})")
+        raise RuntimeError(
+            f"step {step} was not persisted within {self.persist_timeout_s} s; see the keeper "
+            f"log ({self.keeper_log or self.paths.root / 'keeper.log'})"
+        )

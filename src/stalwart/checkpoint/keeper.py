@@ -126,7 +126,7 @@ class Keeper:
 
     def event(self, kind: str, step: int | None, detail: str, level: int = logging.INFO) -> None:
         log.log(level, "%s%s: %s", kind, f" step {step}" if step is not None else "", detail)
-        self.events = (self.events + [{"time": time.time(), "kind": kind, "step": step, "detail": detail}])[-50:]
+        self.events = ([*self.events, {"time": time.time(), "kind": kind, "step": step, "detail": detail}])[-50:]
         self.status.update(events=self.events, last_committed=self.last_persisted)
         atomic_write(self.paths.keeper_status, json.dumps(self.status).encode())
 
@@ -147,8 +147,12 @@ class Keeper:
         return True
 
     def _serve(self) -> None:
-        self.event("start", None, f"keeper pid {os.getpid()} for {self.paths.root} → {self.storage.url} "
-                                  f"(latest committed: {self.last_persisted if self.last_persisted >= 0 else 'none'})")
+        self.event(
+            "start",
+            None,
+            f"keeper pid {os.getpid()} for {self.paths.root} → {self.storage.url} "
+            f"(latest committed: {self.last_persisted if self.last_persisted >= 0 else 'none'})",
+        )
         self._tidy_storage()
         idle_since: float | None = None
         while True:
@@ -162,8 +166,12 @@ class Keeper:
             world = self.node.world()
             ranks = self.node.node_ranks(world) if world else []
             owners = {r: read_json(self.paths.owner(r)) for r in ranks}
-            if (world and self.active and all(self._closed(r, o) for r, o in owners.items())
-                    and self._finish(world, "all ranks closed the checkpointer: job complete")):
+            if (
+                world
+                and self.active
+                and all(self._closed(r, o) for r, o in owners.items())
+                and self._finish(world, "all ranks closed the checkpointer: job complete")
+            ):
                 return
             if self.active and world:
                 self._check_failures(world, owners)
@@ -207,9 +215,8 @@ class Keeper:
             self.handled_pids.add(pid)
             self.event("worker-died", None, f"rank {r} (pid {pid}) died; saving on failure", logging.WARNING)
             try:
-                result = self.node.save_on_failure(self.storage.url, self.job.get("storage_options"), world,
-                                                   quiet=True)
-            except Exception as err:  # noqa: BLE001 — a failed save must not kill the keeper
+                result = self.node.save_on_failure(self.storage.url, self.job.get("storage_options"), world, quiet=True)
+            except Exception as err:
                 self.event("save-on-failure-failed", None, repr(err), logging.ERROR)
                 continue
             if result["persisted"]:
@@ -226,8 +233,12 @@ class Keeper:
         if target <= self.last_persisted or target in self.given_up:
             target = -1
             newest = max(common, default=-1)
-            if (self.coordinator and every_s > 0 and time.monotonic() - self.last_persist_time >= every_s
-                    and newest > self.last_persisted):
+            if (
+                self.coordinator
+                and every_s > 0
+                and time.monotonic() - self.last_persist_time >= every_s
+                and newest > self.last_persisted
+            ):
                 target = newest
         if target < 0 and not self.coordinator:
             target = self._requested(world, ranks, common)
@@ -237,19 +248,28 @@ class Keeper:
             every = 0  # the coordinator reports coalesced steps
         due = [s for s in range(max(1, self.last_persisted + 1), target) if every > 0 and s % every == 0]
         if due:
-            self.event("coalesced", target, f"persist of step(s) {due} was due while the previous persist "
-                                            f"ran or before the keeper saw it; persisting step {target} instead",
-                       logging.WARNING)
+            self.event(
+                "coalesced",
+                target,
+                f"persist of step(s) {due} was due while the previous persist "
+                f"ran or before the keeper saw it; persisting step {target} instead",
+                logging.WARNING,
+            )
         self.last_persist_time = time.monotonic()
         try:
-            manifest = self.node.persist_step(self.storage, target, world, "keeper", ranks,
-                                    ask_others=self.coordinator and target not in flagged)
+            manifest = self.node.persist_step(
+                self.storage, target, world, "keeper", ranks, ask_others=self.coordinator and target not in flagged
+            )
         except (LookupError, BlockingIOError) as err:
             self.given_up.add(target)
-            self.event("skipped", target, f"{err}: training outpaced persistence; the next due step will be "
-                                          "persisted", logging.WARNING)
+            self.event(
+                "skipped",
+                target,
+                f"{err}: training outpaced persistence; the next due step will be persisted",
+                logging.WARNING,
+            )
             return
-        except Exception as err:  # noqa: BLE001 — storage errors are reported, the keeper carries on
+        except Exception as err:
             self.given_up.add(target)
             self.event("failed", target, f"persist failed: {err!r}", logging.ERROR)
             return
@@ -258,9 +278,13 @@ class Keeper:
             self.event("already-committed", target, f"committed step {manifest.get('step')} covers it")
             return
         mib = manifest["bytes"] / 2**20
-        self.event("committed", target, f"{mib:.1f} MiB in {manifest['commit_s']:.2f} s "
-                                        f"({mib / max(manifest['commit_s'], 1e-9):.0f} MiB/s) → "
-                                        f"{self.storage.path(step_name(target))}")
+        self.event(
+            "committed",
+            target,
+            f"{mib:.1f} MiB in {manifest['commit_s']:.2f} s "
+            f"({mib / max(manifest['commit_s'], 1e-9):.0f} MiB/s) → "
+            f"{self.storage.path(step_name(target))}",
+        )
         self._retention()
 
     def _requested(self, world: int, ranks: list[int], common: set[int]) -> int:
@@ -297,8 +321,12 @@ class Keeper:
             for s in self.storage.steps():
                 if s not in committed:
                     self.storage.remove(s)
-                    self.event("removed-torn", s, f"{step_name(s)} had no manifest (a persist died mid-write; "
-                                                  f"latest is {latest})", logging.WARNING)
+                    self.event(
+                        "removed-torn",
+                        s,
+                        f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})",
+                        logging.WARNING,
+                    )
             if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
                 multinode.clear_stage(self.storage, below=latest + 1)
 
@@ -313,8 +341,13 @@ class Keeper:
             self.storage.refresh()
             latest = self.storage.latest() or -1
             if newest > latest:
-                self.event("exit", newest, f"{why}; keeping snapshots in {self.paths.root}: step {newest} is "
-                                           f"newer than the last committed checkpoint ({latest})", logging.WARNING)
+                self.event(
+                    "exit",
+                    newest,
+                    f"{why}; keeping snapshots in {self.paths.root}: step {newest} is "
+                    f"newer than the last committed checkpoint ({latest})",
+                    logging.WARNING,
+                )
             else:
                 self.event("exit", None, f"{why}; removing {self.paths.root}")
                 shutil.rmtree(self.paths.root, ignore_errors=True)
@@ -357,7 +390,7 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02) -> int:
         _log_also_to(job.get("keeper_log"))
         try:
             served = Keeper(node, poll_s, stop).run()
-        except Exception as err:  # noqa: BLE001 — e.g. storage unreachable: say so, try again
+        except Exception as err:
             log.error("cannot serve %s: %r", node.root, err)
             served = False
         if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
@@ -369,14 +402,24 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stalwart.checkpoint",
-                                     description="Persist shared-memory snapshots of one job (the node's keeper).")
+    parser = argparse.ArgumentParser(
+        prog="python -m stalwart.checkpoint",
+        description="Persist shared-memory snapshots of one job (the node's keeper).",
+    )
     parser.add_argument("job_dir", type=Path)
     parser.add_argument("--poll-s", type=float, default=0.02)
-    parser.add_argument("--parent", type=int, default=None,
-                        help="the agent's pid: serve the directory while it lives (started by `stalwart run`)")
-    parser.add_argument("--grace-s", type=float, default=30.0,
-                        help="with --parent: seconds to finish pending persists once asked to stop")
+    parser.add_argument(
+        "--parent",
+        type=int,
+        default=None,
+        help="the agent's pid: serve the directory while it lives (started by `stalwart run`)",
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="with --parent: seconds to finish pending persists once asked to stop",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
     import torch

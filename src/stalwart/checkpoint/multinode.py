@@ -32,8 +32,17 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from stalwart._compat import storage_info, storage_info_fields, storage_prefix
-from stalwart.checkpoint.persist import (PlanOnlyView, _SnapshotPlanner, chaos_hook, commit, global_plan,
-                                         json_bytes, plan_table, torch_save_without_crc, write_rank)
+from stalwart.checkpoint.persist import (
+    PlanOnlyView,
+    _SnapshotPlanner,
+    chaos_hook,
+    commit,
+    global_plan,
+    json_bytes,
+    plan_table,
+    torch_save_without_crc,
+    write_rank,
+)
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
 
@@ -123,21 +132,37 @@ def _moved_on(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
 def _results_json(results: list[WriteResult]) -> list[dict[str, Any]]:
     out = []
     for wr in results:
-        out.append({"fqn": wr.index.fqn, "offset": None if wr.index.offset is None else list(wr.index.offset),
-                    "index": wr.index.index, "size": wr.size_in_bytes, **storage_info_fields(wr.storage_data)})
+        out.append(
+            {
+                "fqn": wr.index.fqn,
+                "offset": None if wr.index.offset is None else list(wr.index.offset),
+                "index": wr.index.index,
+                "size": wr.size_in_bytes,
+                **storage_info_fields(wr.storage_data),
+            }
+        )
     return out
 
 
 def _results_from_json(items: list[dict[str, Any]]) -> list[WriteResult]:
-    return [WriteResult(index=MetadataIndex(i["fqn"], i["offset"], i["index"]), size_in_bytes=i["size"],
-                        storage_data=storage_info(i))
-            for i in items]
+    return [
+        WriteResult(
+            index=MetadataIndex(i["fqn"], i["offset"], i["index"]),
+            size_in_bytes=i["size"],
+            storage_data=storage_info(i),
+        )
+        for i in items
+    ]
 
 
 def _plan_json(plan: SavePlan) -> dict[str, Any]:
-    return {"prefix": plan.storage_data.prefix,
-            "items": [[it.index.fqn, None if it.index.offset is None else list(it.index.offset), it.index.index]
-                      for it in plan.items]}
+    return {
+        "prefix": plan.storage_data.prefix,
+        "items": [
+            [it.index.fqn, None if it.index.offset is None else list(it.index.offset), it.index.index]
+            for it in plan.items
+        ],
+    }
 
 
 def _plan_from_json(planner: _SnapshotPlanner, data: dict[str, Any]) -> SavePlan:
@@ -152,9 +177,17 @@ def _plan_from_json(planner: _SnapshotPlanner, data: dict[str, Any]) -> SavePlan
 
 
 # -- the protocol ---------------------------------------------------------------------------------
-def persist(storage: Storage, step: int, views: dict[int, SnapshotView], world: int, source: str,
-            coordinator: bool, timeout_s: float = 120.0, poll_s: float = 0.05, answer_s: float = 10.0
-            ) -> dict[str, Any]:
+def persist(
+    storage: Storage,
+    step: int,
+    views: dict[int, SnapshotView],
+    world: int,
+    source: str,
+    coordinator: bool,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.05,
+    answer_s: float = 10.0,
+) -> dict[str, Any]:
     """Take part in persisting ``step`` with this node's ranks (``views``: rank → pinned snapshot).
     Every node must answer (its entry tables) within ``answer_s`` — a lost node must not hold up a
     save-on-failure for long — and the whole persist finish within ``timeout_s``. Returns the committed
@@ -177,23 +210,40 @@ def abort(storage: Storage, step: int, reason: str) -> None:
     _put(storage, {"reason": reason, "time": time.time()}, *_stage(step, "abort.json"))
 
 
-def _coordinate(storage: Storage, step: int, views: dict[int, SnapshotView], world: int, source: str,
-                t0: float, deadline: float, poll_s: float, answer_s: float) -> dict[str, Any]:
+def _coordinate(
+    storage: Storage,
+    step: int,
+    views: dict[int, SnapshotView],
+    world: int,
+    source: str,
+    t0: float,
+    deadline: float,
+    poll_s: float,
+    answer_s: float,
+) -> dict[str, Any]:
     try:
         tables: dict[int, dict[str, Any]] = {}
         answer_by = min(deadline, time.monotonic() + answer_s)
         for r in range(world):
             if r not in views:
-                tables[r] = _wait(storage, step, answer_by, poll_s, f"rank {r}'s snapshot table (its node's keeper)",
-                                  lambda r=r: _get(storage, *_stage(step, "plans", f"rank{r}.json"))
-                                  or _moved_on(storage, r, step))
+                tables[r] = _wait(
+                    storage,
+                    step,
+                    answer_by,
+                    poll_s,
+                    f"rank {r}'s snapshot table (its node's keeper)",
+                    lambda r=r: _get(storage, *_stage(step, "plans", f"rank{r}.json")) or _moved_on(storage, r, step),
+                )
                 if "missing" in tables[r]:
                     raise MissingSnapshot(f"rank {r} does not hold step {step}: {tables[r]['missing']}")
         every = [views[r] if r in views else PlanOnlyView(tables[r]) for r in range(world)]
         planners, plans, metadata = global_plan(storage, step, every)
         attempt = uuid.uuid4().hex[:12]
-        _put(storage, {"attempt": attempt, "plans": {str(r): _plan_json(plans[r]) for r in range(world)}},
-             *_stage(step, "go.json"))
+        _put(
+            storage,
+            {"attempt": attempt, "plans": {str(r): _plan_json(plans[r]) for r in range(world)}},
+            *_stage(step, "go.json"),
+        )
         sums: dict[str, dict[str, int]] = {}
         results: dict[int, list[WriteResult]] = {}
         hook = chaos_hook(step)
@@ -208,6 +258,7 @@ def _coordinate(storage: Storage, step: int, views: dict[int, SnapshotView], wor
             if found is None:
                 alive.check(node_of[r])
             return found
+
         for r in range(world):
             if r not in views:
                 done = _wait(storage, step, deadline, poll_s, f"rank {r}'s shards", lambda r=r: result_of(r))
@@ -216,8 +267,9 @@ def _coordinate(storage: Storage, step: int, views: dict[int, SnapshotView], wor
                 results[r] = _results_from_json(done["results"])
                 sums.update(done["sums"])
         snapshot_time = max(v.info.header["time"] for v in views.values())
-        manifest = commit(storage, step, metadata, [results[r] for r in range(world)], sums, world, source,
-                          snapshot_time, t0)
+        manifest = commit(
+            storage, step, metadata, [results[r] for r in range(world)], sums, world, source, snapshot_time, t0
+        )
     except BaseException as err:
         abort(storage, step, repr(err))
         raise
@@ -225,8 +277,9 @@ def _coordinate(storage: Storage, step: int, views: dict[int, SnapshotView], wor
     return manifest
 
 
-def _participate(storage: Storage, step: int, views: dict[int, SnapshotView], t0: float, deadline: float,
-                 poll_s: float) -> dict[str, Any]:
+def _participate(
+    storage: Storage, step: int, views: dict[int, SnapshotView], t0: float, deadline: float, poll_s: float
+) -> dict[str, Any]:
     def go_or_replan() -> Any:
         go = _get(storage, *_stage(step, "go.json"))
         if go is None and _moved_on(storage, 0, step):
@@ -235,6 +288,7 @@ def _participate(storage: Storage, step: int, views: dict[int, SnapshotView], t0
             if go is None and not storage.fs.exists(storage.path(*_stage(step, "plans", f"rank{r}.json"))):
                 _put(storage, {**plan_table(view), "first": min(views)}, *_stage(step, "plans", f"rank{r}.json"))
         return go
+
     go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan)
     attempt = go["attempt"]
     hook = chaos_hook(step)
@@ -244,25 +298,31 @@ def _participate(storage: Storage, step: int, views: dict[int, SnapshotView], t0
     def committed() -> dict[str, Any] | None:
         latest = storage.latest()
         return storage.manifest(step) if latest is not None and latest >= step else None
+
     manifest = _wait(storage, step, deadline, poll_s, "the commit", committed)
     return {**manifest, "commit_s": time.perf_counter() - t0}
 
 
-def _write_shares(storage: Storage, step: int, views: dict[int, SnapshotView], go: dict[str, Any], attempt: str,
-                  hook: Any) -> None:
+def _write_shares(
+    storage: Storage, step: int, views: dict[int, SnapshotView], go: dict[str, Any], attempt: str, hook: Any
+) -> None:
     for r, view in views.items():
         sums: dict[str, dict[str, int]] = {}
         try:
             planner = _SnapshotPlanner(view)
             planner.set_up_planner(is_coordinator=False)
             with torch_save_without_crc():
-                results = write_rank(storage, step, r, planner, _plan_from_json(planner, go["plans"][str(r)]),
-                                     sums, hook)
+                results = write_rank(
+                    storage, step, r, planner, _plan_from_json(planner, go["plans"][str(r)]), sums, hook
+                )
         except Exception as err:
             _put(storage, {"error": repr(err)}, *_stage(step, "results", f"rank{r}.{attempt}.json"))
             raise
-        _put(storage, {"results": _results_json(results), "sums": sums},
-             *_stage(step, "results", f"rank{r}.{attempt}.json"))
+        _put(
+            storage,
+            {"results": _results_json(results), "sums": sums},
+            *_stage(step, "results", f"rank{r}.{attempt}.json"),
+        )
 
 
 class _Heartbeat:
@@ -308,5 +368,7 @@ class _Liveness:
         if last is None or beat != last[0]:
             self.seen[rank] = (beat, now)
         elif now - last[1] > self.answer_s:
-            raise TimeoutError(f"persist of step {self.step}: rank {rank}'s node stopped writing "
-                               f"(no heartbeat for {self.answer_s:.0f} s); its node is probably lost")
+            raise TimeoutError(
+                f"persist of step {self.step}: rank {rank}'s node stopped writing "
+                f"(no heartbeat for {self.answer_s:.0f} s); its node is probably lost"
+            )

@@ -40,12 +40,24 @@ from stalwart.runtime import worker_env
 log = logging.getLogger("stalwart.checkpoint.keeper")
 DEFAULT_SHM_ROOT = "/dev/shm"
 # A keeper must not look like a worker to torch (nor inherit NCCL's watchdog settings).
-_DROP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TORCHELASTIC_", "TORCH_NCCL_", "NCCL_ASYNC")
+_DROP_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_",
+    "TORCH_NCCL_",
+    "NCCL_ASYNC",
+)
 
 
-def job_dir_for(storage_url: str, shm_root: str | Path = DEFAULT_SHM_ROOT, job_id: str | None = None,
-                node_id: str | None = None) -> Path:
+def job_dir_for(
+    storage_url: str, shm_root: str | Path = DEFAULT_SHM_ROOT, job_id: str | None = None, node_id: str | None = None
+) -> Path:
     """The shared-memory directory of a job on this node: one per storage location (or explicit job
     id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
     keep apart what separate hosts would."""
@@ -78,13 +90,31 @@ class NodeJob:
         return self.paths.root
 
     # -- job.json: what the workers chose --------------------------------------------------------------
-    def write_job(self, storage: Storage, world: int, ranks: list[int], policy: dict[str, Any], *,
-                  keeper: bool, keeper_log: str | Path | None) -> None:
+    def write_job(
+        self,
+        storage: Storage,
+        world: int,
+        ranks: list[int],
+        policy: dict[str, Any],
+        *,
+        keeper: bool,
+        keeper_log: str | Path | None,
+    ) -> None:
         """Written by the node's first local rank; the keeper learns storage and policy from it."""
-        atomic_write(self.paths.job, json.dumps({
-            "storage": storage.url, "storage_options": storage.options, "world_size": world, "ranks": ranks,
-            "policy": policy, "keeper": keeper,
-            "keeper_log": str(Path(keeper_log).absolute()) if keeper_log else None}).encode())
+        atomic_write(
+            self.paths.job,
+            json.dumps(
+                {
+                    "storage": storage.url,
+                    "storage_options": storage.options,
+                    "world_size": world,
+                    "ranks": ranks,
+                    "policy": policy,
+                    "keeper": keeper,
+                    "keeper_log": str(Path(keeper_log).absolute()) if keeper_log else None,
+                }
+            ).encode(),
+        )
         os.chmod(self.paths.job, 0o600)  # storage options may carry credentials
 
     def job(self) -> dict[str, Any]:
@@ -176,8 +206,15 @@ class NodeJob:
         return False
 
     # -- persisting ---------------------------------------------------------------------------------------
-    def persist_step(self, storage: Storage, step: int, world: int, source: str, ranks: list[int] | None = None,
-                     ask_others: bool = False) -> dict[str, Any]:
+    def persist_step(
+        self,
+        storage: Storage,
+        step: int,
+        world: int,
+        source: str,
+        ranks: list[int] | None = None,
+        ask_others: bool = False,
+    ) -> dict[str, Any]:
         """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
         checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
         ``ask_others`` for a step they would not pick by themselves). Returns the manifest, with
@@ -224,16 +261,23 @@ class NodeJob:
                     raise
                 time.sleep(0.005)
 
-    def save_on_failure(self, storage_url: str | None = None, storage_options: dict[str, Any] | None = None,
-                        world_size: int | None = None, quiet: bool = False) -> dict[str, Any]:
+    def save_on_failure(
+        self,
+        storage_url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        world_size: int | None = None,
+        quiet: bool = False,
+    ) -> dict[str, Any]:
         """Persist the newest snapshot that every rank holds, unless it is already committed.
 
         Run when a worker dies (by the keeper, or the agent). It never persists a step that some rank
         lacks (that would mix states of different steps) and says in the result and the log why it did
         nothing."""
         job = self.job()
-        storage = Storage(storage_url or job["storage"], storage_options if storage_options is not None
-                          else job.get("storage_options"))
+        storage = Storage(
+            storage_url or job["storage"],
+            storage_options if storage_options is not None else job.get("storage_options"),
+        )
         world = world_size or self.world()
 
         def outcome(persisted: bool, step: int | None, detail: str) -> dict[str, Any]:
@@ -263,13 +307,18 @@ class NodeJob:
                 continue
             if manifest.get("already"):
                 return outcome(False, step, f"step {step} is already covered by committed step {manifest.get('step')}")
-            return outcome(True, step, f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
-                                       f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}")
+            return outcome(
+                True,
+                step,
+                f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
+                f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}",
+            )
         return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
 
     # -- the keeper process -------------------------------------------------------------------------------
-    def spawn_keeper(self, log_path: str | Path | None, parent: int | None = None,
-                     grace_s: float | None = None) -> subprocess.Popen[bytes]:
+    def spawn_keeper(
+        self, log_path: str | Path | None, parent: int | None = None, grace_s: float | None = None
+    ) -> subprocess.Popen[bytes]:
         """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
         it). With ``parent`` it serves the directory for as long as that process (the agent) lives."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -280,17 +329,28 @@ class NodeJob:
             cmd += ["--parent", str(parent)]
         if grace_s is not None:
             cmd += ["--grace-s", str(grace_s)]
-        out = open(log_path or self.root / "keeper.log", "ab")  # noqa: SIM115 — handed to the child
+        out = open(log_path or self.root / "keeper.log", "ab")
         try:
-            return subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, close_fds=True)
+            return subprocess.Popen(
+                cmd,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                close_fds=True,
+            )
         finally:
             out.close()
 
 
-def save_on_failure(job_dir: str | Path, storage_url: str | None = None,
-                    storage_options: dict[str, Any] | None = None, world_size: int | None = None,
-                    quiet: bool = False) -> dict[str, Any]:
+def save_on_failure(
+    job_dir: str | Path,
+    storage_url: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    world_size: int | None = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
     """:meth:`NodeJob.save_on_failure` of the job in ``job_dir``."""
     return NodeJob(job_dir).save_on_failure(storage_url, storage_options, world_size, quiet)
 

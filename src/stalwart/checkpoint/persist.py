@@ -59,18 +59,27 @@ class _SnapshotPlanner(DefaultSavePlanner):
         items = []
         for key, e in self.view.entries.items():
             offsets = torch.Size(e["chunk_offsets"])
-            items.append(WriteItem(
-                index=MetadataIndex(key, offsets), type=WriteItemType[e["item"]],
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(e["shape"])),
-                    properties=TensorProperties(dtype=_dtype(e["dtype"])), size=torch.Size(e["global_shape"]))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, offsets),
+                    type=WriteItemType[e["item"]],
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(e["shape"])),
+                        properties=TensorProperties(dtype=_dtype(e["dtype"])),
+                        size=torch.Size(e["global_shape"]),
+                    ),
+                )
+            )
         if self.share:  # hyperparameters repeat per parameter: write each distinct value once (see share_bytes)
             first: dict[tuple[str, str], str] = {}
             for key, obj in self.view.objects.items():
                 if (memo := _memo_key(obj)) is not None and first.setdefault(memo, key) != key:
                     self.aliases[key] = first[memo]
-        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
-                  for key in self.view.objects if key not in self.aliases]
+        items += [
+            WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+            for key in self.view.objects
+            if key not in self.aliases
+        ]
         self.plan = SavePlan(items, planner_data=self.view.mappings)
         return self.plan
 
@@ -95,8 +104,11 @@ class _SnapshotPlanner(DefaultSavePlanner):
 def _memo_key(obj: Any) -> tuple[str, str] | None:
     """Identifies a small plain value (``repr`` tells 1, 1.0 and True apart, which equality does not);
     None for anything else."""
-    plain = obj is None or isinstance(obj, (bool, int, float, str)) or (
-        isinstance(obj, tuple) and len(obj) <= 8 and all(isinstance(x, (bool, int, float)) for x in obj))
+    plain = (
+        obj is None
+        or isinstance(obj, (bool, int, float, str))
+        or (isinstance(obj, tuple) and len(obj) <= 8 and all(isinstance(x, (bool, int, float)) for x in obj))
+    )
     return (type(obj).__name__, repr(obj)) if plain and len(repr(obj)) <= 200 else None
 
 
@@ -158,11 +170,13 @@ def _writer(storage: Storage, step: int, sums: dict[str, dict[str, int]], hook: 
         return _CrcFileSystem(fs, sums, hook)
 
     if storage.local:  # two files per rank, written by two threads: CRC and zip framing overlap I/O
-        return checkpoint_writer(storage.checkpoint_id(step), local=True, wrap_fs=wrap, sync_files=True,
-                                 overwrite=True, thread_count=2)
+        return checkpoint_writer(
+            storage.checkpoint_id(step), local=True, wrap_fs=wrap, sync_files=True, overwrite=True, thread_count=2
+        )
     # object stores are durable at close(); fsync does not apply (DCP would fall back to os.sync())
-    return checkpoint_writer(storage.checkpoint_id(step), local=False, wrap_fs=wrap, sync_files=False,
-                             overwrite=True, **storage.options)
+    return checkpoint_writer(
+        storage.checkpoint_id(step), local=False, wrap_fs=wrap, sync_files=False, overwrite=True, **storage.options
+    )
 
 
 @contextmanager
@@ -191,12 +205,16 @@ class PlanOnlyView:
 
 def plan_table(view: SnapshotView) -> dict[str, Any]:
     """The JSON-able part of a snapshot that the coordinator plans from."""
-    return {"entries": list(view.entries.values()), "objects": list(view.objects),
-            "mappings": {k: list(v) for k, v in view.mappings.items()}}
+    return {
+        "entries": list(view.entries.values()),
+        "objects": list(view.objects),
+        "mappings": {k: list(v) for k, v in view.mappings.items()},
+    }
 
 
-def global_plan(storage: Storage, step: int, views: list[Any], share_equal_objects: bool = False
-                ) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
+def global_plan(
+    storage: Storage, step: int, views: list[Any], share_equal_objects: bool = False
+) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
     """DCP's coordinator step for every rank at once (``views[r]`` real or plan-only): local plans,
     de-duplication of replicated items, metadata and each rank's file prefix. ``share_equal_objects``
     (real views only) writes equal small objects once: call :func:`share_bytes` before committing."""
@@ -211,8 +229,15 @@ def global_plan(storage: Storage, step: int, views: list[Any], share_equal_objec
     return planners, writer.prepare_global_plan(plans), metadata
 
 
-def write_rank(storage: Storage, step: int, rank: int, planner: _SnapshotPlanner, plan: SavePlan,
-               sums: dict[str, dict[str, int]], hook: Callable[[str], None]) -> list[Any]:
+def write_rank(
+    storage: Storage,
+    step: int,
+    rank: int,
+    planner: _SnapshotPlanner,
+    plan: SavePlan,
+    sums: dict[str, dict[str, int]],
+    hook: Callable[[str], None],
+) -> list[Any]:
     """Write one rank's share of the global plan (its shard files, fsynced) → DCP write results.
     Call it inside :func:`torch_save_without_crc` (process-global, so entered once around all threads)."""
     writer = _writer(storage, step, sums, hook)
@@ -221,9 +246,18 @@ def write_rank(storage: Storage, step: int, rank: int, planner: _SnapshotPlanner
     return writer.write_data(planner.finish_plan(plan), planner).wait()
 
 
-def commit(storage: Storage, step: int, metadata: Any, results: list[list[Any]], sums: dict[str, dict[str, int]],
-           world: int, source: str, snapshot_time: float, t0: float, extra: dict[str, Any] | None = None
-           ) -> dict[str, Any]:
+def commit(
+    storage: Storage,
+    step: int,
+    metadata: Any,
+    results: list[list[Any]],
+    sums: dict[str, dict[str, int]],
+    world: int,
+    source: str,
+    snapshot_time: float,
+    t0: float,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """After every rank's shards are durable: ``.metadata`` → manifest with CRCs → ``latest``."""
     writer = _writer(storage, step, {}, lambda _: None)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
@@ -234,9 +268,16 @@ def commit(storage: Storage, step: int, metadata: Any, results: list[list[Any]],
     if storage.local:
         fsync_dir(storage.path(step_name(step)))
     manifest = {
-        "format": FORMAT, "step": step, "world_size": world, "created": time.time(), "source": source,
-        "bytes": nbytes, "files": dict(sorted(sums.items())), "write_s": round(time.perf_counter() - t0, 4),
-        "snapshot_time": snapshot_time, **(extra or {}),
+        "format": FORMAT,
+        "step": step,
+        "world_size": world,
+        "created": time.time(),
+        "source": source,
+        "bytes": nbytes,
+        "files": dict(sorted(sums.items())),
+        "write_s": round(time.perf_counter() - t0, 4),
+        "snapshot_time": snapshot_time,
+        **(extra or {}),
     }
     storage.write_atomic(json_bytes(manifest), step_name(step), MANIFEST)
     storage.set_latest(step)
@@ -253,11 +294,13 @@ def chaos_hook(step: int) -> Callable[[str], None]:
             fired.append(name)
             if fault := chaos.due("persist", step=step):
                 fault.fire()
+
     return hook
 
 
-def write_checkpoint(storage: Storage, step: int, views: list[SnapshotView], source: str,
-                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_checkpoint(
+    storage: Storage, step: int, views: list[SnapshotView], source: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Write and commit the snapshots of all ranks (``views[r]`` is rank r's) for ``step``."""
     assert [v.info.rank for v in views] == list(range(len(views))), "one view per rank, in rank order"
     assert all(v.step == step for v in views), "all views must hold the same step"
@@ -277,8 +320,9 @@ def write_checkpoint(storage: Storage, step: int, views: list[SnapshotView], sou
             with ThreadPoolExecutor(min(4, len(views))) as pool:
                 results = list(pool.map(write, range(len(views))))
     share_bytes(planners, metadata, results)
-    return commit(storage, step, metadata, results, sums, len(views), source,
-                  max(v.info.header["time"] for v in views), t0, extra)
+    return commit(
+        storage, step, metadata, results, sums, len(views), source, max(v.info.header["time"] for v in views), t0, extra
+    )
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -292,7 +336,7 @@ def retention(storage: Storage, keep_last: int, keep_every: int, busy: set[int] 
     storage.refresh()
     latest = storage.latest()
     committed = storage.committed()
-    keep = set(committed[:max(1, keep_last)]) | set(busy)
+    keep = set(committed[: max(1, keep_last)]) | set(busy)
     if latest is not None:
         keep.add(latest)
     if keep_every > 0:

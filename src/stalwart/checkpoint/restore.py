@@ -54,9 +54,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def storage_reader(storage: Storage, step: int) -> Any:
     """A DCP reader for one checkpoint whose ``.metadata`` goes through the restricted unpickler."""
-    return checkpoint_reader(storage.checkpoint_id(step), local=storage.local,
-                             read_metadata=lambda: storage.read_metadata(step),
-                             **({} if storage.local else storage.options))
+    return checkpoint_reader(
+        storage.checkpoint_id(step),
+        local=storage.local,
+        read_metadata=lambda: storage.read_metadata(step),
+        **({} if storage.local else storage.options),
+    )
 
 
 def load_checkpoint(storage: Storage, step: int, nested: dict[str, Any], group: Any = None) -> None:
@@ -64,8 +67,13 @@ def load_checkpoint(storage: Storage, step: int, nested: dict[str, Any], group: 
     single = not dist.is_initialized()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(nested, storage_reader=storage_reader(storage, step), planner=SafeLoadPlanner(),
-                 process_group=None if single else group, no_dist=single)
+        dcp.load(
+            nested,
+            storage_reader=storage_reader(storage, step),
+            planner=SafeLoadPlanner(),
+            process_group=None if single else group,
+            no_dist=single,
+        )
 
 
 # -- collectives that also work without torch.distributed ------------------------------------------
@@ -153,8 +161,9 @@ def _my_slots(paths: JobPaths | None, rank: int, world: int, max_step: int | Non
     return mine
 
 
-def candidates(paths: JobPaths | None, storage: Storage | None, rank: int, world: int,
-               group: Any = None) -> tuple[list[int], list[int]]:
+def candidates(
+    paths: JobPaths | None, storage: Storage | None, rank: int, world: int, group: Any = None
+) -> tuple[list[int], list[int]]:
     """(memory steps every rank holds, committed steps), both newest first; the same on every rank."""
     mine = _my_slots(paths, rank, world, None)
     common = set.intersection(*(set(steps) for steps in _gather(sorted(mine), group)))
@@ -162,8 +171,15 @@ def candidates(paths: JobPaths | None, storage: Storage | None, rank: int, world
     return sorted(common, reverse=True), committed
 
 
-def restore_state(tstate: TrainingState, paths: JobPaths | None, storage: Storage | None, rank: int,
-                  world: int, group: Any = None, max_step: int | None = None) -> RestoreInfo:
+def restore_state(
+    tstate: TrainingState,
+    paths: JobPaths | None,
+    storage: Storage | None,
+    rank: int,
+    world: int,
+    group: Any = None,
+    max_step: int | None = None,
+) -> RestoreInfo:
     """Restore the newest usable state (at most ``max_step`` if given: a rollback)."""
     t0 = time.perf_counter()
     skipped: list[str] = []
@@ -181,8 +197,13 @@ def restore_state(tstate: TrainingState, paths: JobPaths | None, storage: Storag
         problem = _from_memory(paths, mine[mem_step], tstate, group)
         if problem is None:
             _invalidate_after(paths, rank, mem_step)
-            return RestoreInfo("memory", mem_step, time.perf_counter() - t0,
-                               f"shared-memory snapshot of step {mem_step} held by all {world} ranks", skipped)
+            return RestoreInfo(
+                "memory",
+                mem_step,
+                time.perf_counter() - t0,
+                f"shared-memory snapshot of step {mem_step} held by all {world} ranks",
+                skipped,
+            )
         skipped.append(f"memory step {mem_step}: {problem}")
         log.warning("memory snapshot of step %d not usable: %s", mem_step, problem)
 
@@ -196,14 +217,20 @@ def restore_state(tstate: TrainingState, paths: JobPaths | None, storage: Storag
         nested = tstate.state_dict(for_load=True)
         missing = _prune_missing(nested, set(storage.read_metadata(step).state_dict_metadata), rank)
         if missing:
-            log.warning("rank %d: checkpoint %s lacks %d keys of this run (kept as initialised): %s",
-                        rank, step_name(step), len(missing), ", ".join(missing[:5]))
+            log.warning(
+                "rank %d: checkpoint %s lacks %d keys of this run (kept as initialised): %s",
+                rank,
+                step_name(step),
+                len(missing),
+                ", ".join(missing[:5]),
+            )
         load_checkpoint(storage, step, nested, group)
         tstate.load(nested)
         if paths:
             _invalidate_after(paths, rank, step)
-        return RestoreInfo("storage", step, time.perf_counter() - t0,
-                           f"committed checkpoint {storage.path(step_name(step))}", skipped)
+        return RestoreInfo(
+            "storage", step, time.perf_counter() - t0, f"committed checkpoint {storage.path(step_name(step))}", skipped
+        )
     if paths:
         _invalidate_after(paths, rank, -1)
     if tried_memory:  # its template initialised the optimizers (a zero-lr step): undo for a true fresh start

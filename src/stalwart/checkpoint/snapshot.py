@@ -38,8 +38,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from stalwart import chaos
 from stalwart.checkpoint.hparams import dcp_hyperparameters
-from stalwart.checkpoint.shm import (
-    FORMAT, SLOTS, JobPaths, SlotInfo, atomic_write, complete_slots, read_json)
+from stalwart.checkpoint.shm import FORMAT, SLOTS, JobPaths, SlotInfo, atomic_write, complete_slots, read_json
 from stalwart.checkpoint.state import Captured
 
 log = logging.getLogger("stalwart.checkpoint")
@@ -152,11 +151,18 @@ def plan_layout(captured: Captured) -> tuple[list[dict[str, Any]], int]:
         item = chunks[key]
         assert item.tensor_data is not None and item.tensor_data.chunk is not None
         nbytes = local.numel() * local.element_size()
-        entries.append({
-            "key": key, "dtype": str(local.dtype).removeprefix("torch."), "shape": list(local.shape),
-            "offset": offset, "nbytes": nbytes, "item": item.type.name,
-            "chunk_offsets": list(item.tensor_data.chunk.offsets), "global_shape": list(item.tensor_data.size),
-        })
+        entries.append(
+            {
+                "key": key,
+                "dtype": str(local.dtype).removeprefix("torch."),
+                "shape": list(local.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+                "item": item.type.name,
+                "chunk_offsets": list(item.tensor_data.chunk.offsets),
+                "global_shape": list(item.tensor_data.size),
+            }
+        )
         offset += -(-nbytes // ALIGN) * ALIGN
     return entries, offset
 
@@ -257,8 +263,12 @@ class SnapshotWriter:
         slot = self._acquire()
         if slot is None:
             self.stats["skipped"] += 1
-            log.warning("rank %d: memory snapshot of step %d skipped: both slots are busy (the keeper is "
-                        "persisting one); the previous snapshot stays valid", self.rank, step)
+            log.warning(
+                "rank %d: memory snapshot of step %d skipped: both slots are busy (the keeper is "
+                "persisting one); the previous snapshot stays valid",
+                self.rank,
+                step,
+            )
             return False
         self.paths.slot(self.rank, slot, "json").unlink(missing_ok=True)  # slot invalid from here on
         self.slots[slot].ensure(size)
@@ -305,10 +315,13 @@ class SnapshotWriter:
             raise ValueError(
                 f"memory snapshots need {2 * size / 2**20:.1f} MiB in {self.paths.root} (two slots of "
                 f"{size / 2**20:.1f} MiB) but only {free / 2**20:.1f} MiB are free; enlarge /dev/shm (Docker: "
-                "--shm-size), point checkpoint.shm_dir at a larger tmpfs, or disable checkpointing")
+                "--shm-size), point checkpoint.shm_dir at a larger tmpfs, or disable checkpointing"
+            )
 
     def _acquire(self) -> int | None:
-        order = [i for i in SLOTS if i != self.latest_slot] + ([self.latest_slot] if self.latest_slot is not None else [])
+        order = [i for i in SLOTS if i != self.latest_slot] + (
+            [self.latest_slot] if self.latest_slot is not None else []
+        )
         for i in order:
             if self.slots[i].try_lock():
                 return i
@@ -328,8 +341,16 @@ class SnapshotWriter:
             self._cuda_event.record(stream)
 
     # -- background thread -----------------------------------------------------------------------
-    def _run(self, step: int, slot: int, entries: list[dict[str, Any]], size: int, captured: Captured,
-             persist: bool, cuda: bool) -> None:
+    def _run(
+        self,
+        step: int,
+        slot: int,
+        entries: list[dict[str, Any]],
+        size: int,
+        captured: Captured,
+        persist: bool,
+        cuda: bool,
+    ) -> None:
         s = self.slots[slot]
         t0 = time.perf_counter()
         try:
@@ -353,9 +374,16 @@ class SnapshotWriter:
             atomic_write(self.paths.slot(self.rank, slot, "obj"), blob)
             self.generation += 1
             header = {
-                "format": FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
-                "generation": self.generation, "persist": persist, "time": time.time(), "data_bytes": size,
-                "objects_crc32": zlib.crc32(blob), "entries": entries,
+                "format": FORMAT,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "step": step,
+                "generation": self.generation,
+                "persist": persist,
+                "time": time.time(),
+                "data_bytes": size,
+                "objects_crc32": zlib.crc32(blob),
+                "entries": entries,
                 "mappings": {k: list(v) for k, v in captured.mappings.items()},
             }
             atomic_write(self.paths.slot(self.rank, slot, "json"), json.dumps(header).encode())

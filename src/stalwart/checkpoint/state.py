@@ -104,9 +104,12 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
-        "numpy_pos": int(pos), "numpy_has_gauss": int(has_gauss), "numpy_gauss": float(gauss),
+        "numpy_pos": int(pos),
+        "numpy_has_gauss": int(has_gauss),
+        "numpy_gauss": float(gauss),
         "python_state": torch.tensor(internal, dtype=torch.int64),
-        "python_version": int(version), "python_gauss": py_gauss,
+        "python_version": int(version),
+        "python_gauss": py_gauss,
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -116,8 +119,9 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"].to(torch.uint8))
     keys = state["numpy_keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, int(state["numpy_pos"]), int(state["numpy_has_gauss"]),
-                         float(state["numpy_gauss"])))
+    np.random.set_state(
+        ("MT19937", keys, int(state["numpy_pos"]), int(state["numpy_has_gauss"]), float(state["numpy_gauss"]))
+    )
     internal = tuple(int(x) for x in state["python_state"].tolist())
     random.setstate((int(state["python_version"]), internal, state["python_gauss"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -135,8 +139,10 @@ class TrainingState:
 
     def __init__(self, state: Mapping[str, Any], rank: int, rng: bool = True) -> None:
         if not isinstance(state, Mapping) or not state:
-            raise ValueError("checkpoint state must be a non-empty dict such as "
-                             "{'model': model, 'optim': optimizer, 'sampler': sampler}")
+            raise ValueError(
+                "checkpoint state must be a non-empty dict such as "
+                "{'model': model, 'optim': optimizer, 'sampler': sampler}"
+            )
         self.rank, self.rng = rank, rng
         self.items = dict(state)
         self._cache: dict[str, _Part] = {}  # model/optimizer parts reused while their tensors stay
@@ -149,12 +155,14 @@ class TrainingState:
                 raise ValueError(f"checkpoint state key {RNG_KEY!r} is reserved for the RNG states")
             if isinstance(value, torch.optim.Optimizer):
                 self.owner[name] = self._find_owner(name, value, modules)
-            elif not (isinstance(value, (nn.Module, dict))
-                      or (callable(getattr(value, "state_dict", None))
-                          and callable(getattr(value, "load_state_dict", None)))):
+            elif not (
+                isinstance(value, (nn.Module, dict))
+                or (callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)))
+            ):
                 raise ValueError(
                     f"checkpoint state[{name!r}] is a {type(value).__name__}: pass an nn.Module, an Optimizer, "
-                    "an object with state_dict()/load_state_dict(), or a dict of extras (updated in place)")
+                    "an object with state_dict()/load_state_dict(), or a dict of extras (updated in place)"
+                )
 
     @staticmethod
     def _find_owner(name: str, optim: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
@@ -162,8 +170,10 @@ class TrainingState:
         for module in modules.values():
             if first is None or any(p is first for p in module.parameters()):
                 return module
-        raise ValueError(f"optimizer state[{name!r}] updates parameters of no nn.Module in the checkpoint "
-                         "state; add the model to the same dict")
+        raise ValueError(
+            f"optimizer state[{name!r}] updates parameters of no nn.Module in the checkpoint "
+            "state; add the model to the same dict"
+        )
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -212,8 +222,7 @@ class TrainingState:
             sources.update(part.sources)
             objects.update(part.objects)
             mappings.update(part.mappings)
-        return Captured(tensors, copy.deepcopy(objects), mappings, groups,
-                        tuple(p.signature() for p in parts), sources)
+        return Captured(tensors, copy.deepcopy(objects), mappings, groups, tuple(p.signature() for p in parts), sources)
 
     def _model_part(self, name: str, model: nn.Module) -> _Part:
         """DCP's model state dict, flattened, reused while the model holds the same parameter and
@@ -234,8 +243,7 @@ class TrainingState:
         """DCP's optimizer state (tensors), flattened, and each group's parameter FQNs, reused while
         the optimizer holds the same state tensors (it updates them in place). Hyperparameters are
         not part of it: :func:`_copy_groups` reads them from the live ``param_groups``."""
-        key = (len(optim.param_groups),
-               *((id(p), *(id(v) for v in st.values())) for p, st in optim.state.items()))
+        key = (len(optim.param_groups), *((id(p), *(id(v) for v in st.values())) for p, st in optim.state.items()))
         cached = self._cache.get(name)
         if cached is not None and cached.key == key:
             return cached
@@ -262,7 +270,8 @@ class TrainingState:
                         f"the checkpoint holds no hyperparameters of optimizer {name!r} under per-parameter keys "
                         f"({name}.{PARAM_GROUPS}.<parameter>.<name>): it predates the flattened optimizer state "
                         "or packs them (written by an older stalwart, docs/parallelism.md); resume it with the "
-                        "stalwart version that wrote it, or point checkpoint.dir elsewhere to start fresh")
+                        "stalwart version that wrote it, or point checkpoint.dir elsewhere to start fresh"
+                    )
                 set_optimizer_state_dict(self.owner[name], value, sd, options=FLAT_OPTIM)
             elif isinstance(value, nn.Module):
                 set_model_state_dict(value, sd)
@@ -284,12 +293,15 @@ def _identity(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
 def _copy_groups(optim: torch.optim.Optimizer, fqns: list[list[str]]) -> list[dict[str, Any]]:
     """The live hyperparameters of each param group (copied: a scheduler changes them next step)
     with the group's parameter FQNs (shared with the cache: never mutated)."""
-    return [{**copy.deepcopy({k: v for k, v in g.items() if k != PARAMS}), PARAMS: names}
-            for g, names in zip(optim.param_groups, fqns)]
+    return [
+        {**copy.deepcopy({k: v for k, v in g.items() if k != PARAMS}), PARAMS: names}
+        for g, names in zip(optim.param_groups, fqns)
+    ]
 
 
-def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, for_load: bool,
-                          options: StateDictOptions | None = None) -> dict[str, Any]:
+def _optimizer_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, for_load: bool, options: StateDictOptions | None = None
+) -> dict[str, Any]:
     """DCP's optimizer state dict. DCP initialises an optimizer without state and gradients by
     running a zero-lr step; a load needs that (tensors to load into), a save must not change the
     optimizer, so it shows DCP one placeholder gradient and gets the honest, empty state instead."""

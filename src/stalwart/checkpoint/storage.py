@@ -112,8 +112,7 @@ class Storage:
         """Committed steps, newest first (manifest present and not beyond ``latest``)."""
         self.refresh()
         latest = self.latest()
-        return [s for s in reversed(self.steps())
-                if (latest is None or s <= latest) and self.manifest(s) is not None]
+        return [s for s in reversed(self.steps()) if (latest is None or s <= latest) and self.manifest(s) is not None]
 
     def remove(self, step: int) -> None:
         try:
@@ -166,8 +165,14 @@ def file_crc32(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, int]:
 # -- DCP metadata without arbitrary unpickling ------------------------------------------------------
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.serialization": {"_get_layout"},  # maps a layout name to torch.strided etc.
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},

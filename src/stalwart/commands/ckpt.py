@@ -19,21 +19,31 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ckpt", help="list, show, verify and export checkpoints",
-                       description="Work with stalwart checkpoints (DCP format, one step-NNNNNNNN directory "
-                                   "per checkpoint, a `latest` pointer). DIR is a path or an fsspec URL.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "ckpt",
+        help="list, show, verify and export checkpoints",
+        description="Work with stalwart checkpoints (DCP format, one step-NNNNNNNN directory "
+        "per checkpoint, a `latest` pointer). DIR is a path or an fsspec URL.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for name, help_ in (("ls", "list checkpoints: step, state (committed / torn), size, world size"),
-                        ("show", "manifest and contents of one checkpoint"),
-                        ("verify", "check every file's size and CRC32 against the manifest"),
-                        ("export", "write the full, unsharded model weights for evaluation or HF tools")):
+    for name, help_ in (
+        ("ls", "list checkpoints: step, state (committed / torn), size, world size"),
+        ("show", "manifest and contents of one checkpoint"),
+        ("verify", "check every file's size and CRC32 against the manifest"),
+        ("export", "write the full, unsharded model weights for evaluation or HF tools"),
+    ):
         a = actions.add_parser(name, help=help_, description=help_)
         a.add_argument("dir", metavar="DIR")
         a.add_argument("--json", action="store_true", help="print one JSON object")
         if name != "ls":
-            a.add_argument("--step", type=int, help="checkpoint step (default: latest" +
-                           (", or all checkpoints for verify)" if name == "verify" else ")"))
+            a.add_argument(
+                "--step",
+                type=int,
+                help="checkpoint step (default: latest"
+                + (", or all checkpoints for verify)" if name == "verify" else ")"),
+            )
         if name == "export":
             a.add_argument("--format", choices=("torch", "safetensors"), default="safetensors")
             a.add_argument("--out", required=True, help="output file")
@@ -73,8 +83,17 @@ def _ls(args: argparse.Namespace) -> int:
     for step in reversed(storage.steps()):
         m = storage.manifest(step) or {}
         state = "committed" if step in committed else ("torn" if not m else "uncommitted")
-        rows.append({"step": step, "state": state, "latest": step == latest, "bytes": m.get("bytes"),
-                     "world_size": m.get("world_size"), "source": m.get("source"), "created": m.get("created")})
+        rows.append(
+            {
+                "step": step,
+                "state": state,
+                "latest": step == latest,
+                "bytes": m.get("bytes"),
+                "world_size": m.get("world_size"),
+                "source": m.get("source"),
+                "created": m.get("created"),
+            }
+        )
     if args.json:
         print(json.dumps({"dir": storage.url, "latest": latest, "checkpoints": rows}))
         return 0
@@ -87,8 +106,14 @@ def _ls(args: argparse.Namespace) -> int:
     for r in rows:
         size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
         created = time.strftime("%m-%d %H:%M:%S", time.localtime(r["created"])) if r["created"] else "-"
-        table.add_row(str(r["step"]) + (" (latest)" if r["latest"] else ""), r["state"], size,
-                      str(r["world_size"] or "-"), r["source"] or "-", created)
+        table.add_row(
+            str(r["step"]) + (" (latest)" if r["latest"] else ""),
+            r["state"],
+            size,
+            str(r["world_size"] or "-"),
+            r["source"] or "-",
+            created,
+        )
     Console().print(table)
     return 0
 
@@ -108,11 +133,18 @@ def _show(args: argparse.Namespace) -> int:
             g["bytes"] += m.size.numel() * m.properties.dtype.itemsize
         else:
             g["objects"] += 1
-    result = {"dir": storage.url, "step": step, "path": storage.checkpoint_id(step),
-              "committed": manifest is not None and step in storage.committed(),
-              "world_size": (manifest or {}).get("world_size"), "source": (manifest or {}).get("source"),
-              "files": len((manifest or {}).get("files", {})), "bytes": (manifest or {}).get("bytes"),
-              "keys": len(md.state_dict_metadata), "groups": groups}
+    result = {
+        "dir": storage.url,
+        "step": step,
+        "path": storage.checkpoint_id(step),
+        "committed": manifest is not None and step in storage.committed(),
+        "world_size": (manifest or {}).get("world_size"),
+        "source": (manifest or {}).get("source"),
+        "files": len((manifest or {}).get("files", {})),
+        "bytes": (manifest or {}).get("bytes"),
+        "keys": len(md.state_dict_metadata),
+        "groups": groups,
+    }
     emit(result, args.json, f"checkpoint step {step}")
     return 0
 
@@ -128,8 +160,11 @@ def _verify(args: argparse.Namespace) -> int:
         report[step] = storage.verify(step)
     bad = {s: p for s, p in report.items() if p}
     if args.json:
-        print(json.dumps({"dir": storage.url, "ok": not bad, "checked": steps,
-                          "problems": {str(s): p for s, p in bad.items()}}))
+        print(
+            json.dumps(
+                {"dir": storage.url, "ok": not bad, "checked": steps, "problems": {str(s): p for s, p in bad.items()}}
+            )
+        )
     else:
         for step, problems in report.items():
             print(f"step {step}: " + ("ok" if not problems else "FAILED"))
@@ -151,20 +186,29 @@ def _export(args: argparse.Namespace) -> int:
         raise ValueError(f"checkpoint step {step} failed verification: {'; '.join(problems)}")
     prefix = args.prefix.rstrip(".") + "."
     md = storage.read_metadata(step)
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
     if not state:
         raise ValueError(f"checkpoint step {step} has no tensors under {args.prefix!r}")
     t0 = time.perf_counter()
     load_checkpoint(storage, step, state)
-    weights = {k[len(prefix):]: v.contiguous() for k, v in state.items()}
+    weights = {k[len(prefix) :]: v.contiguous() for k, v in state.items()}
     if args.format == "safetensors":
         from safetensors.torch import save_file
 
         save_file(weights, args.out, metadata={"format": "pt", "stalwart_step": str(step), "source": storage.url})
     else:
         torch.save(weights, args.out)
-    result = {"out": args.out, "format": args.format, "step": step, "tensors": len(weights),
-              "params": sum(v.numel() for v in weights.values()), "seconds": time.perf_counter() - t0}
+    result = {
+        "out": args.out,
+        "format": args.format,
+        "step": step,
+        "tensors": len(weights),
+        "params": sum(v.numel() for v in weights.values()),
+        "seconds": time.perf_counter() - t0,
+    }
     emit(result, args.json, "export")
     return 0

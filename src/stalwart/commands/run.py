@@ -11,8 +11,12 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="torchrun-compatible launcher with fault detection and recovery",
-                       add_help=False, description="See `stalwart run --help`.")
+    p = sub.add_parser(
+        "run",
+        help="torchrun-compatible launcher with fault detection and recovery",
+        add_help=False,
+        description="See `stalwart run --help`.",
+    )
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(handler=run)
 

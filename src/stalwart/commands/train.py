@@ -34,14 +34,16 @@ examples:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="train a LLaMA-style model (DDP, FSDP2, TP+SP, PP, MoE EP, or an auto layout)",
+        "train",
+        help="train a LLaMA-style model (DDP, FSDP2, TP+SP, PP, MoE EP, or an auto layout)",
         description="Train a LLaMA-style decoder on prepared token data under any parallel layout of the "
-                    "[parallel] section: DDP or FSDP2/HSDP data parallel, tensor + sequence parallel, "
-                    "pipeline stages (1F1B, interleaved 1F1B, GPipe), MoE expert parallel, combined on one "
-                    "device mesh, or parallel.layout=auto (the planner's choice). Under a launcher (torchrun, "
-                    "stalwart run) it uses the launcher's environment; otherwise --nproc N spawns N "
-                    "local workers. Metrics go to OUT_DIR/metrics.jsonl, the summary to OUT_DIR/summary.json.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "[parallel] section: DDP or FSDP2/HSDP data parallel, tensor + sequence parallel, "
+        "pipeline stages (1F1B, interleaved 1F1B, GPipe), MoE expert parallel, combined on one "
+        "device mesh, or parallel.layout=auto (the planner's choice). Under a launcher (torchrun, "
+        "stalwart run) it uses the launcher's environment; otherwise --nproc N spawns N "
+        "local workers. Metrics go to OUT_DIR/metrics.jsonl, the summary to OUT_DIR/summary.json.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, help="TOML config file (default: built-in debug config)")
     p.add_argument("--nproc", type=int, default=1, help="local worker processes when not under a launcher")
@@ -61,8 +63,9 @@ def _strip(argv: list[str], flag: str, takes_value: bool) -> list[str]:
     return out
 
 
-def train(config: Path | None, overrides: dict[str, Any], nproc: int = 1,
-          worker_argv: list[str] | None = None) -> dict[str, Any] | None:
+def train(
+    config: Path | None, overrides: dict[str, Any], nproc: int = 1, worker_argv: list[str] | None = None
+) -> dict[str, Any] | None:
     """Run training and return the summary (None on non-zero ranks under a launcher)."""
     from stalwart.config import load_config
     from stalwart.dist import launched

@@ -4,4 +4,4 @@ from stalwart.data.dataset import TokenDataset
 from stalwart.data.prepare import ensure_default_corpus, prepare
 from stalwart.data.sampler import GlobalSampler
 
-__all__ = ["TokenDataset", "GlobalSampler", "prepare", "ensure_default_corpus"]
+__all__ = ["GlobalSampler", "TokenDataset", "ensure_default_corpus", "prepare"]

@@ -28,8 +28,7 @@ class TokenDataset:
         index = json.loads((self.dir / "index.json").read_text())
         dtype = np.dtype(index["dtype"])
         self.shards = [
-            np.memmap(self.dir / s["file"], dtype=dtype, mode="r", shape=(s["n_tokens"],))
-            for s in index["shards"]
+            np.memmap(self.dir / s["file"], dtype=dtype, mode="r", shape=(s["n_tokens"],)) for s in index["shards"]
         ]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.n_tokens = int(self.offsets[-1])

@@ -74,9 +74,7 @@ def collect_files(inputs: list[str]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
             if not found:
-                raise ValueError(
-                    f"input directory {item!r} has no text files (looked for {', '.join(TEXT_SUFFIXES)})"
-                )
+                raise ValueError(f"input directory {item!r} has no text files (looked for {', '.join(TEXT_SUFFIXES)})")
             files.extend(found)
         else:
             files.append(path)
@@ -197,7 +195,7 @@ def prepare(
         writer = _ShardWriter(tmp, dtype, shard_tokens)
         n_tokens = 0
         for i, doc in enumerate(docs):
-            ids = np.asarray(tok.encode(doc.text) + [tok.eos_id], dtype=np.int64)
+            ids = np.asarray([*tok.encode(doc.text), tok.eos_id], dtype=np.int64)
             writer.write(ids)
             n_tokens += ids.size
             if progress:
@@ -247,7 +245,6 @@ def verify(data_dir: str | Path) -> list[str]:
     bad = []
     for shard in index["shards"]:
         path = data_dir / shard["file"]
-        if (not path.exists() or path.stat().st_size != shard["n_tokens"] * itemsize
-                or _sha256(path) != shard["sha256"]):
+        if not path.exists() or path.stat().st_size != shard["n_tokens"] * itemsize or _sha256(path) != shard["sha256"]:
             bad.append(shard["file"])
     return bad

@@ -47,15 +47,23 @@ def parse_skip_ranges(text: str) -> list[tuple[int, int]]:
         except ValueError:
             a, b = -1, -1
         if not sep or a < 0 or b <= a:
-            raise ValueError(f"data.skip_samples: bad range {item!r}; use START:STOP with 0 ≤ START < STOP "
-                             "(stream positions, as recorded in summary.json guard.rollbacks), comma-separated")
+            raise ValueError(
+                f"data.skip_samples: bad range {item!r}; use START:STOP with 0 ≤ START < STOP "
+                "(stream positions, as recorded in summary.json guard.rollbacks), comma-separated"
+            )
         ranges.append((a, b))
     return merge_ranges(ranges)
 
 
 class GlobalSampler:
-    def __init__(self, num_samples: int, global_batch: int, seed: int = 0, shuffle: bool = True,
-                 skip: Sequence[tuple[int, int]] = ()) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        skip: Sequence[tuple[int, int]] = (),
+    ) -> None:
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         if global_batch <= 0:
@@ -151,8 +159,13 @@ class GlobalSampler:
 
     # -- Stateful ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples,
-                "shuffle": self.shuffle, "skip": format_skip_ranges(self.skip_ranges)}
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
+            "skip": format_skip_ranges(self.skip_ranges),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "num_samples", "shuffle"):

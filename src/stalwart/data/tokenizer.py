@@ -45,7 +45,7 @@ class BPETokenizer:
 
     name = "bpe"
 
-    def __init__(self, hf_tokenizer: "object") -> None:
+    def __init__(self, hf_tokenizer: object) -> None:
         self._tok = hf_tokenizer
         self.vocab_size = hf_tokenizer.get_vocab_size()
         eos = hf_tokenizer.token_to_id(EOS_TEXT)
@@ -53,8 +53,9 @@ class BPETokenizer:
         self.eos_id = eos
 
     @classmethod
-    def train(cls, texts: Iterator[str], vocab_size: int) -> "BPETokenizer":
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    def train(cls, texts: Iterator[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
 
         if vocab_size < 257 + 1:
             raise ValueError(f"--vocab-size {vocab_size} is too small for byte-level BPE (need ≥ 258)")
@@ -71,7 +72,7 @@ class BPETokenizer:
         return cls(tok)
 
     @classmethod
-    def load(cls, path: Path) -> "BPETokenizer":
+    def load(cls, path: Path) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         return cls(HFTokenizer.from_file(str(path)))

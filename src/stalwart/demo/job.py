@@ -49,9 +49,15 @@ class DemoOptions:
         """The training config of both the demo and its reference (what the cache is keyed by)."""
         # 64-token sequences and one thread per worker keep 2 workers + the reference run within a few
         # minutes on 2 cores.
-        return {"train.steps": str(self.steps), "data.seq_len": "64", "train.threads": "1", "train.log_every": "50",
-                "checkpoint.enabled": "true", "checkpoint.persist_every_steps": "0",
-                "checkpoint.persist_every_s": "0"}
+        return {
+            "train.steps": str(self.steps),
+            "data.seq_len": "64",
+            "train.threads": "1",
+            "train.log_every": "50",
+            "checkpoint.enabled": "true",
+            "checkpoint.persist_every_steps": "0",
+            "checkpoint.persist_every_s": "0",
+        }
 
 
 @dataclass
@@ -93,13 +99,17 @@ class Live:
                 seen.add("detected")
                 lag = f" {inc['detected'] - inc['fault']:.1f} s after the fault" if inc["fault"] else ""
                 note = " (a consequence: its peer failed)" if inc["details"].get("consequential") else ""
-                self.console.print(f"[{now - self.t0:6.1f}s] [bold red]incident[/] {inc['kind']} ({inc['class']}) "
-                                   f"on {where}: detected{lag}{note}")
+                self.console.print(
+                    f"[{now - self.t0:6.1f}s] [bold red]incident[/] {inc['kind']} ({inc['class']}) "
+                    f"on {where}: detected{lag}{note}"
+                )
             if "first_step" not in seen and inc["first_step"]:
                 seen.add("first_step")
                 since = inc["fault"] or inc["detected"]
-                self.console.print(f"[{now - self.t0:6.1f}s] [bold green]recovered[/] from {inc['kind']}: training "
-                                   f"again {inc['first_step'] - since:.1f} s after the fault")
+                self.console.print(
+                    f"[{now - self.t0:6.1f}s] [bold green]recovered[/] from {inc['kind']}: training "
+                    f"again {inc['first_step'] - since:.1f} s after the fault"
+                )
         steps = [r["step"] for n in master.journal.nodes() for r in n["progress"].get("ranks", [])]
         step = min(steps) if steps else -1
         if step > 0 and step != self._last_step and now - self._last_print >= 5.0:
@@ -113,8 +123,9 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
         shutil.rmtree(job_dir)
     job_dir.mkdir(parents=True)
     token, job_id, port = secrets.token_urlsafe(24), f"demo-{uuid.uuid4().hex[:8]}", _free_port()
-    master = Master(job_dir / "journal.sqlite", token, job_id=job_id,
-                    restart_budget=len(opts.faults) + 2, node_timeout_s=60.0).start()
+    master = Master(
+        job_dir / "journal.sqlite", token, job_id=job_id, restart_budget=len(opts.faults) + 2, node_timeout_s=60.0
+    ).start()
     train_args = [f"--{k}={v}" for k, v in opts.train_overrides().items()]
     train_args += [f"--train.out_dir={job_dir / 'train'}", f"--checkpoint.dir={job_dir / 'ckpt'}"]
     env = {**os.environ, ENV_CHAOS_DIR: str(job_dir / "chaos-fired"), "PYTHONUNBUFFERED": "1"}
@@ -123,22 +134,53 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
     start = time.time()
     try:
         for n in range(NODES):
-            cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", str(NODES), "--nproc-per-node", "1",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id,
-                   "--master", master.address, "--job-token", token, "--node-id", f"node{n}",
-                   "--max-restarts", str(len(opts.faults) + 2), "--hang-timeout", str(opts.hang_timeout_s),
-                   "--run-dir", str(job_dir / f"node{n}"), "--summary-json", str(job_dir / f"node{n}.json"),
-                   *(["--chaos", chaos] if chaos else []), "-m", "stalwart", "train", *train_args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "stalwart",
+                "run",
+                "--nnodes",
+                str(NODES),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                job_id,
+                "--master",
+                master.address,
+                "--job-token",
+                token,
+                "--node-id",
+                f"node{n}",
+                "--max-restarts",
+                str(len(opts.faults) + 2),
+                "--hang-timeout",
+                str(opts.hang_timeout_s),
+                "--run-dir",
+                str(job_dir / f"node{n}"),
+                "--summary-json",
+                str(job_dir / f"node{n}.json"),
+                *(["--chaos", chaos] if chaos else []),
+                "-m",
+                "stalwart",
+                "train",
+                *train_args,
+            ]
             logs.append(job_dir / f"node{n}.log")
             with open(logs[-1], "w") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                )
         live = Live(console, opts.steps)
         deadline = time.monotonic() + opts.job_timeout_s
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the demo job did not finish in {opts.job_timeout_s:.0f} s; logs: "
-                                   f"{', '.join(map(str, logs))}")
+                raise RuntimeError(
+                    f"the demo job did not finish in {opts.job_timeout_s:.0f} s; logs: {', '.join(map(str, logs))}"
+                )
             live.poll(master)
             time.sleep(0.5)
         live.poll(master)
@@ -146,11 +188,14 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
         summary_path = job_dir / "train" / "summary.json"
         metrics_path = job_dir / "train" / "metrics.jsonl"
         return JobResult(
-            [p.returncode for p in procs], wall, master.journal.incidents(),
+            [p.returncode for p in procs],
+            wall,
+            master.journal.incidents(),
             int(master.journal.get("restarts_used", 0)),
             json.loads(summary_path.read_text()) if summary_path.exists() else None,
             [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else [],
-            logs)
+            logs,
+        )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -159,5 +204,3 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
         master.stop()
         for shm in Path(opts.shm_root, "stalwart").glob(f"{job_id}*"):  # left behind by a failed job
             shutil.rmtree(shm, ignore_errors=True)
-
-

@@ -68,8 +68,13 @@ def goodput(records: Iterable[StepRecord], wall_s: float) -> float | None:
     return sum(r.productive_s for r in final_trajectory(records).values()) / wall_s
 
 
-def recovery(before: Sequence[StepRecord], after: Sequence[StepRecord], fault_time: float,
-             last_step: int | None = None, resumed_step: int | None = None) -> Recovery:
+def recovery(
+    before: Sequence[StepRecord],
+    after: Sequence[StepRecord],
+    fault_time: float,
+    last_step: int | None = None,
+    resumed_step: int | None = None,
+) -> Recovery:
     """The figures of one fault from the completions ``before`` it and ``after`` the restart (time order).
 
     ``last_step``: the last step completed before the fault when the caller knows it otherwise (the
@@ -82,9 +87,13 @@ def recovery(before: Sequence[StepRecord], after: Sequence[StepRecord], fault_ti
         return Recovery(last, resumed_step, None, None, None)
     resumed = after[0].step - 1 if resumed_step is None else resumed_step
     past = next((r for r in after if r.step > last), None)
-    return Recovery(last_step=last, resumed_step=resumed, mttr_s=after[0].time - fault_time,
-                    regain_s=past.time - fault_time if past is not None else None,
-                    lost_steps=max(0, last - resumed))
+    return Recovery(
+        last_step=last,
+        resumed_step=resumed,
+        mttr_s=after[0].time - fault_time,
+        regain_s=past.time - fault_time if past is not None else None,
+        lost_steps=max(0, last - resumed),
+    )
 
 
 def split_at(records: Sequence[StepRecord], time: float) -> tuple[list[StepRecord], list[StepRecord]]:

@@ -36,13 +36,27 @@ def recoveries(incidents: list[dict[str, Any]], fault_rank: int | None = None) -
             groups.append([inc])
     out = []
     for group in groups:
-        cause = min(group, key=lambda i: (bool(i["details"].get("consequential")),
-                                          fault_rank not in i["details"].get("ranks", []), i["fault"] or i["detected"]))
+        cause = min(
+            group,
+            key=lambda i: (
+                bool(i["details"].get("consequential")),
+                fault_rank not in i["details"].get("ranks", []),
+                i["fault"] or i["detected"],
+            ),
+        )
         fault = min(i["fault"] or i["detected"] for i in group)
         first = min((i["first_step"] for i in group if i["first_step"]), default=None)
-        out.append({"kind": cause["kind"], "class": cause["class"], "node_id": cause["node_id"], "fault": fault,
-                    "detected": min(i["detected"] for i in group), "first_step": first,
-                    "last_step": max(i["details"].get("last_step", -1) for i in group)})
+        out.append(
+            {
+                "kind": cause["kind"],
+                "class": cause["class"],
+                "node_id": cause["node_id"],
+                "fault": fault,
+                "detected": min(i["detected"] for i in group),
+                "first_step": first,
+                "last_step": max(i["details"].get("last_step", -1) for i in group),
+            }
+        )
     return out
 
 
@@ -66,8 +80,13 @@ def lost_steps(metrics: list[dict[str, Any]], detected: float, last_step: int) -
     return recovery_of(metrics, detected, detected, last_step).lost_steps
 
 
-def report(job: JobResult, injected: list[tuple[str, int]], reference_hash: str | None,
-           reference_cached: bool, fault_rank: int | None = None) -> dict[str, Any]:
+def report(
+    job: JobResult,
+    injected: list[tuple[str, int]],
+    reference_hash: str | None,
+    reference_cached: bool,
+    fault_rank: int | None = None,
+) -> dict[str, Any]:
     incidents, unmatched = [], list(injected)
     for rec in recoveries(job.incidents, fault_rank):
         # Which injected fault this was: the one at the last step reported before it (an incident
@@ -77,20 +96,33 @@ def report(job: JobResult, injected: list[tuple[str, int]], reference_hash: str 
             unmatched.remove(match)
         action, step = match or (None, None)
         figures = recovery_of(job.metrics, rec["fault"], rec["detected"], rec["last_step"])
-        incidents.append({
-            "kind": rec["kind"], "class": rec["class"], "injected": action, "at_step": step, "node_id": rec["node_id"],
-            "detected_s": round(rec["detected"] - rec["fault"], 3), "mttr_s": _round(figures.mttr_s),
-            "regain_s": _round(figures.regain_s), "lost_steps": figures.lost_steps})
+        incidents.append(
+            {
+                "kind": rec["kind"],
+                "class": rec["class"],
+                "injected": action,
+                "at_step": step,
+                "node_id": rec["node_id"],
+                "detected_s": round(rec["detected"] - rec["fault"], 3),
+                "mttr_s": _round(figures.mttr_s),
+                "regain_s": _round(figures.regain_s),
+                "lost_steps": figures.lost_steps,
+            }
+        )
     job_goodput = goodput(step_records(job.metrics), job.wall_s)
     summary = job.summary or {}
     ckpt = summary.get("checkpoint") or {}
     final_hash = summary.get("final_hash")
     return {
-        "steps": summary.get("steps"), "wall_s": round(job.wall_s, 3), "restarts_used": job.restarts_used,
+        "steps": summary.get("steps"),
+        "wall_s": round(job.wall_s, 3),
+        "restarts_used": job.restarts_used,
         "incidents": incidents,
         "goodput": round(job_goodput, 4) if job_goodput is not None else None,
         "stall_s": round(ckpt.get("hook_wait_s", 0.0) + ckpt.get("save_call_s", 0.0), 3),
-        "final_hash": final_hash, "reference_hash": reference_hash, "reference_cached": reference_cached,
+        "final_hash": final_hash,
+        "reference_hash": reference_hash,
+        "reference_cached": reference_cached,
         "bitwise_equal": (final_hash == reference_hash) if reference_hash and final_hash else None,
     }
 

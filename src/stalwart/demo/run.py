@@ -25,9 +25,17 @@ def _reference_key(opts: DemoOptions, data_dir: Path) -> str:
     code = hashlib.sha256()
     for source in sorted(p for d in ("models", "train", "data") for p in (package / d).rglob("*.py")):
         code.update(source.read_bytes())
-    blob = json.dumps({"overrides": opts.train_overrides(), "nodes": NODES, "torch": torch.__version__,
-                       "stalwart": stalwart.__version__, "code": code.hexdigest(),
-                       "data": hashlib.sha256(manifest).hexdigest()}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "overrides": opts.train_overrides(),
+            "nodes": NODES,
+            "torch": torch.__version__,
+            "stalwart": stalwart.__version__,
+            "code": code.hexdigest(),
+            "data": hashlib.sha256(manifest).hexdigest(),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -40,8 +48,9 @@ def reference_hash(opts: DemoOptions, data_dir: Path, console: Console) -> tuple
     console.print(f"reference: fault-free run of the same job ({opts.steps} steps), cached in {cache}")
     job = run_job(opts, opts.out_dir / "reference", None, console)
     if not job.ok:
-        raise RuntimeError(f"the reference run failed (exit codes {job.exit_codes}); logs: "
-                           f"{', '.join(map(str, job.logs))}")
+        raise RuntimeError(
+            f"the reference run failed (exit codes {job.exit_codes}); logs: {', '.join(map(str, job.logs))}"
+        )
     cached[key] = job.summary["final_hash"]  # type: ignore[index]
     cache.write_text(json.dumps(cached, indent=1))
     return cached[key], False
@@ -64,13 +73,16 @@ def run_demo(opts: DemoOptions, console: Console) -> tuple[dict[str, Any], bool]
     ref, cached = reference_hash(opts, data_dir, console) if opts.reference else (None, False)
     injected = opts.fault_steps()
     spec = ";".join(f"{action}:rank={opts.fault_rank}:step={step}" for action, step in injected)
-    console.print(f"demo: {NODES} nodes × 1 worker, debug model, {opts.steps} steps; injecting "
-                  + (", ".join(f"{a} at step {s}" for a, s in injected) or "no faults")
-                  + f" on rank {opts.fault_rank}")
+    console.print(
+        f"demo: {NODES} nodes × 1 worker, debug model, {opts.steps} steps; injecting "
+        + (", ".join(f"{a} at step {s}" for a, s in injected) or "no faults")
+        + f" on rank {opts.fault_rank}"
+    )
     job = run_job(opts, opts.out_dir / "job", spec or None, console)
     result = report(job, injected, ref, cached, opts.fault_rank)
     result["logs"] = [str(p) for p in job.logs]
     if not job.ok:
-        console.print(f"[bold red]the demo job failed[/] (exit codes {job.exit_codes}); logs: "
-                      f"{', '.join(map(str, job.logs))}")
+        console.print(
+            f"[bold red]the demo job failed[/] (exit codes {job.exit_codes}); logs: {', '.join(map(str, job.logs))}"
+        )
     return result, job.ok

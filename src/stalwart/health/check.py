@@ -36,7 +36,7 @@ class Fault:
     factor: float = 3.0
 
     @classmethod
-    def parse(cls, spec: str | None) -> "Fault | None":
+    def parse(cls, spec: str | None) -> Fault | None:
         if not spec:
             return None
         kind, *pairs = spec.split(":")
@@ -80,8 +80,10 @@ class NodeReport:
 
 def _matrices(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(size, size, generator=gen, dtype=torch.float64),
-            torch.randn(size, size, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(size, size, generator=gen, dtype=torch.float64),
+        torch.randn(size, size, generator=gen, dtype=torch.float64),
+    )
 
 
 def reference_product(cfg: CheckConfig) -> torch.Tensor:
@@ -91,8 +93,9 @@ def reference_product(cfg: CheckConfig) -> torch.Tensor:
     return a64 @ b64
 
 
-def burn_in(cfg: CheckConfig, device: torch.device, node: int,
-            reference: torch.Tensor | None = None) -> tuple[bool, float]:
+def burn_in(
+    cfg: CheckConfig, device: torch.device, node: int, reference: torch.Tensor | None = None
+) -> tuple[bool, float]:
     """(result matches the float64 reference, seconds per matmul). The time is the fastest of
     `iters` runs: robust to a process being descheduled, and a slow device is slow every time."""
     a64, b64 = _matrices(cfg.matmul_size, cfg.seed)
@@ -119,13 +122,13 @@ def burn_in(cfg: CheckConfig, device: torch.device, node: int,
     return ok, min(times)
 
 
-def pair_round(pairs: list[tuple[int, int]], cfg: CheckConfig, node: int, ranks_per_node: int,
-               device: torch.device) -> tuple[bool, float]:
+def pair_round(
+    pairs: list[tuple[int, int]], cfg: CheckConfig, node: int, ranks_per_node: int, device: torch.device
+) -> tuple[bool, float]:
     """All-reduce inside each pair of nodes, one pair at a time so pairs do not compete for the
     host (on a real cluster they would not); returns this rank's (sum correct, fastest op seconds).
     Every rank creates every pair's group: new_group is collective over the world."""
-    groups = [dist.new_group([n * ranks_per_node + r for n in pair for r in range(ranks_per_node)])
-              for pair in pairs]
+    groups = [dist.new_group([n * ranks_per_node + r for n in pair for r in range(ranks_per_node)]) for pair in pairs]
     fault = cfg.fault if cfg.fault and cfg.fault.node == node else None
     ok, times = True, []
     for pair, group in zip(pairs, groups):
@@ -155,7 +158,7 @@ def _gather(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def _per_node(rows: torch.Tensor, ranks_per_node: int) -> list[torch.Tensor]:
-    return [rows[n * ranks_per_node:(n + 1) * ranks_per_node] for n in range(rows.shape[0] // ranks_per_node)]
+    return [rows[n * ranks_per_node : (n + 1) * ranks_per_node] for n in range(rows.shape[0] // ranks_per_node)]
 
 
 def neighbour_pairs(nodes: int) -> list[tuple[int, int]]:
@@ -239,9 +242,11 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
     rows2 = _per_node(_gather([float(ok), seconds], device), ranks_per_node)
     # Judge round 2 against typical pairs: the healthy round-1 pairs and all round-2 pairs. A median
     # shrugs off the one slow pair and the host's noise (pairs on a shared 2-core box vary 3×).
-    typical = statistics.median([pair_s[p] for p in round1 if not set(p) & set(suspects)] +
-                                [max(float(rows2[a][:, 1].max()), float(rows2[b][:, 1].max())) for a, b in round2]
-                                or [reference])
+    typical = statistics.median(
+        [pair_s[p] for p in round1 if not set(p) & set(suspects)]
+        + [max(float(rows2[a][:, 1].max()), float(rows2[b][:, 1].max())) for a, b in round2]
+        or [reference]
+    )
     for suspect, partner in round2:
         r = reports[suspect]
         r.round2_pair = [suspect, partner]
@@ -251,8 +256,9 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
         r = reports[n]
         if r.round2_ok is None:
             r.ok = False
-            r.reasons.append(f"collective in pair {r.round1_pair} failed or was slow and no healthy "
-                             "partner was free to isolate it")
+            r.reasons.append(
+                f"collective in pair {r.round1_pair} failed or was slow and no healthy partner was free to isolate it"
+            )
         elif not r.round2_ok:
             r.ok = False
             r.reasons.append("collective result wrong in both rounds")
@@ -265,7 +271,9 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
 
 
 def summarize(reports: list[NodeReport]) -> dict[str, Any]:
-    return {"ok": all(r.ok and not r.straggler for r in reports),
-            "bad_nodes": [r.node for r in reports if not r.ok],
-            "stragglers": [r.node for r in reports if r.straggler],
-            "nodes": [asdict(r) for r in reports]}
+    return {
+        "ok": all(r.ok and not r.straggler for r in reports),
+        "bad_nodes": [r.node for r in reports if not r.ok],
+        "stragglers": [r.node for r in reports if r.straggler],
+        "nodes": [asdict(r) for r in reports],
+    }

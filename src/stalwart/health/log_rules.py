@@ -37,24 +37,50 @@ RULES: tuple[Rule, ...] = (
     _r("ecc", HARDWARE, r"uncorrectable ECC|ECC error|double bit ECC"),
     _r("gpu_lost", HARDWARE, r"GPU has fallen off the bus|unable to determine the device handle"),
     _r("nvlink", HARDWARE, r"NVLink (?:error|fatal)"),
-    _r("cuda_error", HARDWARE, r"CUDA error: (?:an illegal memory access|unspecified launch failure|"
-                               r"device-side assert)"),
+    _r(
+        "cuda_error",
+        HARDWARE,
+        r"CUDA error: (?:an illegal memory access|unspecified launch failure|"
+        r"device-side assert)",
+    ),
     _r("rollback_limit", USER, r"\b(?:RollbackLimitExceeded|RollbackUnavailable)\b", fatal=ALWAYS),
-    _r("oom", USER, r"CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: can't allocate memory",
-       fatal=BEFORE_PROGRESS),
+    _r(
+        "oom",
+        USER,
+        r"CUDA out of memory|OutOfMemoryError|DefaultCPUAllocator: can't allocate memory",
+        fatal=BEFORE_PROGRESS,
+    ),
     _r("nccl", SYSTEM, r"NCCL (?:WARN|error)|ncclSystemError|ncclInternalError|ProcessGroupNCCL.*[Tt]imeout"),
-    _r("collective_timeout", SYSTEM, r"Watchdog caught collective operation timeout|"
-                                     r"gloo.*(?:Timed out|timeout)|Socket Timeout"),
-    _r("connection", SYSTEM, r"Connection (?:refused|reset by peer|closed by peer)|connectFullMesh|Broken pipe|"
-                             r"DistNetworkError|RendezvousConnectionError"),
+    _r(
+        "collective_timeout",
+        SYSTEM,
+        r"Watchdog caught collective operation timeout|"
+        r"gloo.*(?:Timed out|timeout)|Socket Timeout",
+    ),
+    _r(
+        "connection",
+        SYSTEM,
+        r"Connection (?:refused|reset by peer|closed by peer)|connectFullMesh|Broken pipe|"
+        r"DistNetworkError|RendezvousConnectionError",
+    ),
     _r("nan", USER, r"\bloss (?:is )?(?:nan|inf)\b|non-finite loss|NaN or Inf found"),
     _r("syntax_error", USER, r"^(?:SyntaxError|IndentationError|TabError):", fatal=ALWAYS),
     _r("import_error", USER, r"^(?:ImportError|ModuleNotFoundError):", fatal=ALWAYS),
     _r("name_error", USER, r"^(?:NameError|UnboundLocalError):", fatal=ALWAYS),
-    _r("shape_error", USER, r"size mismatch|shape .* is invalid|mat1 and mat2 shapes cannot be multiplied|"
-                            r"^RuntimeError: The size of tensor", fatal=BEFORE_PROGRESS),
-    _r("type_error", USER, r"^(?:TypeError|AttributeError|KeyError|IndexError|ValueError|"
-                           r"FileNotFoundError|AssertionError):", fatal=BEFORE_PROGRESS),
+    _r(
+        "shape_error",
+        USER,
+        r"size mismatch|shape .* is invalid|mat1 and mat2 shapes cannot be multiplied|"
+        r"^RuntimeError: The size of tensor",
+        fatal=BEFORE_PROGRESS,
+    ),
+    _r(
+        "type_error",
+        USER,
+        r"^(?:TypeError|AttributeError|KeyError|IndexError|ValueError|"
+        r"FileNotFoundError|AssertionError):",
+        fatal=BEFORE_PROGRESS,
+    ),
 )
 
 
@@ -77,7 +103,7 @@ def diagnose(log_text: str) -> Diagnosis | None:
         if match:
             start = log_text.rfind("\n", 0, match.start()) + 1
             end = log_text.find("\n", match.end())
-            return Diagnosis(rule.kind, rule.cls, rule.fatal, log_text[start: end if end >= 0 else None].strip())
+            return Diagnosis(rule.kind, rule.cls, rule.fatal, log_text[start : end if end >= 0 else None].strip())
     return None
 
 

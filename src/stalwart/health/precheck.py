@@ -69,8 +69,12 @@ def run_precheck(local_world_size: int, cfg: PrecheckConfig | None = None) -> Pr
     """Burn in every local device; never raises for a device fault (that is the verdict's job)."""
     cfg = cfg or PrecheckConfig()
     fault = _injected()
-    check_cfg = CheckConfig(matmul_size=cfg.matmul_size, iters=cfg.iters, seed=cfg.seed,
-                            fault=fault if fault and fault.kind != "node-fail" else None)
+    check_cfg = CheckConfig(
+        matmul_size=cfg.matmul_size,
+        iters=cfg.iters,
+        seed=cfg.seed,
+        fault=fault if fault and fault.kind != "node-fail" else None,
+    )
     start = time.perf_counter()
     # One BLAS thread: the agent shares the host with other agents and workers, and oversubscribed
     # threads would time the host's load (10× swings on a busy 2-core box), not the device.
@@ -98,8 +102,10 @@ def _burn_in_all(local_world_size: int, check_cfg: CheckConfig, fault: Fault | N
             result.reasons.append(f"local rank {local_rank} ({device}): burn-in raised {type(err).__name__}: {err}")
         else:
             if not ok:
-                result.reasons.append(f"local rank {local_rank} ({device}): matmul result differs from the "
-                                      "seeded reference (wrong numbers or NaN)")
+                result.reasons.append(
+                    f"local rank {local_rank} ({device}): matmul result differs from the "
+                    "seeded reference (wrong numbers or NaN)"
+                )
         result.ok = result.ok and ok
         result.devices.append({"local_rank": local_rank, "device": str(device), "ok": ok, "matmul_s": seconds})
         if seconds is not None:

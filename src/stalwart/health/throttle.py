@@ -43,7 +43,7 @@ class Throttle:
         self.stopped_s = 0.0  # total time the workers were held, for tests and logs
         self._thread = threading.Thread(target=self._loop, name="stalwart-throttle", daemon=True)
 
-    def start(self) -> "Throttle":
+    def start(self) -> Throttle:
         self._active.set()
         self._thread.start()
         return self

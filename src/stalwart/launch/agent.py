@@ -60,13 +60,26 @@ class NodeEvicted(RuntimeError):
 
 
 class StalwartAgent(LocalElasticAgent):
-    def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, *, master: MasterClient, node_id: str,
-                 run_dir: Path, hang_policy: HangPolicy, start_method: str = "spawn",
-                 on_failure: Callable[[Incident | None], dict[str, Any]] | None = None,
-                 heartbeat_s: float = 1.0, shutdown_timeout: int = 5, window_s: float = 5.0,
-                 chaos_file: Path | None = None, precheck: PrecheckConfig | None = None,
-                 slowdown: float | None = None, join_info: dict[str, Any] | None = None,
-                 zygote: Zygote | None = None) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        *,
+        master: MasterClient,
+        node_id: str,
+        run_dir: Path,
+        hang_policy: HangPolicy,
+        start_method: str = "spawn",
+        on_failure: Callable[[Incident | None], dict[str, Any]] | None = None,
+        heartbeat_s: float = 1.0,
+        shutdown_timeout: int = 5,
+        window_s: float = 5.0,
+        chaos_file: Path | None = None,
+        precheck: PrecheckConfig | None = None,
+        slowdown: float | None = None,
+        join_info: dict[str, Any] | None = None,
+        zygote: Zygote | None = None,
+    ) -> None:
         # Before TorchElastic keeps a reference to the handler: ours tells workers which store to use.
         if not isinstance(spec.rdzv_handler, RoundStoreHandler):
             spec.rdzv_handler = RoundStoreHandler(spec.rdzv_handler)
@@ -94,15 +107,25 @@ class StalwartAgent(LocalElasticAgent):
         self.throttle = Throttle(self._worker_pids, slowdown) if slowdown else None
         self._worker_store: TCPStore | None = None  # this round's worker store, on group rank 0's node
         self.status = NodeStatus(window_s)  # shared with the heartbeat thread (locked)
-        self.heartbeat = Heartbeat(master, node_id, self.status, spec.local_world_size,
-                                   lambda: self.get_worker_group().state.name, heartbeat_s,
-                                   ChaosInbox(chaos_file) if chaos_file is not None else None)
+        self.heartbeat = Heartbeat(
+            master,
+            node_id,
+            self.status,
+            spec.local_world_size,
+            lambda: self.get_worker_group().state.name,
+            heartbeat_s,
+            ChaosInbox(chaos_file) if chaos_file is not None else None,
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """TorchElastic's run; None when the rendezvous closed while this node waited as a spare."""
-        self.master.join(self.node_id, socket.gethostname(), self.get_worker_group().spec.local_world_size,
-                         {"pid": os.getpid(), **self.join_info})
+        self.master.join(
+            self.node_id,
+            socket.gethostname(),
+            self.get_worker_group().spec.local_world_size,
+            {"pid": os.getpid(), **self.join_info},
+        )
         self.heartbeat.start()
         if self.throttle is not None:
             self.throttle.start()
@@ -121,8 +144,11 @@ class StalwartAgent(LocalElasticAgent):
         try:
             _compat.leave_rendezvous_round(self._handler)
         except Exception as err:  # an older or newer torch: the keep-alive expiry still removes us
-            log.warning("could not leave the rendezvous round (%s: %s); the others wait for our keep-alive to "
-                        "expire", type(err).__name__, err)
+            log.warning(
+                "could not leave the rendezvous round (%s: %s); the others wait for our keep-alive to expire",
+                type(err).__name__,
+                err,
+            )
 
     # -- the loop: detect → decide → act ------------------------------------------------------------
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -170,12 +196,16 @@ class StalwartAgent(LocalElasticAgent):
                 self._kill_hung(group, incident)
                 result = RunResult(state=WorkerState.FAILED)
         elif result.state == WorkerState.FAILED:
-            incident = detect.worker_exit(result.failures, self._failure_logs(group, result), progress,
-                                          self._progressed, now, fault_of)
+            incident = detect.worker_exit(
+                result.failures, self._failure_logs(group, result), progress, self._progressed, now, fault_of
+            )
             if not incident.retry:
-                print(f"stalwart: rank {incident.ranks[0]} failed with a user error ({incident.kind}); not "
-                      f"restarting.\n{incident.details['traceback'] or incident.details['evidence']}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"stalwart: rank {incident.ranks[0]} failed with a user error ({incident.kind}); not "
+                    f"restarting.\n{incident.details['traceback'] or incident.details['evidence']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if incident is not None:
             self._open_incident(incident)
         return result, incident
@@ -184,9 +214,13 @@ class StalwartAgent(LocalElasticAgent):
         if incident is None:  # TorchElastic could not poll the workers (UNHEALTHY): no diagnosis
             left = restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts)
             return Decision(left > 0, reason="worker group unhealthy")
-        decision = decide(incident, lambda: self.master.request_restart(
-            f"{incident.kind} on rank(s) {incident.ranks}", self.node_id, self._restart_round),
-            restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts))
+        decision = decide(
+            incident,
+            lambda: self.master.request_restart(
+                f"{incident.kind} on rank(s) {incident.ranks}", self.node_id, self._restart_round
+            ),
+            restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts),
+        )
         if decision.leave is not None:  # evicted for this failure: leave instead of rejoining
             self.status.evict(decision.leave)
         if incident.retry and not decision.restart:
@@ -215,13 +249,21 @@ class StalwartAgent(LocalElasticAgent):
         self._initialize_workers(group)
         restarted = time.time()
         if incident is not None and incident.id is not None:
-            self._journal(lambda: self.master.update_incident(
-                incident.id, {"stopped": stopped, "restarted": restarted},
-                {"save_on_failure": saved} if saved else None))
+            self._journal(
+                lambda: self.master.update_incident(
+                    incident.id,
+                    {"stopped": stopped, "restarted": restarted},
+                    {"save_on_failure": saved} if saved else None,
+                )
+            )
         elif incident is None:
-            self._journal(lambda: self.master.decide("regroup", "membership changed: workers restarted "
-                                                     "without a fault", {"node_id": self.node_id,
-                                                                         "save_on_failure": saved}))
+            self._journal(
+                lambda: self.master.decide(
+                    "regroup",
+                    "membership changed: workers restarted without a fault",
+                    {"node_id": self.node_id, "save_on_failure": saved},
+                )
+            )
 
     # -- TorchElastic hooks (named in _compat.AGENT_OVERRIDES) -----------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -282,8 +324,12 @@ class StalwartAgent(LocalElasticAgent):
         """Dump the hung group's Python stacks, then SIGKILL it: hung processes may ignore SIGTERM (or
         be stopped)."""
         silent, allowance = incident.details["silent_s"], incident.details.pop("allowance_s")
-        log.error("hang: rank(s) %s silent for %s s (allowance %s s); dumping stacks", incident.ranks,
-                  [round(silent[r], 1) for r in incident.ranks], [round(allowance[r], 1) for r in incident.ranks])
+        log.error(
+            "hang: rank(s) %s silent for %s s (allowance %s s); dumping stacks",
+            incident.ranks,
+            [round(silent[r], 1) for r in incident.ranks],
+            [round(allowance[r], 1) for r in incident.ranks],
+        )
         pcontext = _compat.worker_processes(self)
         started = pcontext.pids() if pcontext is not None else {}
         pids = {local: self.worker_pid(pid) for local, pid in started.items()}  # the real workers (warm start)
@@ -292,8 +338,12 @@ class StalwartAgent(LocalElasticAgent):
             pid = pids.get(worker.local_rank)
             if pid:
                 dumps[worker.global_rank] = stack_dump(pid)
-                print(f"--- stalwart: Python stacks of rank {worker.global_rank} (pid {pid}) ---\n"
-                      f"{dumps[worker.global_rank]}", file=sys.stderr, flush=True)
+                print(
+                    f"--- stalwart: Python stacks of rank {worker.global_rank} (pid {pid}) ---\n"
+                    f"{dumps[worker.global_rank]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for pid in {*started.values(), *pids.values()}:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -305,8 +355,13 @@ class StalwartAgent(LocalElasticAgent):
         times = {"detected": incident.detected}
         if incident.fault is not None:
             times["fault"] = incident.fault
-        self._journal(lambda: setattr(incident, "id", self.master.open_incident(
-            incident.kind, self.node_id, incident.cls, times, incident.details)))
+        self._journal(
+            lambda: setattr(
+                incident,
+                "id",
+                self.master.open_incident(incident.kind, self.node_id, incident.cls, times, incident.details),
+            )
+        )
 
     def _check_first_step(self, progress: list[Progress]) -> None:
         """Close the pending incident when every rank has reported a step since the restart."""
@@ -320,8 +375,7 @@ class StalwartAgent(LocalElasticAgent):
         warm = bool(pids) and all(self.worker_pid(pid) != pid for pid in pids)  # every rank forked warm
         incident.details.update(first_step=first, warm_start=warm)
         if incident.id is not None:
-            self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first},
-                                                              {"warm_start": warm}))
+            self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first}, {"warm_start": warm}))
 
     def _forward_worker_incidents(self) -> None:
         """Journal what workers reported themselves (see ``stalwart.incident``); an ``sdc`` with
@@ -329,13 +383,25 @@ class StalwartAgent(LocalElasticAgent):
         now = time.time()
         for record in self.worker_incidents.read(self.progress_dir):
             report = detect.worker_report(record, self.node_id, now)
-            log.warning("worker incident on rank %s at step %s: %s %s", record.get("rank"), record.get("step"),
-                        report.kind, record.get("detail"))
-            self._journal(partial(self.master.open_incident, report.kind, self.node_id, report.cls, report.times,
-                                  report.details))
+            log.warning(
+                "worker incident on rank %s at step %s: %s %s",
+                record.get("rank"),
+                record.get("step"),
+                report.kind,
+                record.get("detail"),
+            )
+            self._journal(
+                partial(self.master.open_incident, report.kind, self.node_id, report.cls, report.times, report.details)
+            )
             if report.evict_reason is not None:
-                self._journal(partial(self.master.decide, "evict", report.evict_reason, {
-                    "node_id": self.node_id, "rank": record.get("rank"), "step": record.get("step")}))
+                self._journal(
+                    partial(
+                        self.master.decide,
+                        "evict",
+                        report.evict_reason,
+                        {"node_id": self.node_id, "rank": record.get("rank"), "step": record.get("step")},
+                    )
+                )
 
     # -- evidence and membership --------------------------------------------------------------------
     def _worker_pids(self) -> list[int]:
@@ -343,14 +409,17 @@ class StalwartAgent(LocalElasticAgent):
         return [self.worker_pid(p) for p in pcontext.pids().values()] if pcontext is not None else []
 
     def _read_progress(self, group: WorkerGroup) -> list[Progress]:
-        return detect.progress_of({w.global_rank: self.reader.read(w.global_rank) for w in group.workers},
-                                  self._started_at)
+        return detect.progress_of(
+            {w.global_rank: self.reader.read(w.global_rank) for w in group.workers}, self._started_at
+        )
 
     def _failure_logs(self, group: WorkerGroup, result: RunResult) -> dict[int, str]:
         local_of = {w.global_rank: w.local_rank for w in group.workers}
         pcontext = _compat.worker_processes(self)
-        return {rank: log_tail(pcontext.stderrs.get(local_of[rank]) if pcontext is not None else None)
-                for rank in result.failures}
+        return {
+            rank: log_tail(pcontext.stderrs.get(local_of[rank]) if pcontext is not None else None)
+            for rank in result.failures
+        }
 
     def _check_evicted(self) -> None:
         reason = self.status.leave
@@ -363,8 +432,13 @@ class StalwartAgent(LocalElasticAgent):
         assert self.precheck is not None
         result = run_precheck(self.get_worker_group().spec.local_world_size, self.precheck)
         self.prechecks.append(result.to_json())
-        log.info("precheck: %s in %.2f s (matmul %.2f ms)%s", "ok" if result.ok else "FAILED", result.seconds,
-                 result.matmul_s * 1e3, f": {'; '.join(result.reasons)}" if result.reasons else "")
+        log.info(
+            "precheck: %s in %.2f s (matmul %.2f ms)%s",
+            "ok" if result.ok else "FAILED",
+            result.seconds,
+            result.matmul_s * 1e3,
+            f": {'; '.join(result.reasons)}" if result.reasons else "",
+        )
         try:
             verdict = self.master.call("POST", "/v1/nodes/precheck", {"node_id": self.node_id, **result.to_json()})
         except (MasterError, OSError) as err:

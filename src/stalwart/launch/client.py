@@ -36,8 +36,9 @@ class MasterClient:
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
 
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None,
-             retry_for_s: float | None = None) -> dict[str, Any]:
+    def call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, retry_for_s: float | None = None
+    ) -> dict[str, Any]:
         """One API call. Connection failures are retried with backoff for `retry_for_s` (the master
         may be restarting); HTTP errors are not retried and raise MasterError."""
         data = json.dumps(body).encode() if body is not None else None
@@ -45,8 +46,11 @@ class MasterClient:
         delay = 0.05
         while True:
             request = urllib.request.Request(
-                self.address + path, data=data, method=method,
-                headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+                self.address + path,
+                data=data,
+                method=method,
+                headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     return json.loads(response.read())
@@ -64,8 +68,9 @@ class MasterClient:
 
     # Convenience wrappers, one per route.
     def join(self, node_id: str, host: str, nproc: int, info: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.call("POST", "/v1/nodes/join", {"node_id": node_id, "host": host, "nproc": nproc,
-                                                    "info": info or {}})
+        return self.call(
+            "POST", "/v1/nodes/join", {"node_id": node_id, "host": host, "nproc": nproc, "info": info or {}}
+        )
 
     def heartbeat(self, node_id: str, progress: dict[str, Any], info: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"node_id": node_id, "progress": progress}
@@ -73,13 +78,21 @@ class MasterClient:
             body["info"] = info
         return self.call("POST", "/v1/nodes/heartbeat", body)
 
-    def open_incident(self, kind: str, node_id: str | None = None, cls: str | None = None,
-                      times: dict[str, float] | None = None, details: dict[str, Any] | None = None) -> int:
-        return self.call("POST", "/v1/incidents", {"kind": kind, "node_id": node_id, "class": cls,
-                                                   "times": times or {}, "details": details or {}})["id"]
+    def open_incident(
+        self,
+        kind: str,
+        node_id: str | None = None,
+        cls: str | None = None,
+        times: dict[str, float] | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> int:
+        return self.call(
+            "POST",
+            "/v1/incidents",
+            {"kind": kind, "node_id": node_id, "class": cls, "times": times or {}, "details": details or {}},
+        )["id"]
 
-    def update_incident(self, incident_id: int, times: dict[str, float],
-                        details: dict[str, Any] | None = None) -> None:
+    def update_incident(self, incident_id: int, times: dict[str, float], details: dict[str, Any] | None = None) -> None:
         body: dict[str, Any] = {"times": times}
         if details is not None:
             body["details"] = details

@@ -1,7 +1,8 @@
 """Detect: what the agent's monitor tick sees, turned into incidents. Pure functions, no processes.
 
 Input is what the agent gathered (``evidence``): every local rank's progress record, TorchElastic's run
-result (failed ranks with exit codes), the tail of each failed rank's log, when chaos injected a fault (``fault_time``), the clock.
+result (failed ranks with exit codes), the tail of each failed rank's log, when chaos injected a fault
+(``fault_time``), the clock.
 Output is an ``Incident`` (or None); what to do about it is ``decide``'s, doing it is the agent's.
 """
 
@@ -61,8 +62,9 @@ def with_last_step(incident: Incident, progress: list[Progress]) -> Incident:
     return incident
 
 
-def hang(detector: HangDetector, progress: list[Progress], now: float,
-         fault_time: Callable[[int], float | None]) -> Incident | None:
+def hang(
+    detector: HangDetector, progress: list[Progress], now: float, fault_time: Callable[[int], float | None]
+) -> Incident | None:
     """A hang incident if any rank is silent past its allowance (the detector also learns step times
     from ``progress``, so call it once per tick). The fault time is the silent ranks' last report, or
     the time chaos injected the fault when it did (exact MTTR figures)."""
@@ -72,8 +74,15 @@ def hang(detector: HangDetector, progress: list[Progress], now: float,
     ranks = [rank for rank, _, _ in hung]
     fault = min(p.time for p in progress if p.rank in ranks)
     fault = min([fault_time(r) or fault for r in ranks])
-    incident = Incident("hang", "system", True, now, fault, ranks,
-                        {"silent_s": {r: s for r, s, _ in hung}, "allowance_s": {r: a for r, _, a in hung}})
+    incident = Incident(
+        "hang",
+        "system",
+        True,
+        now,
+        fault,
+        ranks,
+        {"silent_s": {r: s for r, s, _ in hung}, "allowance_s": {r: a for r, _, a in hung}},
+    )
     return with_last_step(incident, progress)
 
 
@@ -85,8 +94,14 @@ def diagnose_failure(failure: Failure, log_tail: str) -> Diagnosis:
     return diagnose(log_tail) or Diagnosis("exit", "system", NEVER, f"exit code {failure.exitcode}")
 
 
-def worker_exit(failures: dict[int, Failure], logs: dict[int, str], progress: list[Progress], progressed: bool,
-                now: float, fault_time: Callable[[int], float | None]) -> Incident:
+def worker_exit(
+    failures: dict[int, Failure],
+    logs: dict[int, str],
+    progress: list[Progress],
+    progressed: bool,
+    now: float,
+    fault_time: Callable[[int], float | None],
+) -> Incident:
     """The incident for failed workers: the failure that is a cause (peers of a dead rank fail with
     connection errors, the agent's SIGTERM to the survivors is a consequence too), earliest first.
     ``progressed``: any step completed in an earlier attempt (user-error rules need it)."""
@@ -99,9 +114,20 @@ def worker_exit(failures: dict[int, Failure], logs: dict[int, str], progress: li
     consequential, _, rank, failure, diagnosis, text = min(candidates, key=lambda c: c[:3])
     traceback = failure.message if "Traceback" in str(failure.message or "") else last_traceback(text)
     retry = diagnosis.retry(progressed or any(p.reports > 0 for p in progress))
-    incident = Incident(diagnosis.kind, diagnosis.cls, retry, now, fault_time(rank), [rank],
-                        {"exitcode": failure.exitcode, "evidence": diagnosis.evidence,
-                         "traceback": traceback, "consequential": consequential})
+    incident = Incident(
+        diagnosis.kind,
+        diagnosis.cls,
+        retry,
+        now,
+        fault_time(rank),
+        [rank],
+        {
+            "exitcode": failure.exitcode,
+            "evidence": diagnosis.evidence,
+            "traceback": traceback,
+            "consequential": consequential,
+        },
+    )
     return with_last_step(incident, progress)
 
 

@@ -78,12 +78,19 @@ def keeps_minimum(nodes: list[dict[str, Any]], leaving: str, now: float | None =
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The master's eviction flags (shared by `stalwart master` and the in-process master of `run`)."""
-    parser.add_argument("--straggler-policy", choices=POLICIES, default="warn",
-                        help="what a flagged straggler gets: warn (journal only), or evict when a spare agent "
-                             "waits to take its place (default warn)")
-    parser.add_argument("--evict-after-failures", type=int, default=0,
-                        help="evict a node after this many failures it caused, if ≥ MIN nodes remain "
-                             "(default 0 = never)")
+    parser.add_argument(
+        "--straggler-policy",
+        choices=POLICIES,
+        default="warn",
+        help="what a flagged straggler gets: warn (journal only), or evict when a spare agent "
+        "waits to take its place (default warn)",
+    )
+    parser.add_argument(
+        "--evict-after-failures",
+        type=int,
+        default=0,
+        help="evict a node after this many failures it caused, if ≥ MIN nodes remain (default 0 = never)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> EvictionPolicy:

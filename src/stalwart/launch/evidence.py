@@ -36,7 +36,9 @@ def stack_dump(pid: int, timeout_s: float = 10.0) -> str:
     if _stopped(pid):
         os.kill(pid, signal.SIGCONT)
     try:
-        out = subprocess.run([exe, "dump", "--pid", str(pid)], check=False, capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(
+            [exe, "dump", "--pid", str(pid)], check=False, capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         return f"(py-spy dump of pid {pid} timed out)"
     return out.stdout or out.stderr
@@ -76,7 +78,7 @@ class IncidentTail:
                     data = f.read()
             except OSError:
                 continue
-            complete = data[:data.rfind(b"\n") + 1]
+            complete = data[: data.rfind(b"\n") + 1]
             self._offsets[path] = offset + len(complete)
             for line in complete.splitlines():
                 try:

@@ -73,8 +73,16 @@ class NodeStatus:
     def report(self, now: float) -> dict[str, Any]:
         """The heartbeat's ``progress`` body; closes the straggler window when it is due."""
         with self._lock:
-            ranks = [{"rank": p.rank, "step": p.step, "phase": p.phase, "age_s": round(now - p.time, 3),
-                      "loss": None if p.loss != p.loss else p.loss} for p in self._latest]
+            ranks = [
+                {
+                    "rank": p.rank,
+                    "step": p.step,
+                    "phase": p.phase,
+                    "age_s": round(now - p.time, 3),
+                    "loss": None if p.loss != p.loss else p.loss,
+                }
+                for p in self._latest
+            ]
             body: dict[str, Any] = {"ranks": ranks, "member": self._member}
             window = self._close_window()
             if window is not None:
@@ -116,8 +124,16 @@ class Heartbeat:
     """A daemon thread: one beat every ``interval_s`` until ``stop``. ``worker_state`` names the worker
     group's state (informational for the master)."""
 
-    def __init__(self, master: MasterClient, node_id: str, status: NodeStatus, local_world_size: int,
-                 worker_state: Callable[[], str], interval_s: float = 1.0, chaos: ChaosInbox | None = None) -> None:
+    def __init__(
+        self,
+        master: MasterClient,
+        node_id: str,
+        status: NodeStatus,
+        local_world_size: int,
+        worker_state: Callable[[], str],
+        interval_s: float = 1.0,
+        chaos: ChaosInbox | None = None,
+    ) -> None:
         self.master, self.node_id, self.status = master, node_id, status
         self.local_world_size = local_world_size
         self.worker_state = worker_state

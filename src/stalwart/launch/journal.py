@@ -65,16 +65,20 @@ class Journal:
         return json.loads(rows[0]["value"]) if rows else default
 
     def set(self, key: str, value: Any) -> None:
-        self._write("INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                    (key, json.dumps(value)))
+        self._write(
+            "INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            (key, json.dumps(value)),
+        )
 
     def increment(self, key: str) -> int:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             row = self._db.execute("SELECT value FROM job WHERE key = ?", (key,)).fetchone()
             value = (json.loads(row["value"]) if row else 0) + 1
-            self._db.execute("INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE "
-                             "SET value = excluded.value", (key, json.dumps(value)))
+            self._db.execute(
+                "INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (key, json.dumps(value)),
+            )
             self._db.execute("COMMIT")
             return value
 
@@ -86,14 +90,16 @@ class Journal:
             "VALUES(?, ?, ?, 'alive', ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET host = excluded.host, "
             "nproc = excluded.nproc, state = 'alive', last_heartbeat = excluded.last_heartbeat, "
             "info = excluded.info",
-            (node_id, host, nproc, now, now, json.dumps(info)))
+            (node_id, host, nproc, now, now, json.dumps(info)),
+        )
 
     def heartbeat(self, node_id: str, progress: dict[str, Any], info: dict[str, Any] | None = None) -> bool:
         """Record a heartbeat; False when the node is unknown (it must join first)."""
         cur = self._write(
             "UPDATE nodes SET last_heartbeat = ?, progress = ?, info = COALESCE(?, info), "
             "state = CASE WHEN state = 'lost' THEN 'alive' ELSE state END WHERE node_id = ?",
-            (time.time(), json.dumps(progress), json.dumps(info) if info is not None else None, node_id))
+            (time.time(), json.dumps(progress), json.dumps(info) if info is not None else None, node_id),
+        )
         return cur.rowcount == 1
 
     def set_node_state(self, node_id: str, state: str) -> None:
@@ -107,19 +113,20 @@ class Journal:
         return rows
 
     # -- incidents and decisions ----------------------------------------------------------------
-    def open_incident(self, node_id: str | None, kind: str, cls: str | None,
-                      times: dict[str, float], details: dict[str, Any]) -> int:
+    def open_incident(
+        self, node_id: str | None, kind: str, cls: str | None, times: dict[str, float], details: dict[str, Any]
+    ) -> int:
         unknown = set(times) - set(INCIDENT_TIMES)
         if unknown:
             raise ValueError(f"unknown incident timestamps {sorted(unknown)}; use {INCIDENT_TIMES}")
         cols = ", ".join(["node_id", "kind", "class", "details", *times])
         marks = ", ".join("?" * (4 + len(times)))
-        cur = self._write(f"INSERT INTO incidents({cols}) VALUES({marks})",
-                          (node_id, kind, cls, json.dumps(details), *times.values()))
+        cur = self._write(
+            f"INSERT INTO incidents({cols}) VALUES({marks})", (node_id, kind, cls, json.dumps(details), *times.values())
+        )
         return int(cur.lastrowid)
 
-    def update_incident(self, incident_id: int, times: dict[str, float],
-                        details: dict[str, Any] | None = None) -> bool:
+    def update_incident(self, incident_id: int, times: dict[str, float], details: dict[str, Any] | None = None) -> bool:
         unknown = set(times) - set(INCIDENT_TIMES)
         if unknown:
             raise ValueError(f"unknown incident timestamps {sorted(unknown)}; use {INCIDENT_TIMES}")
@@ -140,8 +147,10 @@ class Journal:
         return rows
 
     def decide(self, action: str, reason: str, details: dict[str, Any] | None = None) -> int:
-        cur = self._write("INSERT INTO decisions(ts, action, reason, details) VALUES(?, ?, ?, ?)",
-                          (time.time(), action, reason, json.dumps(details or {})))
+        cur = self._write(
+            "INSERT INTO decisions(ts, action, reason, details) VALUES(?, ?, ?, ?)",
+            (time.time(), action, reason, json.dumps(details or {})),
+        )
         return int(cur.lastrowid)
 
     def decisions(self) -> list[dict[str, Any]]:

@@ -25,10 +25,14 @@ def spawn_local(nproc: int, worker_argv: list[str], env: dict[str, str] | None =
     if nproc < 1:
         raise ValueError(f"--nproc must be ≥ 1, got {nproc}")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
         run_id=f"stalwart-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-        max_restarts=0, monitor_interval=0.1,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
     )
     saved = dict(os.environ)
     os.environ.update(env or {})

@@ -13,10 +13,11 @@ import logging
 import re
 import secrets
 import threading
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
@@ -54,8 +55,9 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.client_address[0], *args)
 
-        def _reply(self, status: HTTPStatus, payload: dict[str, Any] | bytes,
-                   content_type: str = "application/json") -> None:
+        def _reply(
+            self, status: HTTPStatus, payload: dict[str, Any] | bytes, content_type: str = "application/json"
+        ) -> None:
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", content_type)
@@ -141,10 +143,19 @@ def load_or_create_token(path: Path, token: str | None = None) -> str:
 class Master:
     """Owns the server thread and the lost-node sweeper; `serve_forever` for the CLI."""
 
-    def __init__(self, db: str | Path, token: str, host: str = "127.0.0.1", port: int = 0,
-                 job_id: str = "job", restart_budget: int = 3, node_timeout_s: float = 30.0,
-                 stragglers: StragglerDetector | None = None, rdzv_port: int | None = None,
-                 policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        db: str | Path,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        job_id: str = "job",
+        restart_budget: int = 3,
+        node_timeout_s: float = 30.0,
+        stragglers: StragglerDetector | None = None,
+        rdzv_port: int | None = None,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         if not token:
             raise ValueError("the master needs a job token")
         self.journal = Journal(db)
@@ -168,7 +179,7 @@ class Master:
         while not self._stop.wait(1.0):
             self.state.sweep()
 
-    def start(self) -> "Master":
+    def start(self) -> Master:
         threading.Thread(target=self.server.serve_forever, name="master-http", daemon=True).start()
         threading.Thread(target=self._sweep_loop, name="master-sweep", daemon=True).start()
         return self

@@ -29,12 +29,19 @@ class JournalCollector:
         for node_state in sorted({"alive", "lost", *(n["state"] for n in nodes)}):
             by_state.add_metric([node_state], sum(n["state"] == node_state for n in nodes))
         yield by_state
-        yield GaugeMetricFamily("stalwart_restarts_used", "Restarts spent from the job-wide budget",
-                                value=self.state.journal.get("restarts_used", 0))
-        yield GaugeMetricFamily("stalwart_restart_budget", "Restarts allowed for the whole job",
-                                value=self.state.journal.get("restart_budget", 0))
-        incidents = CounterMetricFamily("stalwart_incidents", "Journaled incidents by kind and class",
-                                        labels=["kind", "class"])
+        yield GaugeMetricFamily(
+            "stalwart_restarts_used",
+            "Restarts spent from the job-wide budget",
+            value=self.state.journal.get("restarts_used", 0),
+        )
+        yield GaugeMetricFamily(
+            "stalwart_restart_budget",
+            "Restarts allowed for the whole job",
+            value=self.state.journal.get("restart_budget", 0),
+        )
+        incidents = CounterMetricFamily(
+            "stalwart_incidents", "Journaled incidents by kind and class", labels=["kind", "class"]
+        )
         counts = Counter((i["kind"], i["class"] or "") for i in self.state.journal.incidents())
         for (kind, cls), count in sorted(counts.items()):
             incidents.add_metric([kind, cls], count)
@@ -44,14 +51,21 @@ class JournalCollector:
             decisions.add_metric([action], count)
         yield decisions
         steps = [r["step"] for n in nodes for r in n["progress"].get("ranks", []) if isinstance(r.get("step"), int)]
-        yield GaugeMetricFamily("stalwart_last_step", "Newest step any rank reported (-1 before the first)",
-                                value=max(steps, default=-1))
-        step_time = GaugeMetricFamily("stalwart_step_compute_seconds", "Median over nodes of each node's median "
-                                      "compute time per step in its last window")
+        yield GaugeMetricFamily(
+            "stalwart_last_step", "Newest step any rank reported (-1 before the first)", value=max(steps, default=-1)
+        )
+        step_time = GaugeMetricFamily(
+            "stalwart_step_compute_seconds",
+            "Median over nodes of each node's median compute time per step in its last window",
+        )
         if self.state.compute_s:
             step_time.add_metric([], statistics.median(self.state.compute_s.values()))
         yield step_time
-        yield GaugeMetricFamily("stalwart_stragglers", "Nodes flagged as stragglers", value=len(self.state.stragglers.flagged))
-        yield GaugeMetricFamily("stalwart_master_starts", "Times a master served this journal",
-                                value=self.state.journal.get("master_starts", 1))
-
+        yield GaugeMetricFamily(
+            "stalwart_stragglers", "Nodes flagged as stragglers", value=len(self.state.stragglers.flagged)
+        )
+        yield GaugeMetricFamily(
+            "stalwart_master_starts",
+            "Times a master served this journal",
+            value=self.state.journal.get("master_starts", 1),
+        )

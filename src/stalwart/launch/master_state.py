@@ -19,6 +19,7 @@ from stalwart.launch.stragglers import StragglerDetector
 
 log = logging.getLogger("stalwart.master")
 
+
 class ApiError(Exception):
     def __init__(self, status: HTTPStatus, message: str) -> None:
         super().__init__(message)
@@ -31,7 +32,7 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], requi
             raise ApiError(HTTPStatus.BAD_REQUEST, f"missing field {name!r}")
         return None
     value = body[name]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ApiError(HTTPStatus.BAD_REQUEST, f"field {name!r} has the wrong type")
     return value
 
@@ -39,8 +40,15 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], requi
 class MasterState:
     """Request handling separated from HTTP plumbing, so it reads as the API it is."""
 
-    def __init__(self, journal: Journal, job_id: str, restart_budget: int, node_timeout_s: float,
-                 stragglers: StragglerDetector | None = None, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        job_id: str,
+        restart_budget: int,
+        node_timeout_s: float,
+        stragglers: StragglerDetector | None = None,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         self.journal = journal
         self.job_id = journal.get("job_id") or job_id
         journal.set("job_id", self.job_id)
@@ -58,15 +66,20 @@ class MasterState:
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
         node_id = _field(body, "node_id", str)
-        self.journal.join(node_id, _field(body, "host", str), _field(body, "nproc", int),
-                          _field(body, "info", dict, required=False) or {})
+        self.journal.join(
+            node_id,
+            _field(body, "host", str),
+            _field(body, "nproc", int),
+            _field(body, "info", dict, required=False) or {},
+        )
         self.journal.set(f"evicted.{node_id}", None)  # a node that comes back (repaired) is welcome again
         return {"job_id": self.job_id, "heartbeat_s": 1.0}
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         node_id = _field(body, "node_id", str)
-        known = self.journal.heartbeat(node_id, _field(body, "progress", dict, required=False) or {},
-                                       _field(body, "info", dict, required=False))
+        known = self.journal.heartbeat(
+            node_id, _field(body, "progress", dict, required=False) or {}, _field(body, "info", dict, required=False)
+        )
         if not known:
             raise ApiError(HTTPStatus.NOT_FOUND, f"node {node_id!r} has not joined this job")
         window = (body.get("progress") or {}).get("window")
@@ -74,8 +87,11 @@ class MasterState:
             self.compute_s[node_id] = float(window["compute_s"])
             flagged, ratio = self.stragglers.observe(node_id, float(window["compute_s"]))
             if flagged:
-                self.journal.decide("straggler", f"node {node_id} computes {ratio:.2f}× slower than the "
-                                    f"others for {self.stragglers.k} windows", {"node_id": node_id, "ratio": ratio})
+                self.journal.decide(
+                    "straggler",
+                    f"node {node_id} computes {ratio:.2f}× slower than the others for {self.stragglers.k} windows",
+                    {"node_id": node_id, "ratio": ratio},
+                )
             if node_id in self.stragglers.flagged and self.policy.stragglers == "evict":
                 self._evict_straggler(node_id, ratio)
         after = _field(body, "chaos_after", int, required=False)
@@ -108,8 +124,12 @@ class MasterState:
     def _evict_straggler(self, node_id: str, ratio: float | None) -> None:
         waiting = self._waiting_spares(self.journal.nodes(), node_id)
         if waiting:
-            self.evict(node_id, f"straggler ({ratio or 0:.2f}× the others for {self.stragglers.k} windows); "
-                       f"spare {waiting[0]} takes its place", {"cause": "straggler", "ratio": ratio, "spares": waiting})
+            self.evict(
+                node_id,
+                f"straggler ({ratio or 0:.2f}× the others for {self.stragglers.k} windows); "
+                f"spare {waiting[0]} takes its place",
+                {"cause": "straggler", "ratio": ratio, "spares": waiting},
+            )
 
     def precheck(self, body: dict[str, Any]) -> dict[str, Any]:
         """An agent's node check before it joins a rendezvous round: a failed one evicts the node; a slow
@@ -117,11 +137,21 @@ class MasterState:
         node_id = _field(body, "node_id", str)
         ok, matmul_s = _field(body, "ok", bool), float(_field(body, "matmul_s", (int, float)))
         reasons = [str(r) for r in _field(body, "reasons", list, required=False) or []]
-        details = {"matmul_s": matmul_s, "seconds": body.get("seconds"), "devices": body.get("devices"),
-                   "reasons": reasons, "source": "precheck"}
+        details = {
+            "matmul_s": matmul_s,
+            "seconds": body.get("seconds"),
+            "devices": body.get("devices"),
+            "reasons": reasons,
+            "source": "precheck",
+        }
         nodes = self.journal.nodes()
-        others = [p["matmul_s"] for n in nodes if n["node_id"] != node_id
-                  and isinstance(p := self.journal.get(f"precheck.{n['node_id']}"), dict) and p.get("ok")]
+        others = [
+            p["matmul_s"]
+            for n in nodes
+            if n["node_id"] != node_id
+            and isinstance(p := self.journal.get(f"precheck.{n['node_id']}"), dict)
+            and p.get("ok")
+        ]
         self.journal.set(f"precheck.{node_id}", {"matmul_s": matmul_s, "ok": ok, "time": time.time()})
         if not ok:
             incident = self.journal.open_incident(node_id, "precheck", "hardware", {"detected": time.time()}, details)
@@ -130,8 +160,11 @@ class MasterState:
             return {"admit": False, "reason": reason}
         ratio = eviction.precheck_ratio(matmul_s, others)
         if ratio is not None and ratio > self.policy.precheck_slow_factor:
-            self.journal.decide("straggler", f"node {node_id}'s precheck matmul is {ratio:.2f}× the other "
-                                "nodes' median", {"node_id": node_id, "ratio": ratio, "source": "precheck"})
+            self.journal.decide(
+                "straggler",
+                f"node {node_id}'s precheck matmul is {ratio:.2f}× the other nodes' median",
+                {"node_id": node_id, "ratio": ratio, "source": "precheck"},
+            )
             waiting = self._waiting_spares(nodes, node_id)
             if self.policy.stragglers == "evict" and waiting:
                 reason = f"precheck {ratio:.2f}× slower than the other nodes; spare {waiting[0]} takes its place"
@@ -144,11 +177,20 @@ class MasterState:
         limit = self.policy.after_failures
         if not limit or not node_id or cls not in ("system", "hardware") or details.get("consequential"):
             return
-        caused = [i for i in self.journal.incidents() if i["node_id"] == node_id and i["kind"] != "precheck"
-                  and i["class"] in ("system", "hardware") and not i["details"].get("consequential")]
+        caused = [
+            i
+            for i in self.journal.incidents()
+            if i["node_id"] == node_id
+            and i["kind"] != "precheck"
+            and i["class"] in ("system", "hardware")
+            and not i["details"].get("consequential")
+        ]
         if len(caused) >= limit and eviction.keeps_minimum(self.journal.nodes(), node_id, fresh_s=self.policy.fresh_s):
-            self.evict(node_id, f"node {node_id} caused {len(caused)} failures (limit {limit})",
-                       {"cause": "failures", "incidents": [i["id"] for i in caused]})
+            self.evict(
+                node_id,
+                f"node {node_id} caused {len(caused)} failures (limit {limit})",
+                {"cause": "failures", "incidents": [i["id"] for i in caused]},
+            )
 
     def add_chaos(self, body: dict[str, Any]) -> dict[str, Any]:
         """Queue a fault for the running job; agents pick it up with their next heartbeat."""
@@ -169,8 +211,9 @@ class MasterState:
         node_id, cls = _field(body, "node_id", str, required=False), _field(body, "class", str, required=False)
         details = _field(body, "details", dict, required=False) or {}
         try:
-            incident = self.journal.open_incident(node_id, _field(body, "kind", str), cls,
-                                                  _field(body, "times", dict, required=False) or {}, details)
+            incident = self.journal.open_incident(
+                node_id, _field(body, "kind", str), cls, _field(body, "times", dict, required=False) or {}, details
+            )
         except ValueError as err:
             raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
         self._count_failure(node_id, cls, details)
@@ -178,8 +221,11 @@ class MasterState:
 
     def update_incident(self, incident_id: int, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            found = self.journal.update_incident(incident_id, _field(body, "times", dict, required=False) or {},
-                                                 _field(body, "details", dict, required=False))
+            found = self.journal.update_incident(
+                incident_id,
+                _field(body, "times", dict, required=False) or {},
+                _field(body, "details", dict, required=False),
+            )
         except ValueError as err:
             raise ApiError(HTTPStatus.BAD_REQUEST, str(err)) from None
         if not found:
@@ -205,13 +251,17 @@ class MasterState:
             answer = {"allowed": allowed, "used": used, "budget": budget}
             if key is not None:
                 self.journal.set(key, answer)
-            self.journal.decide("restart" if allowed else "give_up", reason,
-                                {"node_id": body.get("node_id"), "round": round_, **answer})
+            self.journal.decide(
+                "restart" if allowed else "give_up", reason, {"node_id": body.get("node_id"), "round": round_, **answer}
+            )
         return {**answer, "leave": leave} if leave else answer
 
     def decide(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.journal.decide(_field(body, "action", str), _field(body, "reason", str),
-                                          _field(body, "details", dict, required=False))}
+        return {
+            "id": self.journal.decide(
+                _field(body, "action", str), _field(body, "reason", str), _field(body, "details", dict, required=False)
+            )
+        }
 
     def status(self) -> dict[str, Any]:
         now = time.time()
@@ -219,14 +269,21 @@ class MasterState:
         for node in nodes:
             node["heartbeat_age_s"] = now - node["last_heartbeat"]
         fresh = self.policy.fresh_s
-        return {"members": eviction.members(nodes, now, fresh), "spares": eviction.spares(nodes, now, fresh),
-                "evicted": [n["node_id"] for n in nodes if n["state"] == "evicted"],
-                "job_id": self.job_id, "created": self.journal.get("created"),
-                "master_starts": self.journal.get("master_starts"),
-                "restart_budget": self.journal.get("restart_budget"),
-                "restarts_used": self.journal.get("restarts_used", 0),
-                "stragglers": sorted(self.stragglers.flagged), "rdzv_endpoint": self.rdzv_endpoint,
-                "nodes": nodes, "incidents": self.journal.incidents(), "decisions": self.journal.decisions()}
+        return {
+            "members": eviction.members(nodes, now, fresh),
+            "spares": eviction.spares(nodes, now, fresh),
+            "evicted": [n["node_id"] for n in nodes if n["state"] == "evicted"],
+            "job_id": self.job_id,
+            "created": self.journal.get("created"),
+            "master_starts": self.journal.get("master_starts"),
+            "restart_budget": self.journal.get("restart_budget"),
+            "restarts_used": self.journal.get("restarts_used", 0),
+            "stragglers": sorted(self.stragglers.flagged),
+            "rdzv_endpoint": self.rdzv_endpoint,
+            "nodes": nodes,
+            "incidents": self.journal.incidents(),
+            "decisions": self.journal.decisions(),
+        }
 
     def sweep(self) -> list[str]:
         """Mark nodes without a heartbeat for node_timeout_s as lost (after this master has been up
@@ -238,7 +295,8 @@ class MasterState:
         for node in self.journal.nodes():
             if node["state"] == "alive" and now - node["last_heartbeat"] > self.node_timeout_s:
                 self.journal.set_node_state(node["node_id"], "lost")
-                self.journal.decide("node_lost", f"no heartbeat for {now - node['last_heartbeat']:.1f} s",
-                                    {"node_id": node["node_id"]})
+                self.journal.decide(
+                    "node_lost", f"no heartbeat for {now - node['last_heartbeat']:.1f} s", {"node_id": node["node_id"]}
+                )
                 lost.append(node["node_id"])
         return lost

@@ -13,8 +13,9 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic import rendezvous
@@ -49,38 +50,67 @@ def build_parser() -> argparse.ArgumentParser:
         "Run a training script like torchrun, and keep it training through failures: heartbeats to a "
         "job master, hang detection with stack dumps, log diagnosis (user errors fail fast), a "
         "job-wide restart budget and an incident journal. All torchrun flags work as in torchrun; "
-        "--max-restarts is the budget for the whole job, not per node.")
+        "--max-restarts is the budget for the whole job, not per node."
+    )
     g = parser.add_argument_group("stalwart")
-    g.add_argument("--master", default=None,
-                   help="job master URL (http://HOST:PORT) for multi-node jobs; default: start one here")
-    g.add_argument("--job-token", default=os.environ.get(runtime.ENV_JOB_TOKEN),
-                   help="job token for the master (default $STALWART_JOB_TOKEN, else generated into "
-                        "RUN_DIR/token)")
-    g.add_argument("--run-dir", type=Path, default=None,
-                   help="where the journal, logs and progress records go (default runs/RDZV_ID)")
+    g.add_argument(
+        "--master", default=None, help="job master URL (http://HOST:PORT) for multi-node jobs; default: start one here"
+    )
+    g.add_argument(
+        "--job-token",
+        default=os.environ.get(runtime.ENV_JOB_TOKEN),
+        help="job token for the master (default $STALWART_JOB_TOKEN, else generated into RUN_DIR/token)",
+    )
+    g.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="where the journal, logs and progress records go (default runs/RDZV_ID)",
+    )
     g.add_argument("--node-id", default=None, help="this agent's name in the job (default HOST-PID)")
-    g.add_argument("--hang-timeout", default="auto",
-                   help="seconds without step progress before a rank is declared hung, or 'auto' = "
-                        "max(9 s, 2.7 × median step time), so a hang is reported within max(10 s, 3 × step "
-                        "time); first steps and checkpoint/eval phases get "
-                        "longer allowances (default auto)")
-    g.add_argument("--startup-timeout", type=float, default=120.0,
-                   help="allowance in seconds before the first steps report (default 120)")
-    g.add_argument("--chaos", default=None, metavar="SPEC",
-                   help="fault injection for tests and demos, passed to workers as STALWART_CHAOS "
-                        "(e.g. kill:rank=1:step=7)")
-    g.add_argument("--precheck", action="store_true",
-                   help="before the first start and every restart, burn in this node's devices (a seeded "
-                        "matmul per local worker, checked and timed); a node that fails, or that the "
-                        "master finds slow under --straggler-policy evict, leaves the job (exit code "
-                        f"{EXIT_EVICTED}) and the others go on without it, or with a waiting spare (default off)")
-    g.add_argument("--straggler-window", type=float, default=5.0,
-                   help="seconds per window of compute times sent to the master (default 5)")
+    g.add_argument(
+        "--hang-timeout",
+        default="auto",
+        help="seconds without step progress before a rank is declared hung, or 'auto' = "
+        "max(9 s, 2.7 × median step time), so a hang is reported within max(10 s, 3 × step "
+        "time); first steps and checkpoint/eval phases get "
+        "longer allowances (default auto)",
+    )
+    g.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="allowance in seconds before the first steps report (default 120)",
+    )
+    g.add_argument(
+        "--chaos",
+        default=None,
+        metavar="SPEC",
+        help="fault injection for tests and demos, passed to workers as STALWART_CHAOS (e.g. kill:rank=1:step=7)",
+    )
+    g.add_argument(
+        "--precheck",
+        action="store_true",
+        help="before the first start and every restart, burn in this node's devices (a seeded "
+        "matmul per local worker, checked and timed); a node that fails, or that the "
+        "master finds slow under --straggler-policy evict, leaves the job (exit code "
+        f"{EXIT_EVICTED}) and the others go on without it, or with a waiting spare (default off)",
+    )
+    g.add_argument(
+        "--straggler-window",
+        type=float,
+        default=5.0,
+        help="seconds per window of compute times sent to the master (default 5)",
+    )
     stragglers.add_arguments(g)
     eviction.add_arguments(g)
     zygote.add_arguments(g)
-    g.add_argument("--summary-json", type=Path, default=None,
-                   help="write the run's outcome (exit, incidents, restarts) here as JSON")
+    g.add_argument(
+        "--summary-json",
+        type=Path,
+        default=None,
+        help="write the run's outcome (exit, incidents, restarts) here as JSON",
+    )
     return parser
 
 
@@ -98,8 +128,9 @@ def _rendezvous_defaults(args: argparse.Namespace) -> None:
     """torchrun's own rule: --standalone, or a single node without an endpoint, gets a local c10d
     rendezvous on a free port with a fresh id."""
     _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
-    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
-                           and args.master_port is None and max_nodes == 1):
+    if args.standalone or (
+        args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and max_nodes == 1
+    ):
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
         if args.standalone or args.rdzv_id == "none":
             args.rdzv_id = str(uuid.uuid4())
@@ -114,8 +145,10 @@ def _master_store(args: argparse.Namespace, client: MasterClient) -> None:
         return
     endpoint = client.status().get("rdzv_endpoint")
     if not endpoint:
-        raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT, or a master started with "
-                         "--rdzv-port to serve the rendezvous store")
+        raise ValueError(
+            "--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT, or a master started with "
+            "--rdzv-port to serve the rendezvous store"
+        )
     args.rdzv_endpoint, args.rdzv_conf = endpoint, client_rdzv_conf(args.rdzv_conf)
 
 
@@ -140,8 +173,11 @@ def run(argv: list[str]) -> int:
     node_id = args.node_id or f"{os.uname().nodename}-{os.getpid()}"
     # Worker logs must land in files for diagnosis; tee keeps them on the console as torchrun does.
     log_dir = args.log_dir or str(run_dir / "logs")
-    logs_specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.from_str(args.redirects),
-                                  tee=Std.ALL if args.tee == "0" and args.redirects == "0" else Std.from_str(args.tee))
+    logs_specs = DefaultLogsSpecs(
+        log_dir=log_dir,
+        redirects=Std.from_str(args.redirects),
+        tee=Std.ALL if args.tee == "0" and args.redirects == "0" else Std.from_str(args.tee),
+    )
     if args.chaos:
         faults.parse(args.chaos)  # a typo fails here, not in every worker
         os.environ[runtime.ENV_CHAOS] = args.chaos
@@ -160,19 +196,28 @@ def run(argv: list[str]) -> int:
         address = args.master
     else:
         token = load_or_create_token(run_dir / "token", args.job_token)
-        master = Master(run_dir / "journal.sqlite", token, job_id=args.rdzv_id,
-                        restart_budget=args.max_restarts,
-                        stragglers=stragglers.from_args(args), policy=eviction.from_args(args)).start()
+        master = Master(
+            run_dir / "journal.sqlite",
+            token,
+            job_id=args.rdzv_id,
+            restart_budget=args.max_restarts,
+            stragglers=stragglers.from_args(args),
+            policy=eviction.from_args(args),
+        ).start()
         address = master.address
-    os.environ.update({runtime.ENV_MASTER: address, runtime.ENV_JOB_ID: args.rdzv_id,
-                       runtime.ENV_NODE_ID: node_id})
+    os.environ.update({runtime.ENV_MASTER: address, runtime.ENV_JOB_ID: args.rdzv_id, runtime.ENV_NODE_ID: node_id})
     client = MasterClient(address, token)
     write_address(run_dir, address, args.rdzv_id, node_id)
 
     params = rendezvous.RendezvousParameters(
-        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
-        **config.rdzv_configs)
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
     master_addr, master_port = _compat.rendezvous_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     # A fresh worker store every round. torch shares the rendezvous TCP store with the workers
@@ -181,18 +226,34 @@ def run(argv: list[str]) -> int:
     # of group rank 0 hosts each round's store itself (StalwartAgent._serve_worker_store).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     spec = WorkerSpec(
-        role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=UNBOUNDED,
-        monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
-        local_addr=config.local_addr)
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=cmd,
+        args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=UNBOUNDED,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+    )
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir)
-    agent = StalwartAgent(spec, logs_specs, master=client, node_id=node_id, run_dir=run_dir,
-                          hang_policy=policy, start_method=config.start_method, window_s=args.straggler_window,
-                          on_failure=_save_on_failure(node_job), chaos_file=chaos_file,
-                          precheck=PrecheckConfig() if args.precheck else None,
-                          slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
-                          join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
-                          zygote=warm)
+    agent = StalwartAgent(
+        spec,
+        logs_specs,
+        master=client,
+        node_id=node_id,
+        run_dir=run_dir,
+        hang_policy=policy,
+        start_method=config.start_method,
+        window_s=args.straggler_window,
+        on_failure=_save_on_failure(node_job),
+        chaos_file=chaos_file,
+        precheck=PrecheckConfig() if args.precheck else None,
+        slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
+        join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
+        zygote=warm,
+    )
     exit_code, evicted = 0, None
     try:
         result = agent.run()
@@ -202,13 +263,15 @@ def run(argv: list[str]) -> int:
             exit_code = 1
             first = min(result.failures.items(), default=None, key=lambda kv: kv[1].timestamp)
             what = f"rank {first[0]} exit code {first[1].exitcode}" if first else "a hang"
-            print(f"stalwart run: job failed ({what}); journal: {run_dir / 'journal.sqlite'}",
-                  file=sys.stderr)
+            print(f"stalwart run: job failed ({what}); journal: {run_dir / 'journal.sqlite'}", file=sys.stderr)
     except NodeEvicted as err:
         exit_code, evicted = EXIT_EVICTED, str(err)
         agent.leave_rendezvous()  # not shutdown(): that would close the rendezvous for every node
-        print(f"stalwart run: node {node_id} left the job: {err}. The other nodes regroup without it (with a "
-              f"waiting spare if there is one); journal: {run_dir / 'journal.sqlite'}", file=sys.stderr)
+        print(
+            f"stalwart run: node {node_id} left the job: {err}. The other nodes regroup without it (with a "
+            f"waiting spare if there is one); journal: {run_dir / 'journal.sqlite'}",
+            file=sys.stderr,
+        )
     except RendezvousClosedError:
         print(f"stalwart run: node {node_id} waited for a place and the job finished without it", file=sys.stderr)
     except ChildFailedError:
@@ -260,15 +323,31 @@ def _save_on_failure(job: NodeJob) -> Callable[[Incident | None], dict[str, Any]
 
 
 def _summary(client: MasterClient, node_id: str, exit_code: int, agent: StalwartAgent) -> dict[str, Any]:
-    incidents = [{"kind": i.kind, "class": i.cls, "ranks": i.ranks, "retry": i.retry, "fault": i.fault,
-                  "detected": i.detected, "first_step": i.details.get("first_step"),
-                  "exitcode": i.details.get("exitcode"), "last_step": i.last_step,
-                  "consequential": i.details.get("consequential", False)} for i in agent.incidents]
+    incidents = [
+        {
+            "kind": i.kind,
+            "class": i.cls,
+            "ranks": i.ranks,
+            "retry": i.retry,
+            "fault": i.fault,
+            "detected": i.detected,
+            "first_step": i.details.get("first_step"),
+            "exitcode": i.details.get("exitcode"),
+            "last_step": i.last_step,
+            "consequential": i.details.get("consequential", False),
+        }
+        for i in agent.incidents
+    ]
     status: dict[str, Any] = {}
     try:
         status = client.call("GET", "/v1/status", retry_for_s=2)
         restarts = status["restarts_used"]
     except OSError:
         restarts = None
-    return {"node_id": node_id, "exit_code": exit_code, "incidents": incidents, "restarts_used": restarts,
-            "stragglers": status.get("stragglers") if restarts is not None else None}
+    return {
+        "node_id": node_id,
+        "exit_code": exit_code,
+        "incidents": incidents,
+        "restarts_used": restarts,
+        "stragglers": status.get("stragglers") if restarts is not None else None,
+    }

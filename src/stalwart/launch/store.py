@@ -19,8 +19,9 @@ from torch.distributed import TCPStore
 
 def serve_store(host: str, port: int = 0, timeout_s: float = 60.0) -> TCPStore:
     """A store server on ``host:port`` (0 = any free port; ``store.port`` tells which)."""
-    return TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s))
+    return TCPStore(
+        host, port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def client_rdzv_conf(conf: str) -> str:

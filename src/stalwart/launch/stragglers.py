@@ -53,10 +53,15 @@ class StragglerDetector:
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The master's straggler flags (shared by `stalwart master` and the in-process master of `run`)."""
-    parser.add_argument("--straggler-threshold", type=float, default=1.3,
-                        help="a node this × slower (compute per step) than the others' median is slow (default 1.3)")
-    parser.add_argument("--straggler-windows", type=int, default=3,
-                        help="consecutive slow windows before a node is flagged (default 3)")
+    parser.add_argument(
+        "--straggler-threshold",
+        type=float,
+        default=1.3,
+        help="a node this × slower (compute per step) than the others' median is slow (default 1.3)",
+    )
+    parser.add_argument(
+        "--straggler-windows", type=int, default=3, help="consecutive slow windows before a node is flagged (default 3)"
+    )
 
 
 def from_args(args: argparse.Namespace) -> StragglerDetector:

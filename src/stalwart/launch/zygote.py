@@ -58,7 +58,7 @@ MAX_REQUEST = 16 << 20
 def preload_for(cmd_args: list[str]) -> list[str]:
     """Modules worth importing ahead for this worker command: torch's training stack always, then
     stalwart's trainer when the worker is ``-m stalwart``, else dynamo."""
-    stalwart_cli = "-m" in cmd_args and cmd_args[cmd_args.index("-m") + 1:][:1] == ["stalwart"]
+    stalwart_cli = "-m" in cmd_args and cmd_args[cmd_args.index("-m") + 1 :][:1] == ["stalwart"]
     return [*DEFAULT_PRELOAD, *(STALWART_PRELOAD if stalwart_cli else SCRIPT_PRELOAD)]
 
 
@@ -128,8 +128,12 @@ class Server:
         while os.getppid() == self.parent and not (retiring and not self.sessions):
             conns = {s.conn.fileno(): s for s in self.sessions.values() if s.conn is not None}
             listen = [] if retiring else [self.listener]
-            readable, _, _ = select.select([*listen, wake_r, *(s.conn for s in conns.values())], [], [],
-                                           0.05 if self.pending and not retiring else 1.0)
+            readable, _, _ = select.select(
+                [*listen, wake_r, *(s.conn for s in conns.values())],
+                [],
+                [],
+                0.05 if self.pending and not retiring else 1.0,
+            )
             if not readable and self.pending:
                 self.preload_next()
             for r in readable:
@@ -260,15 +264,24 @@ def _kill(pid: int) -> None:
 
 # -- the launcher's side --------------------------------------------------------------------------
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--warm-start", choices=("on", "off"), default="on",
-                       help="start workers by forking a per-node process that has torch (and stalwart's "
-                            "trainer for `-m stalwart`) imported already: restarts skip seconds of imports "
-                            "(default on; off = a fresh interpreter per worker, as torchrun)")
-    group.add_argument("--warm-preload", action="append", default=[], metavar="MODULE",
-                       help="a module the warm-start process imports ahead (repeatable), e.g. your model's")
+    group.add_argument(
+        "--warm-start",
+        choices=("on", "off"),
+        default="on",
+        help="start workers by forking a per-node process that has torch (and stalwart's "
+        "trainer for `-m stalwart`) imported already: restarts skip seconds of imports "
+        "(default on; off = a fresh interpreter per worker, as torchrun)",
+    )
+    group.add_argument(
+        "--warm-preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module the warm-start process imports ahead (repeatable), e.g. your model's",
+    )
 
 
-def from_args(args: argparse.Namespace, cmd: str, cmd_args: list[str]) -> "Zygote | None":
+def from_args(args: argparse.Namespace, cmd: str, cmd_args: list[str]) -> Zygote | None:
     """The node's zygote, started, when warm start applies: on, and workers are ``python ARGS``."""
     if args.warm_start == "off" or cmd != sys.executable:
         return None
@@ -307,9 +320,19 @@ class Zygote:
             return  # (a retiring zygote has removed its socket; it exits when its workers have)
         self.socket.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stalwart.launch.zygote", "--socket", str(self.socket),
-             "--parent", str(os.getpid()), *(f"--preload={m}" for m in self.preload)],
-            stdin=subprocess.DEVNULL, start_new_session=True)  # a Ctrl-C to the agent's group is the agent's
+            [
+                sys.executable,
+                "-m",
+                "stalwart.launch.zygote",
+                "--socket",
+                str(self.socket),
+                "--parent",
+                str(os.getpid()),
+                *(f"--preload={m}" for m in self.preload),
+            ],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # a Ctrl-C to the agent's group is the agent's
         deadline = time.monotonic() + 10  # the socket exists before the preload starts
         while not self.socket.exists() and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)

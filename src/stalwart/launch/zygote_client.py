@@ -56,6 +56,7 @@ def forward(child: int):
         send(signum)
         if signum != signal.SIGUSR1 and signum != signal.SIGUSR2:
             send(signal.SIGCONT)  # a stopped worker keeps a pending SIGTERM forever
+
     return handler
 
 

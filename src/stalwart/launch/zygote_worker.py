@@ -26,11 +26,11 @@ def parse_python_args(argv: list[str]) -> tuple[bool, str | None, str | None, li
         if arg == "-u":
             unbuffered = True
         elif arg == "-m" and i + 1 < len(argv):
-            return unbuffered, argv[i + 1], None, argv[i + 2:]
+            return unbuffered, argv[i + 1], None, argv[i + 2 :]
         elif arg.startswith("-"):
             raise ValueError(f"interpreter flag {arg!r}")
         else:
-            return unbuffered, None, arg, argv[i + 1:]
+            return unbuffered, None, arg, argv[i + 1 :]
     raise ValueError("no script or module")
 
 
@@ -38,8 +38,10 @@ def _rebind_stdio(unbuffered: bool) -> None:
     def stream(fd: int) -> io.TextIOWrapper:
         raw = io.FileIO(fd, "wb", closefd=False)
         binary = raw if unbuffered else io.BufferedWriter(raw)
-        return io.TextIOWrapper(binary, encoding="utf-8", errors="backslashreplace",
-                                line_buffering=not unbuffered, write_through=unbuffered)
+        return io.TextIOWrapper(
+            binary, encoding="utf-8", errors="backslashreplace", line_buffering=not unbuffered, write_through=unbuffered
+        )
+
     sys.stdout = sys.__stdout__ = stream(1)
     sys.stderr = sys.__stderr__ = stream(2)
 
@@ -121,5 +123,3 @@ def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> N
             except Exception:
                 pass
         os._exit(code)
-
-

@@ -41,9 +41,7 @@ class ModelArgs:
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads}"
-            )
+            raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads}")
         for name, value, allowed in (
             ("mlp", self.mlp, ("swiglu", "gelu")),
             ("norm", self.norm, ("rmsnorm", "layernorm")),
@@ -69,7 +67,7 @@ class ModelArgs:
         h = int(2 * 4 * self.dim / 3)
         return self.multiple_of * math.ceil(h / self.multiple_of)
 
-    def with_(self, **changes: object) -> "ModelArgs":
+    def with_(self, **changes: object) -> ModelArgs:
         return replace(self, **changes)
 
 
@@ -90,9 +88,7 @@ def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position."""
     xf = x.float().unflatten(-1, (-1, 2))
     cos, sin = tables[: x.shape[1], None, :, 0], tables[: x.shape[1], None, :, 1]
-    out = torch.stack(
-        (xf[..., 0] * cos - xf[..., 1] * sin, xf[..., 0] * sin + xf[..., 1] * cos), dim=-1
-    )
+    out = torch.stack((xf[..., 0] * cos - xf[..., 1] * sin, xf[..., 0] * sin + xf[..., 1] * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
 
@@ -184,8 +180,9 @@ class Transformer(nn.Module):
         else:
             self.rope = None
 
-    def initial_value(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
-                      seed: int | None = None) -> torch.Tensor:
+    def initial_value(
+        self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, seed: int | None = None
+    ) -> torch.Tensor:
         """The initial value of parameter ``name`` (its full, unsharded shape), on the CPU: norm weights
         1, other vectors 0, matrices N(0, 0.02) with residual projections scaled by 1/sqrt(2·layers)
         (GPT-2). Drawn from a generator seeded by (seed, name) alone, so a parameter's value depends

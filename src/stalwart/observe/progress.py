@@ -28,8 +28,14 @@ class MetricsWriter:
 
 
 def format_metrics(m: dict[str, Any]) -> str:
-    parts = [f"step {m['step']}", f"loss {m['loss']:.4f}", f"gnorm {m['grad_norm']:.3f}",
-             f"lr {m['lr']:.2e}", f"{m['tokens_per_s']:,.0f} tok/s", f"{m['step_time_s'] * 1e3:.0f} ms"]
+    parts = [
+        f"step {m['step']}",
+        f"loss {m['loss']:.4f}",
+        f"gnorm {m['grad_norm']:.3f}",
+        f"lr {m['lr']:.2e}",
+        f"{m['tokens_per_s']:,.0f} tok/s",
+        f"{m['step_time_s'] * 1e3:.0f} ms",
+    ]
     if m.get("mfu") is not None:
         parts.append(f"MFU {m['mfu']:.1%}")
     return " · ".join(parts)
@@ -45,8 +51,13 @@ class ProgressDisplay:
         self._progress: Progress | None = None
         if enabled and self.console.is_terminal:
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.description}"), console=self.console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+                transient=False,
             )
             self._task = self._progress.add_task("", total=total, completed=start)
             self._progress.start()

@@ -11,12 +11,33 @@ from stalwart.plan.api import PlanInputs, plan
 from stalwart.plan.auto import AutoLayout, auto_layout
 from stalwart.plan.hardware import GPUS, Cluster, GPUSpec, custom_gpu, get_gpu
 from stalwart.plan.layout import SearchResult, StepModel, search, step_time
-from stalwart.plan.memory import (ActivationOptions, MemoryBreakdown, MemoryOptions, Precision,
-                                  memory_per_gpu)
+from stalwart.plan.memory import ActivationOptions, MemoryBreakdown, MemoryOptions, Precision, memory_per_gpu
 from stalwart.plan.parallel import CP_UNSUPPORTED, Layout, Strategy, layout_from_config
 from stalwart.plan.shape import ModelShape, shape_for
 
-__all__ = ["PlanInputs", "plan", "AutoLayout", "auto_layout", "GPUS", "Cluster", "GPUSpec", "custom_gpu", "get_gpu",
-           "SearchResult", "StepModel", "search", "step_time", "ActivationOptions", "MemoryBreakdown",
-           "MemoryOptions", "Precision", "memory_per_gpu", "CP_UNSUPPORTED", "Layout", "Strategy",
-           "layout_from_config", "ModelShape", "shape_for"]
+__all__ = [
+    "CP_UNSUPPORTED",
+    "GPUS",
+    "ActivationOptions",
+    "AutoLayout",
+    "Cluster",
+    "GPUSpec",
+    "Layout",
+    "MemoryBreakdown",
+    "MemoryOptions",
+    "ModelShape",
+    "PlanInputs",
+    "Precision",
+    "SearchResult",
+    "StepModel",
+    "Strategy",
+    "auto_layout",
+    "custom_gpu",
+    "get_gpu",
+    "layout_from_config",
+    "memory_per_gpu",
+    "plan",
+    "search",
+    "shape_for",
+    "step_time",
+]

@@ -95,30 +95,57 @@ class PlanInputs:
 def build_shape(inp: PlanInputs) -> tuple[ModelShape, float, list[str]]:
     """The model shape, the parameter count used for compute, and notes on assumptions."""
     notes: list[str] = []
-    moe = dict(num_experts=inp.experts, top_k=inp.experts_per_token if inp.experts else 1,
-               expert_hidden=inp.expert_ffn, moe_every=inp.moe_every)
+    moe = dict(
+        num_experts=inp.experts,
+        top_k=inp.experts_per_token if inp.experts else 1,
+        expert_hidden=inp.expert_ffn,
+        moe_every=inp.moe_every,
+    )
     if inp.model and inp.params:
         raise ValueError("give either --model NAME or --params N, not both")
     if inp.model:
         shape = replace(shape_for(inp.model), **moe)
     elif inp.layers and inp.dim:
         heads = inp.heads or max(1, inp.dim // 128)
-        shape = ModelShape(name="custom", dim=inp.dim, n_layers=inp.layers, n_heads=heads,
-                           kv_heads=inp.kv_heads or heads, ffn_hidden=inp.ffn_hidden or 4 * inp.dim,
-                           vocab_size=inp.vocab or 50257, mlp="gelu", norm="layernorm", bias=True,
-                           tie_embeddings=True, **moe)
+        shape = ModelShape(
+            name="custom",
+            dim=inp.dim,
+            n_layers=inp.layers,
+            n_heads=heads,
+            kv_heads=inp.kv_heads or heads,
+            ffn_hidden=inp.ffn_hidden or 4 * inp.dim,
+            vocab_size=inp.vocab or 50257,
+            mlp="gelu",
+            norm="layernorm",
+            bias=True,
+            tie_embeddings=True,
+            **moe,
+        )
         if inp.params:
             raise ValueError("give either --params or the shape (--layers, --dim, ...), not both")
     elif inp.params:
         shape = _gpt_like(inp.params, inp.vocab or 50257, moe)
-        notes.append(f"shape assumed GPT-3-like for {inp.params:.3g} params: {shape.n_layers} layers, "
-                     f"dim {shape.dim}, {shape.n_heads} heads (d ≈ 128·L); give --layers/--dim to set it")
+        notes.append(
+            f"shape assumed GPT-3-like for {inp.params:.3g} params: {shape.n_layers} layers, "
+            f"dim {shape.dim}, {shape.n_heads} heads (d ≈ 128·L); give --layers/--dim to set it"
+        )
     else:
-        raise ValueError("give a model: --model NAME (see `stalwart plan gpus` for hardware, "
-                         "stalwart.models.SPECS for models) or --params N")
-    overrides = {k: v for k, v in (("n_layers", inp.layers), ("dim", inp.dim), ("n_heads", inp.heads),
-                                   ("kv_heads", inp.kv_heads), ("ffn_hidden", inp.ffn_hidden),
-                                   ("vocab_size", inp.vocab)) if v}
+        raise ValueError(
+            "give a model: --model NAME (see `stalwart plan gpus` for hardware, "
+            "stalwart.models.SPECS for models) or --params N"
+        )
+    overrides = {
+        k: v
+        for k, v in (
+            ("n_layers", inp.layers),
+            ("dim", inp.dim),
+            ("n_heads", inp.heads),
+            ("kv_heads", inp.kv_heads),
+            ("ffn_hidden", inp.ffn_hidden),
+            ("vocab_size", inp.vocab),
+        )
+        if v
+    }
     if inp.model and overrides:
         shape = replace(shape, **overrides)
     n_params = inp.params or float(shape.active_params())
@@ -128,32 +155,58 @@ def build_shape(inp: PlanInputs) -> tuple[ModelShape, float, list[str]]:
 def _gpt_like(n_params: float, vocab: int, moe: dict[str, int]) -> ModelShape:
     """GPT-3's aspect ratio (12·L·d² ≈ N with d ≈ 128·L, head dim 128), rounded so that tensor
     parallelism has divisors: layers and heads to multiples of 8 once they exceed 16."""
+
     def round8(x: float) -> int:
         return max(1, round(x)) if x < 16 else 8 * round(x / 8)
 
     layers = round8((n_params / (12 * 128**2)) ** (1 / 3))
     heads = round8(math.sqrt(n_params / (12 * layers)) / 128)
     dim = 128 * heads
-    return ModelShape(name="gpt-like", dim=dim, n_layers=layers, n_heads=heads, kv_heads=heads,
-                      ffn_hidden=4 * dim, vocab_size=vocab, mlp="gelu", norm="layernorm", bias=True,
-                      tie_embeddings=True, **moe)
+    return ModelShape(
+        name="gpt-like",
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        kv_heads=heads,
+        ffn_hidden=4 * dim,
+        vocab_size=vocab,
+        mlp="gelu",
+        norm="layernorm",
+        bias=True,
+        tie_embeddings=True,
+        **moe,
+    )
 
 
 def build_gpu(inp: PlanInputs) -> GPUSpec:
     base = get_gpu(inp.gpu) if inp.gpu else None  # no name and no --gpu-memory: no memory limit
-    return custom_gpu(base, peak_flops=inp.gpu_flops, memory_gb=inp.gpu_memory_gb,
-                      intra_node_gbps=inp.intra_node_gbps, inter_node_gbps=inp.inter_node_gbps,
-                      gpus_per_node=inp.gpus_per_node)
+    return custom_gpu(
+        base,
+        peak_flops=inp.gpu_flops,
+        memory_gb=inp.gpu_memory_gb,
+        intra_node_gbps=inp.intra_node_gbps,
+        inter_node_gbps=inp.inter_node_gbps,
+        gpus_per_node=inp.gpus_per_node,
+    )
 
 
 def build_memory_options(inp: PlanInputs) -> MemoryOptions:
     prec = get_precision(inp.precision)
-    changes = {k: v for k, v in (("weight_bytes", inp.weight_bytes), ("grad_bytes", inp.grad_bytes),
-                                 ("master_bytes", inp.master_bytes), ("optimizer_bytes", inp.optimizer_bytes),
-                                 ("activation_bytes", inp.activation_bytes)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("weight_bytes", inp.weight_bytes),
+            ("grad_bytes", inp.grad_bytes),
+            ("master_bytes", inp.master_bytes),
+            ("optimizer_bytes", inp.optimizer_bytes),
+            ("activation_bytes", inp.activation_bytes),
+        )
+        if v is not None
+    }
     prec = Precision(**{**prec.__dict__, **changes})
-    act = ActivationOptions(sequence_parallel=inp.sequence_parallel, flash_attention=inp.flash_attention,
-                            dropout=inp.dropout)
+    act = ActivationOptions(
+        sequence_parallel=inp.sequence_parallel, flash_attention=inp.flash_attention, dropout=inp.dropout
+    )
     return MemoryOptions(precision=prec, activations=act, headroom=inp.headroom)
 
 
@@ -169,13 +222,20 @@ def _check_reliability_inputs(inp: PlanInputs) -> None:
         raise ValueError(f"--gpu-fail-per-day is a probability in [0, 1), got {inp.gpu_fail_per_day}")
     if not 0 <= inp.snapshot_recoverable <= 1:
         raise ValueError(f"--snapshot-recoverable is a fraction in [0, 1], got {inp.snapshot_recoverable}")
-    for flag, value in (("--ckpt-write-gbps", inp.ckpt_write_gbps), ("--host-copy-gbps", inp.host_copy_gbps),
-                        ("--disk-interval-hours", inp.disk_interval_hours)):
+    for flag, value in (
+        ("--ckpt-write-gbps", inp.ckpt_write_gbps),
+        ("--host-copy-gbps", inp.host_copy_gbps),
+        ("--disk-interval-hours", inp.disk_interval_hours),
+    ):
         if not value > 0:
             raise ValueError(f"{flag} must be positive, got {value}")
-    for flag, value in (("--restart-s", inp.restart_s), ("--snapshot-restart-s", inp.snapshot_restart_s),
-                        ("--snapshot-every", inp.snapshot_every), ("--node-mtbf-hours", inp.node_mtbf_hours),
-                        ("--ckpt-stall-s", inp.ckpt_stall_s or 0)):
+    for flag, value in (
+        ("--restart-s", inp.restart_s),
+        ("--snapshot-restart-s", inp.snapshot_restart_s),
+        ("--snapshot-every", inp.snapshot_every),
+        ("--node-mtbf-hours", inp.node_mtbf_hours),
+        ("--ckpt-stall-s", inp.ckpt_stall_s or 0),
+    ):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
 
@@ -211,8 +271,9 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
             mfu_solve = inp.mfu or DEFAULT_MFU
             if inp.mfu is None:
                 notes.append(f"GPU count solved at MFU {DEFAULT_MFU} (give --mfu to change)")
-            n_gpus = compute.gpus_for_days(compute.total_flops(tokens, fpt), inp.days, gpu.peak_flops,
-                                           mfu_solve, multiple=gpu.gpus_per_node)
+            n_gpus = compute.gpus_for_days(
+                compute.total_flops(tokens, fpt), inp.days, gpu.peak_flops, mfu_solve, multiple=gpu.gpus_per_node
+            )
         else:
             solved = "tokens"
             n_gpus = inp.gpus
@@ -228,9 +289,19 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
 
     # Layouts (also the source of MFU when none is given).
     fixed = {k: getattr(inp, k) for k in ("dp", "tp", "pp", "cp", "ep", "micro_batch") if getattr(inp, k)}
-    found = search(shape, cluster, seq_len, global_batch, fpt, zero=inp.zero, recompute=inp.recompute,
-                   virtual_stages=inp.virtual_stages, fixed=fixed, mem=mem_opts,
-                   model=StepModel(compute_efficiency=inp.compute_efficiency))
+    found = search(
+        shape,
+        cluster,
+        seq_len,
+        global_batch,
+        fpt,
+        zero=inp.zero,
+        recompute=inp.recompute,
+        virtual_stages=inp.virtual_stages,
+        fixed=fixed,
+        mem=mem_opts,
+        model=StepModel(compute_efficiency=inp.compute_efficiency),
+    )
     best = found.layouts[0] if found.layouts else None
     if inp.mfu is not None:
         mfu, mfu_source = inp.mfu, "given"
@@ -245,11 +316,23 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
     days = compute.training_days(flops, n_gpus, gpu.peak_flops, mfu)
 
     out: dict[str, Any] = {
-        "model": shape.name, "n_params": n_params, "total_params": shape.total_params(),
-        "gpu": gpu.name, "gpus": n_gpus, "nodes": cluster.n_nodes, "gpu_peak_flops": gpu.peak_flops,
-        "tokens": tokens, "seq_len": seq_len, "global_batch": global_batch, "solved_for": solved,
-        "flops_per_token": fpt, "total_flops": flops, "mfu": mfu, "mfu_source": mfu_source,
-        "days": days, "gpu_hours": days * 24 * n_gpus,
+        "model": shape.name,
+        "n_params": n_params,
+        "total_params": shape.total_params(),
+        "gpu": gpu.name,
+        "gpus": n_gpus,
+        "nodes": cluster.n_nodes,
+        "gpu_peak_flops": gpu.peak_flops,
+        "tokens": tokens,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "solved_for": solved,
+        "flops_per_token": fpt,
+        "total_flops": flops,
+        "mfu": mfu,
+        "mfu_source": mfu_source,
+        "days": days,
+        "gpu_hours": days * 24 * n_gpus,
     }
     out.update(_memory_section(shape, n_params, cluster, mem_opts, found, notes))
     out.update(_layout_section(found, inp.top))
@@ -271,8 +354,9 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _memory_section(shape: ModelShape, n_params: float, cluster: Cluster, mem: MemoryOptions,
-                    found: SearchResult, notes: list[str]) -> dict[str, Any]:
+def _memory_section(
+    shape: ModelShape, n_params: float, cluster: Cluster, mem: MemoryOptions, found: SearchResult, notes: list[str]
+) -> dict[str, Any]:
     prec = mem.precision
     state = n_params * prec.state_bytes_per_param
     gpu = cluster.gpu
@@ -282,8 +366,9 @@ def _memory_section(shape: ModelShape, n_params: float, cluster: Cluster, mem: M
         "weights_gb": n_params * prec.weight_bytes / GB,
         "model_state_gb": state / GB,
         "model_state_bytes_per_param": prec.state_bytes_per_param,
-        "min_nodes_for_model_state": (math.ceil(state / (gpu.memory_bytes * gpu.gpus_per_node))
-                                      if math.isfinite(gpu.memory_bytes) else None),
+        "min_nodes_for_model_state": (
+            math.ceil(state / (gpu.memory_bytes * gpu.gpus_per_node)) if math.isfinite(gpu.memory_bytes) else None
+        ),
     }
     if found.layouts:
         bd = found.layouts[0].memory
@@ -291,8 +376,10 @@ def _memory_section(shape: ModelShape, n_params: float, cluster: Cluster, mem: M
     elif found.smallest_oom is not None:
         lo, bd = found.smallest_oom
         out.update(memory_per_gpu_gb=bd.total / GB, memory_breakdown_gb=bd.gb(), memory_fits=False)
-        notes.append(f"no layout fits; the smallest need is {bd.total / GB:.1f} GB per GPU "
-                     f"(dp={lo.dp} tp={lo.tp} pp={lo.pp} mb={lo.micro_batch} {lo.recompute})")
+        notes.append(
+            f"no layout fits; the smallest need is {bd.total / GB:.1f} GB per GPU "
+            f"(dp={lo.dp} tp={lo.tp} pp={lo.pp} mb={lo.micro_batch} {lo.recompute})"
+        )
     else:
         out.update(memory_per_gpu_gb=None, memory_breakdown_gb=None, memory_fits=False)
         notes.append("no buildable layout for this GPU count and batch; see layouts_rejected")
@@ -300,42 +387,63 @@ def _memory_section(shape: ModelShape, n_params: float, cluster: Cluster, mem: M
 
 
 def _layout_section(found: SearchResult, top: int) -> dict[str, Any]:
-    return {"layouts": [c.as_dict() for c in found.layouts[:top]],
-            "layouts_feasible": len(found.layouts), "layouts_evaluated": found.evaluated,
-            "layouts_rejected": dict(found.rejected.most_common()),
-            "rejected_examples": found.examples}
+    return {
+        "layouts": [c.as_dict() for c in found.layouts[:top]],
+        "layouts_feasible": len(found.layouts),
+        "layouts_evaluated": found.evaluated,
+        "layouts_rejected": dict(found.rejected.most_common()),
+        "rejected_examples": found.examples,
+    }
 
 
-def _reliability_section(inp: PlanInputs, cluster: Cluster, n_params: float, mem: MemoryOptions,
-                         best: Any, days: float) -> dict[str, Any]:
+def _reliability_section(
+    inp: PlanInputs, cluster: Cluster, n_params: float, mem: MemoryOptions, best: Any, days: float
+) -> dict[str, Any]:
     n = cluster.n_gpus
-    mtbf_h = reliability.job_mtbf_hours(n, p_gpu_day=inp.gpu_fail_per_day, n_nodes=cluster.n_nodes,
-                                        node_mtbf_hours=inp.node_mtbf_hours)
+    mtbf_h = reliability.job_mtbf_hours(
+        n, p_gpu_day=inp.gpu_fail_per_day, n_nodes=cluster.n_nodes, node_mtbf_hours=inp.node_mtbf_hours
+    )
     mtbf_s = mtbf_h * 3600
     ckpt_bytes = n_params * mem.precision.checkpoint_bytes_per_param
     stall = inp.ckpt_stall_s if inp.ckpt_stall_s is not None else ckpt_bytes / (inp.ckpt_write_gbps * GB)
     interval = reliability.daly_interval(stall, mtbf_s) if stall > 0 else math.inf
-    policies = [reliability.Policy("storage every %gh" % inp.disk_interval_hours,
-                                   inp.disk_interval_hours * 3600, stall, inp.restart_s)]
+    policies = [
+        reliability.Policy(
+            f"storage every {inp.disk_interval_hours:g}h", inp.disk_interval_hours * 3600, stall, inp.restart_s
+        )
+    ]
     if math.isfinite(interval):
         policies.append(reliability.Policy("storage at Daly interval", interval, stall, inp.restart_s))
     if best is not None and inp.snapshot_every > 0:
-        per_gpu = (best.memory.weights + best.memory.optimizer)
-        policies.append(reliability.Policy(
-            f"memory every {inp.snapshot_every} steps + storage every {inp.disk_interval_hours:g}h",
-            inp.disk_interval_hours * 3600, stall, inp.restart_s,
-            snapshot_interval_s=inp.snapshot_every * best.step.total,
-            snapshot_stall_s=per_gpu / (inp.host_copy_gbps * GB),
-            snapshot_restart_s=inp.snapshot_restart_s, snapshot_recoverable=inp.snapshot_recoverable))
+        per_gpu = best.memory.weights + best.memory.optimizer
+        policies.append(
+            reliability.Policy(
+                f"memory every {inp.snapshot_every} steps + storage every {inp.disk_interval_hours:g}h",
+                inp.disk_interval_hours * 3600,
+                stall,
+                inp.restart_s,
+                snapshot_interval_s=inp.snapshot_every * best.step.total,
+                snapshot_stall_s=per_gpu / (inp.host_copy_gbps * GB),
+                snapshot_restart_s=inp.snapshot_restart_s,
+                snapshot_recoverable=inp.snapshot_recoverable,
+            )
+        )
     rows = reliability.compare_policies(policies, mtbf_s, days)
-    e = (reliability.ettr(interval, stall, inp.restart_s, mtbf_s) if math.isfinite(interval)
-         else reliability.ettr(policies[0].interval_s, stall, inp.restart_s, mtbf_s))
+    e = (
+        reliability.ettr(interval, stall, inp.restart_s, mtbf_s)
+        if math.isfinite(interval)
+        else reliability.ettr(policies[0].interval_s, stall, inp.restart_s, mtbf_s)
+    )
     return {
         "p_fail_gpu_day": inp.gpu_fail_per_day,
         "p_fail_day": reliability.p_any_failure(inp.gpu_fail_per_day, n),
-        "mtbf_hours": mtbf_h, "expected_failures": days * 24 / mtbf_h,
-        "checkpoint_gb": ckpt_bytes / GB, "checkpoint_stall_s": stall,
+        "mtbf_hours": mtbf_h,
+        "expected_failures": days * 24 / mtbf_h,
+        "checkpoint_gb": ckpt_bytes / GB,
+        "checkpoint_stall_s": stall,
         "checkpoint_interval_s": interval if math.isfinite(interval) else None,
         "checkpoint_interval_young_s": reliability.young_interval(stall, mtbf_s) if stall > 0 else None,
-        "ettr": e, "wall_days": days / e if e > 0 else None, "policies": rows,
+        "ettr": e,
+        "wall_days": days / e if e > 0 else None,
+        "policies": rows,
     }

@@ -38,8 +38,9 @@ def _device_spec(world_size: int, gpu: str | None, memory_gb: float | None) -> A
             memory_gb = psutil.virtual_memory().total / 1e9 / max(1, world_size)
         except ImportError:  # pragma: no cover - psutil is a dependency
             memory_gb = 8.0
-    return custom_gpu(None, peak_flops=1e12, memory_gb=memory_gb, intra_node_gbps=10.0, inter_node_gbps=10.0,
-                      gpus_per_node=world_size)
+    return custom_gpu(
+        None, peak_flops=1e12, memory_gb=memory_gb, intra_node_gbps=10.0, inter_node_gbps=10.0, gpus_per_node=world_size
+    )
 
 
 def _dp_kind(layout: Layout) -> str:
@@ -50,9 +51,19 @@ def _dp_kind(layout: Layout) -> str:
     return "FSDP2 replicated (HSDP)" if layout.dp_replicate > 1 else "no data parallel"
 
 
-def auto_layout(args: Any, world_size: int, seq_len: int, global_batch: int, *, moe: Any = None,
-                micro_batch: int | None = None, gpu: str | None = None, memory_gb: float | None = None,
-                precision: str | None = None, top: int = 3) -> AutoLayout:
+def auto_layout(
+    args: Any,
+    world_size: int,
+    seq_len: int,
+    global_batch: int,
+    *,
+    moe: Any = None,
+    micro_batch: int | None = None,
+    gpu: str | None = None,
+    memory_gb: float | None = None,
+    precision: str | None = None,
+    top: int = 3,
+) -> AutoLayout:
     """The planner's fastest layout that fits and that this package can build.
 
     ``args`` is the ModelArgs, ``moe`` its MoEArgs (or None). ``gpu`` names a planner GPU (default:
@@ -61,8 +72,13 @@ def auto_layout(args: Any, world_size: int, seq_len: int, global_batch: int, *, 
     """
     shape = ModelShape.from_args(args, name="model")
     if moe is not None:
-        shape = replace(shape, num_experts=moe.num_experts, top_k=moe.top_k,
-                        expert_hidden=moe.expert_hidden or 0, moe_every=moe.moe_every)
+        shape = replace(
+            shape,
+            num_experts=moe.num_experts,
+            top_k=moe.top_k,
+            expert_hidden=moe.expert_hidden or 0,
+            moe_every=moe.moe_every,
+        )
     cluster = Cluster(_device_spec(world_size, gpu, memory_gb), world_size)
     prec = precision or ("bf16" if gpu else "fp32")
     mem = MemoryOptions(precision=get_precision(prec))
@@ -93,23 +109,34 @@ def auto_layout(args: Any, world_size: int, seq_len: int, global_batch: int, *, 
         buildable.append((cand, zero, layout))
     if not buildable:
         reasons = ", ".join(f"{k} ({v})" for k, v in sorted(rejected.items(), key=lambda kv: -kv[1])[:4])
-        raise ValueError(f"parallel = 'auto' found no layout of {world_size} ranks that fits and can be "
-                         f"built for this model and batch {global_batch}: {reasons or 'none evaluated'}; "
-                         f"give parallel = {{dp=.., tp=.., pp=..}} explicitly")
+        raise ValueError(
+            f"parallel = 'auto' found no layout of {world_size} ranks that fits and can be "
+            f"built for this model and batch {global_batch}: {reasons or 'none evaluated'}; "
+            f"give parallel = {{dp=.., tp=.., pp=..}} explicitly"
+        )
     best, _, layout = buildable[0]
     usable = cluster.gpu.memory_bytes * (1 - mem.headroom)
-    lines = [f"parallel = 'auto' chose {layout.describe()} "
-             f"({_dp_kind(layout)}), micro_batch {best.strategy.micro_batch}, "
-             f"recompute {best.strategy.recompute}",
-             f"  why: fastest of {len(buildable)} buildable layouts by the planner's step-time model: "
-             f"{best.step.total * 1e3:.3g} ms/step, {best.memory.total / GB:.3g} GB per rank of "
-             f"{usable / GB:.3g} GB usable"]
+    lines = [
+        f"parallel = 'auto' chose {layout.describe()} "
+        f"({_dp_kind(layout)}), micro_batch {best.strategy.micro_batch}, "
+        f"recompute {best.strategy.recompute}",
+        f"  why: fastest of {len(buildable)} buildable layouts by the planner's step-time model: "
+        f"{best.step.total * 1e3:.3g} ms/step, {best.memory.total / GB:.3g} GB per rank of "
+        f"{usable / GB:.3g} GB usable",
+    ]
     for cand, _, other in buildable[1:top]:
-        lines.append(f"  runner-up {other.describe()}: {cand.step.total / best.step.total:.2f}× the step time, "
-                     f"{cand.memory.total / GB:.3g} GB")
+        lines.append(
+            f"  runner-up {other.describe()}: {cand.step.total / best.step.total:.2f}× the step time, "
+            f"{cand.memory.total / GB:.3g} GB"
+        )
     if rejected:
-        lines.append("  rejected: " + ", ".join(f"{k} ({v})" for k, v in
-                                                sorted(rejected.items(), key=lambda kv: -kv[1])[:4]))
-    return AutoLayout(layout, best.strategy.micro_batch, best.strategy.recompute, "\n".join(lines),
-                      [dict(c.as_dict(), zero=z) for c, z, _ in buildable[:top]])
-
+        lines.append(
+            "  rejected: " + ", ".join(f"{k} ({v})" for k, v in sorted(rejected.items(), key=lambda kv: -kv[1])[:4])
+        )
+    return AutoLayout(
+        layout,
+        best.strategy.micro_batch,
+        best.strategy.recompute,
+        "\n".join(lines),
+        [dict(c.as_dict(), zero=z) for c, z, _ in buildable[:top]],
+    )

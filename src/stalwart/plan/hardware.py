@@ -32,8 +32,7 @@ class GPUSpec:
         return self.memory_bytes / GB
 
 
-def _gpu(name: str, mem_gib: float, tflops: float, nvlink: float, net: float, per_node: int,
-         source: str) -> GPUSpec:
+def _gpu(name: str, mem_gib: float, tflops: float, nvlink: float, net: float, per_node: int, source: str) -> GPUSpec:
     return GPUSpec(name, mem_gib * GIB, tflops * 1e12, nvlink, net, per_node, source)
 
 
@@ -41,10 +40,28 @@ GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
         _gpu("v100", 32, 125, 150, 12.5, 8, "V100-SXM2-32GB: 125 TFLOP/s fp16, NVLink2 300 GB/s bidir, EDR 100 Gb/s"),
-        _gpu("a100-40g", 40, 312, 300, 25, 8, "A100-SXM4-40GB: 312 TFLOP/s bf16, NVLink3 600 GB/s bidir, HDR 200 Gb/s/GPU"),
-        _gpu("a100-80g", 80, 312, 300, 25, 8, "A100-SXM4-80GB: 312 TFLOP/s bf16, NVLink3 600 GB/s bidir, HDR 200 Gb/s/GPU"),
+        _gpu(
+            "a100-40g",
+            40,
+            312,
+            300,
+            25,
+            8,
+            "A100-SXM4-40GB: 312 TFLOP/s bf16, NVLink3 600 GB/s bidir, HDR 200 Gb/s/GPU",
+        ),
+        _gpu(
+            "a100-80g",
+            80,
+            312,
+            300,
+            25,
+            8,
+            "A100-SXM4-80GB: 312 TFLOP/s bf16, NVLink3 600 GB/s bidir, HDR 200 Gb/s/GPU",
+        ),
         _gpu("h100", 80, 989, 450, 50, 8, "H100-SXM5-80GB: 989 TFLOP/s bf16, NVLink4 900 GB/s bidir, NDR 400 Gb/s/GPU"),
-        _gpu("h200", 141, 989, 450, 50, 8, "H200-SXM-141GB: 989 TFLOP/s bf16, NVLink4 900 GB/s bidir, NDR 400 Gb/s/GPU"),
+        _gpu(
+            "h200", 141, 989, 450, 50, 8, "H200-SXM-141GB: 989 TFLOP/s bf16, NVLink4 900 GB/s bidir, NDR 400 Gb/s/GPU"
+        ),
         _gpu("b200", 180, 2250, 900, 50, 8, "B200 (DGX B200, 180 GB each): 2.25 PFLOP/s bf16, NVLink5 1.8 TB/s bidir"),
         _gpu("mi300x", 192, 1307, 448, 50, 8, "MI300X-192GB: 1307 TFLOP/s bf16, Infinity Fabric 7x64 GB/s"),
         _gpu("l40s", 48, 362, 32, 25, 8, "L40S-48GB: 362 TFLOP/s bf16 dense, PCIe Gen4 x16 (no NVLink)"),
@@ -58,13 +75,20 @@ def get_gpu(name: str) -> GPUSpec:
         return GPUS[key]
     close = difflib.get_close_matches(key, list(GPUS), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"unknown GPU {name!r}{hint}; known: {', '.join(GPUS)} — or give raw figures "
-                     "with --gpu-flops and --gpu-memory")
+    raise ValueError(
+        f"unknown GPU {name!r}{hint}; known: {', '.join(GPUS)} — or give raw figures with --gpu-flops and --gpu-memory"
+    )
 
 
-def custom_gpu(base: GPUSpec | None = None, *, peak_flops: float | None = None,
-               memory_gb: float | None = None, intra_node_gbps: float | None = None,
-               inter_node_gbps: float | None = None, gpus_per_node: int | None = None) -> GPUSpec:
+def custom_gpu(
+    base: GPUSpec | None = None,
+    *,
+    peak_flops: float | None = None,
+    memory_gb: float | None = None,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    gpus_per_node: int | None = None,
+) -> GPUSpec:
     """A GPU from raw numbers, starting from ``base`` (or from nothing: then flops and memory are
     required). Memory is in decimal GB here, as the user typed it."""
     if base is None:
@@ -72,8 +96,12 @@ def custom_gpu(base: GPUSpec | None = None, *, peak_flops: float | None = None,
             raise ValueError("without --gpu NAME, give the peak FLOP/s with --gpu-flops (e.g. 989e12)")
         base = GPUSpec("custom", math.inf, peak_flops, 100.0, 25.0, 8, "raw numbers")
     changes: dict[str, object] = {}
-    for key, value in (("peak_flops", peak_flops), ("intra_node_gbps", intra_node_gbps),
-                       ("inter_node_gbps", inter_node_gbps), ("gpus_per_node", gpus_per_node)):
+    for key, value in (
+        ("peak_flops", peak_flops),
+        ("intra_node_gbps", intra_node_gbps),
+        ("inter_node_gbps", inter_node_gbps),
+        ("gpus_per_node", gpus_per_node),
+    ):
         if value is not None:
             if value <= 0:
                 raise ValueError(f"{key.replace('_', '-')} must be positive, got {value}")

@@ -75,12 +75,18 @@ class Candidate:
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = self.strategy.as_dict()
-        out.update(num_micro_batches=self.num_micro_batches, memory_gb=self.memory.total / GB,
-                   step_time_s=self.step.total, tokens_per_s=self.step.tokens_per_s,
-                   mfu=self.step.mfu, hfu=self.step.hfu,
-                   memory_breakdown_gb=self.memory.gb(),
-                   step_breakdown_s={k: v for k, v in self.step.as_dict().items()
-                                     if k not in ("total", "tokens_per_s", "mfu", "hfu")})
+        out.update(
+            num_micro_batches=self.num_micro_batches,
+            memory_gb=self.memory.total / GB,
+            step_time_s=self.step.total,
+            tokens_per_s=self.step.tokens_per_s,
+            mfu=self.step.mfu,
+            hfu=self.step.hfu,
+            memory_breakdown_gb=self.memory.gb(),
+            step_breakdown_s={
+                k: v for k, v in self.step.as_dict().items() if k not in ("total", "tokens_per_s", "mfu", "hfu")
+            },
+        )
         return out
 
 
@@ -106,16 +112,32 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def step_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, seq_len: int, global_batch: int,
-              model_flops_per_token: float, act_bytes: float = 2.0, grad_bytes: float = 2.0,
-              weight_bytes: float = 2.0, sequence_parallel: bool = True,
-              model: StepModel = StepModel()) -> StepTime:
+def step_time(
+    shape: ModelShape,
+    strategy: Strategy,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    model_flops_per_token: float,
+    act_bytes: float = 2.0,
+    grad_bytes: float = 2.0,
+    weight_bytes: float = 2.0,
+    sequence_parallel: bool = True,
+    model: StepModel = StepModel(),
+) -> StepTime:
     """Analytic time of one optimizer step (seconds) and the resulting throughput and MFU."""
     gpu = cluster.gpu
     gpn = cluster.gpus_per_node
     intra = gpu.intra_node_gbps * GB * model.bandwidth_efficiency
     inter = gpu.inter_node_gbps * GB * model.bandwidth_efficiency
-    tp, cp, pp, ep, v, b = strategy.tp, strategy.cp, strategy.pp, strategy.ep, strategy.virtual_stages, strategy.micro_batch
+    tp, cp, pp, ep, v, b = (
+        strategy.tp,
+        strategy.cp,
+        strategy.pp,
+        strategy.ep,
+        strategy.virtual_stages,
+        strategy.micro_batch,
+    )
     m = strategy.num_micro_batches(global_batch)
     s_loc = seq_len / cp
     tokens_mb = b * seq_len
@@ -137,8 +159,14 @@ def step_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, seq_len: 
     worst = max(range(pp), key=lambda i: stage_flops[i])
     n_layers_worst = counts[worst]
     width = h / tp
-    eff = (model.compute_efficiency * width / (width + model.gemm_half_width)
-           * s_loc * b / (s_loc * b + model.gemm_half_width))
+    eff = (
+        model.compute_efficiency
+        * width
+        / (width + model.gemm_half_width)
+        * s_loc
+        * b
+        / (s_loc * b + model.gemm_half_width)
+    )
     compute_mb = stage_flops[worst] * tokens_mb / (tp * cp) / (gpu.peak_flops * eff)
 
     # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward per layer,
@@ -185,8 +213,7 @@ def step_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, seq_len: 
     if strategy.zero == 0:
         dp_exposed = max(0.0, volume(grad_bytes, 2) / dp_bw - bwd_window)
     elif strategy.zero in (1, 2):
-        dp_exposed = (max(0.0, volume(grad_bytes, 1) / dp_bw - bwd_window)
-                      + volume(weight_bytes, 1) / dp_bw)
+        dp_exposed = max(0.0, volume(grad_bytes, 1) / dp_bw - bwd_window) + volume(weight_bytes, 1) / dp_bw
     else:  # ZeRO-3: gather weights for forward and backward, reduce-scatter grads, per micro-batch
         per_mb = (volume(weight_bytes, 2) + volume(grad_bytes, 1)) / dp_bw
         hidden = compute_mb if model.overlap_zero3 else 0.0
@@ -196,11 +223,20 @@ def step_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, seq_len: 
     tokens = global_batch * seq_len
     peak = cluster.n_gpus * gpu.peak_flops
     hw_flops = sum(stage_flops) * tokens  # per-token FLOPs summed over stages, all tokens
-    return StepTime(compute=m * compute_mb, tp_comm=m * tp_mb, cp_comm=m * cp_mb, ep_comm=m * ep_mb,
-                    pp_comm=m * pp_mb, bubble=bubble, dp_comm=dp_exposed, zero3_comm=z3_exposed,
-                    total=total, tokens_per_s=tokens / total,
-                    mfu=model_flops_per_token * tokens / (total * peak),
-                    hfu=hw_flops / (total * peak))
+    return StepTime(
+        compute=m * compute_mb,
+        tp_comm=m * tp_mb,
+        cp_comm=m * cp_mb,
+        ep_comm=m * ep_mb,
+        pp_comm=m * pp_mb,
+        bubble=bubble,
+        dp_comm=dp_exposed,
+        zero3_comm=z3_exposed,
+        total=total,
+        tokens_per_s=tokens / total,
+        mfu=model_flops_per_token * tokens / (total * peak),
+        hfu=hw_flops / (total * peak),
+    )
 
 
 def _local_params(shape: ModelShape, strategy: Strategy, counts: list[int]) -> tuple[float, float]:
@@ -208,8 +244,9 @@ def _local_params(shape: ModelShape, strategy: Strategy, counts: list[int]) -> t
     best = (0.0, 0.0)
     for i, n in enumerate(counts):
         n_moe = moe_layers_in(shape, n)
-        dense = ((n - n_moe) * (shape.attention_params() + shape.mlp_params())
-                 + n_moe * shape.attention_params()) / strategy.tp
+        dense = (
+            (n - n_moe) * (shape.attention_params() + shape.mlp_params()) + n_moe * shape.attention_params()
+        ) / strategy.tp
         if i == 0:
             dense += shape.embedding_params() / strategy.tp
         if i == strategy.pp - 1 and (not shape.tie_embeddings or strategy.pp > 1):
@@ -225,11 +262,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
-           model_flops_per_token: float, *, zero: int = 1, recompute: str = "auto",
-           virtual_stages: int = 1, fixed: dict[str, int] | None = None,
-           mem: MemoryOptions = MemoryOptions(), model: StepModel = StepModel(),
-           dedupe: bool = True) -> SearchResult:
+def search(
+    shape: ModelShape,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    model_flops_per_token: float,
+    *,
+    zero: int = 1,
+    recompute: str = "auto",
+    virtual_stages: int = 1,
+    fixed: dict[str, int] | None = None,
+    mem: MemoryOptions = MemoryOptions(),
+    model: StepModel = StepModel(),
+    dedupe: bool = True,
+) -> SearchResult:
     """Every buildable layout of ``cluster.n_gpus`` GPUs, ranked by step time (fastest first).
 
     ``fixed`` pins any of dp, tp, pp, cp, ep, micro_batch. ``recompute="auto"`` tries none,
@@ -280,8 +327,10 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                 reject("sequence not divisible by 2·cp", f"cp={cp}, seq_len={seq_len}")
                 continue
             if cp > 1 and "cp" not in fixed and seq_len // cp < model.min_cp_chunk:
-                reject("sequence chunk per CP rank too short",
-                       f"cp={cp}: {seq_len // cp} tokens per rank < {model.min_cp_chunk}")
+                reject(
+                    "sequence chunk per CP rank too short",
+                    f"cp={cp}: {seq_len // cp} tokens per rank < {model.min_cp_chunk}",
+                )
                 continue
             for pp in pick("pp", _divisors(n // (tp * cp))):
                 if pp * virtual_stages > shape.n_layers:
@@ -297,8 +346,11 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                     reject("global batch not divisible by dp", f"batch {global_batch} over dp={dp}")
                     continue
                 if zero >= 2 and pp > 1:
-                    reject("ZeRO-2/3 with pipeline parallelism",
-                           f"zero={zero} pp={pp}: gradients are reduced per micro-batch (unsupported in Megatron/DeepSpeed)")
+                    reject(
+                        "ZeRO-2/3 with pipeline parallelism",
+                        f"zero={zero} pp={pp}: gradients are reduced per micro-batch "
+                        "(unsupported in Megatron/DeepSpeed)",
+                    )
                     continue
                 eps = [1]
                 if shape.is_moe:
@@ -311,12 +363,23 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                     mbs = [d for d in _divisors(per_rank) if d <= model.max_micro_batch]
                     for mb in pick("micro_batch", mbs):
                         if per_rank % mb:
-                            reject("micro-batch does not divide the per-replica batch", f"mb={mb}, {per_rank} per replica")
+                            reject(
+                                "micro-batch does not divide the per-replica batch", f"mb={mb}, {per_rank} per replica"
+                            )
                             continue
                         for rc in recomputes:
                             result.evaluated += 1
-                            lo = Strategy.of(dp, tp, pp, cp, ep, micro_batch=mb, virtual_stages=virtual_stages,
-                                             zero=zero, recompute=rc)
+                            lo = Strategy.of(
+                                dp,
+                                tp,
+                                pp,
+                                cp,
+                                ep,
+                                micro_batch=mb,
+                                virtual_stages=virtual_stages,
+                                zero=zero,
+                                recompute=rc,
+                            )
                             m = lo.num_micro_batches(global_batch)
                             if virtual_stages > 1 and m % pp:
                                 reject("interleaving needs micro-batches divisible by pp", f"m={m}, pp={pp}")
@@ -325,13 +388,25 @@ def search(shape: ModelShape, cluster: Cluster, seq_len: int, global_batch: int,
                             if mem_bd.total > usable:
                                 if result.smallest_oom is None or mem_bd.total < result.smallest_oom[1].total:
                                     result.smallest_oom = (lo, mem_bd)
-                                reject("out of memory",
-                                       f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep} mb={mb} {rc}: needs "
-                                       f"{mem_bd.total / GB:.1f} GB > {usable / GB:.1f} GB usable")
+                                reject(
+                                    "out of memory",
+                                    f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep} mb={mb} {rc}: needs "
+                                    f"{mem_bd.total / GB:.1f} GB > {usable / GB:.1f} GB usable",
+                                )
                                 continue
-                            st = step_time(shape, lo, cluster, seq_len, global_batch, model_flops_per_token,
-                                           prec.activation_bytes, prec.grad_bytes, prec.weight_bytes,
-                                           mem.activations.sequence_parallel, model)
+                            st = step_time(
+                                shape,
+                                lo,
+                                cluster,
+                                seq_len,
+                                global_batch,
+                                model_flops_per_token,
+                                prec.activation_bytes,
+                                prec.grad_bytes,
+                                prec.weight_bytes,
+                                mem.activations.sequence_parallel,
+                                model,
+                            )
                             feasible.append(Candidate(lo, m, mem_bd, st))
     feasible.sort(key=lambda c: (c.step.total, c.memory.total))
     if dedupe:

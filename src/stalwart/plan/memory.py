@@ -122,9 +122,17 @@ class MemoryBreakdown:
 
 
 # -- activations ---------------------------------------------------------------------------------
-def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1,
-                           recompute: str = "none", opts: ActivationOptions = ActivationOptions(),
-                           act_bytes: float = 2.0, moe_layer: bool = False) -> float:
+def layer_activation_bytes(
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    cp: int = 1,
+    recompute: str = "none",
+    opts: ActivationOptions = ActivationOptions(),
+    act_bytes: float = 2.0,
+    moe_layer: bool = False,
+) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one GPU.
 
     Replicated across TP ranks unless sequence parallel: the two norms' inputs/outputs and dropout
@@ -155,8 +163,9 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, tp
     return replicated / rep_div + split / tp
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                            recompute: str = "none") -> float:
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
     """The paper's closed forms (GPT: GELU 4h MLP, MHA, dropout, 16-bit), for reference and tests."""
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
@@ -167,8 +176,9 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 
 # -- per-stage totals ----------------------------------------------------------------------------
-def _stage_params(shape: ModelShape, strategy: Strategy, n_layers: int, first: bool, last: bool
-                  ) -> tuple[float, float, float]:
+def _stage_params(
+    shape: ModelShape, strategy: Strategy, n_layers: int, first: bool, last: bool
+) -> tuple[float, float, float]:
     """(dense, expert, largest layer) parameters held by one GPU of a stage, before ZeRO."""
     tp = strategy.tp
     n_moe = moe_layers_in(shape, n_layers)
@@ -178,8 +188,10 @@ def _stage_params(shape: ModelShape, strategy: Strategy, n_layers: int, first: b
     dense = (n_layers - n_moe) * dense_layer + n_moe * moe_layer
     experts_local = math.ceil(shape.num_experts / strategy.ep) if shape.is_moe else 0
     expert = n_moe * experts_local * shape.expert_params() / tp
-    largest = max(dense_layer if n_layers > n_moe else 0.0,
-                  moe_layer + experts_local * shape.expert_params() / tp if n_moe else 0.0)
+    largest = max(
+        dense_layer if n_layers > n_moe else 0.0,
+        moe_layer + experts_local * shape.expert_params() / tp if n_moe else 0.0,
+    )
     if first:
         dense += shape.embedding_params() / tp
     if last:
@@ -189,8 +201,14 @@ def _stage_params(shape: ModelShape, strategy: Strategy, n_layers: int, first: b
     return dense, expert, largest
 
 
-def stage_memory(shape: ModelShape, strategy: Strategy, seq_len: int, num_micro: int, stage: int,
-                 opts: MemoryOptions = MemoryOptions()) -> MemoryBreakdown:
+def stage_memory(
+    shape: ModelShape,
+    strategy: Strategy,
+    seq_len: int,
+    num_micro: int,
+    stage: int,
+    opts: MemoryOptions = MemoryOptions(),
+) -> MemoryBreakdown:
     """Peak memory of one GPU in pipeline stage ``stage`` (0-based)."""
     p, prec, act = strategy.pp, opts.precision, opts.activations
     counts = partition_layers(shape.n_layers, p, shape.head_flop_share())
@@ -219,9 +237,9 @@ def stage_memory(shape: ModelShape, strategy: Strategy, seq_len: int, num_micro:
     n_moe = moe_layers_in(shape, n_layers)
     kw = dict(tp=strategy.tp, cp=strategy.cp, opts=act, act_bytes=prec.activation_bytes)
     b = strategy.micro_batch
-    per_mb = ((n_layers - n_moe) * layer_activation_bytes(shape, seq_len, b, recompute=strategy.recompute, **kw)
-              + n_moe * layer_activation_bytes(shape, seq_len, b, recompute=strategy.recompute,
-                                               moe_layer=True, **kw))
+    per_mb = (n_layers - n_moe) * layer_activation_bytes(
+        shape, seq_len, b, recompute=strategy.recompute, **kw
+    ) + n_moe * layer_activation_bytes(shape, seq_len, b, recompute=strategy.recompute, moe_layer=True, **kw)
     activations = per_mb * in_flight
     s_loc = seq_len / strategy.cp
     rep_div = strategy.tp if act.sequence_parallel else 1
@@ -241,13 +259,19 @@ def stage_memory(shape: ModelShape, strategy: Strategy, seq_len: int, num_micro:
         logits = vocab_local * (prec.activation_bytes + 4)  # logits + fp32 log-probs for the loss
         working = max(working, 8 * vocab_local)  # fp32 gradients of log-probs and logits
     name = "only" if p == 1 else ("first" if first else "last" if last else f"stage{stage}")
-    bd = MemoryBreakdown(weights, grads, grad_buffer, optimizer, activations, logits, working, zero3,
-                         opt_temp, name, "")
+    bd = MemoryBreakdown(
+        weights, grads, grad_buffer, optimizer, activations, logits, working, zero3, opt_temp, name, ""
+    )
     return replace(bd, phase="forward-backward" if bd.forward_backward >= bd.optimizer_step else "optimizer-step")
 
 
-def memory_per_gpu(shape: ModelShape, strategy: Strategy, seq_len: int, global_batch: int | None = None,
-                   opts: MemoryOptions = MemoryOptions()) -> MemoryBreakdown:
+def memory_per_gpu(
+    shape: ModelShape,
+    strategy: Strategy,
+    seq_len: int,
+    global_batch: int | None = None,
+    opts: MemoryOptions = MemoryOptions(),
+) -> MemoryBreakdown:
     """Peak over pipeline stages (the first holds embeddings and the most in-flight micro-batches,
     the last the LM head and logits). ``global_batch`` sets the micro-batch count (default: many)."""
     if seq_len <= 0:
@@ -256,8 +280,7 @@ def memory_per_gpu(shape: ModelShape, strategy: Strategy, seq_len: int, global_b
         raise ValueError(f"pipeline stages ({strategy.pp}) exceed the model's layers ({shape.n_layers})")
     num_micro = strategy.num_micro_batches(global_batch) if global_batch else strategy.pp
     stages = {0, strategy.pp - 1}
-    return max((stage_memory(shape, strategy, seq_len, num_micro, s, opts) for s in stages),
-               key=lambda m: m.total)
+    return max((stage_memory(shape, strategy, seq_len, num_micro, s, opts) for s in stages), key=lambda m: m.total)
 
 
 # -- whole-model figures (seed arithmetic) -------------------------------------------------------

@@ -21,9 +21,11 @@ from stalwart.plan.shape import ModelShape
 
 RECOMPUTE = ("none", "selective", "full")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")  # Layout.shape's order
-CP_UNSUPPORTED = ("context parallel (cp > 1) is not supported: torch 2.13 has no CPU sharding strategy "
-                  "for scaled_dot_product_attention, and it has not been verified on a GPU here; "
-                  "keep cp = 1 (the mesh axis is reserved)")
+CP_UNSUPPORTED = (
+    "context parallel (cp > 1) is not supported: torch 2.13 has no CPU sharding strategy "
+    "for scaled_dot_product_attention, and it has not been verified on a GPU here; "
+    "keep cp = 1 (the mesh axis is reserved)"
+)
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,11 @@ class Layout:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel.{key} must be a positive integer, got {value!r}")
         if self.dp_shard % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard={self.dp_shard}: expert "
-                             f"parallelism is carved out of the FSDP shard group; set dp_shard to a multiple "
-                             f"of {self.ep}")
+            raise ValueError(
+                f"parallel.ep={self.ep} must divide parallel.dp_shard={self.dp_shard}: expert "
+                f"parallelism is carved out of the FSDP shard group; set dp_shard to a multiple "
+                f"of {self.ep}"
+            )
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -65,8 +69,7 @@ class Layout:
     def uses_ddp(self) -> bool:
         """Pure replication is DDP (which supports the gradient compression hooks); any other
         data parallelism composed with TP/PP/EP is FSDP2 (HSDP when dp_replicate > 1)."""
-        return (self.dp_replicate > 1 and self.dp_shard == 1 and self.tp == 1 and self.pp == 1
-                and self.ep == 1)
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.ep == 1
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in asdict(self).items() if v > 1]
@@ -80,7 +83,8 @@ class Layout:
         if self.world_size != world_size:
             raise ValueError(
                 f"layout {self.describe()} needs pp×dp_replicate×dp_shard×cp×tp = {self.world_size} ranks "
-                f"but the job has {world_size}; change the degrees or the number of processes")
+                f"but the job has {world_size}; change the degrees or the number of processes"
+            )
 
     def check_model(self, args: Any, moe: Any = None, virtual_stages: int = 1) -> None:
         """Raise ValueError when the trainer cannot split the model this way (``args``: ModelArgs,
@@ -92,28 +96,38 @@ class Layout:
                 raise ValueError(
                     f"parallel.tp={self.tp} must divide model.n_heads={args.n_heads} and "
                     f"model.n_kv_heads={args.kv_heads} (each TP rank owns whole heads); use tp in "
-                    f"{_common_divisors(args.n_heads, args.kv_heads)}")
+                    f"{_common_divisors(args.n_heads, args.kv_heads)}"
+                )
             if args.hidden % self.tp:
                 raise ValueError(f"parallel.tp={self.tp} must divide the feed-forward hidden size {args.hidden}")
             if moe is not None:
-                raise ValueError("tensor parallelism of MoE blocks is not implemented; use ep (expert "
-                                 "parallel) with dp_shard, or pp, for MoE models and keep tp = 1")
+                raise ValueError(
+                    "tensor parallelism of MoE blocks is not implemented; use ep (expert "
+                    "parallel) with dp_shard, or pp, for MoE models and keep tp = 1"
+                )
             if args.pos != "rope":
-                raise ValueError(f"tensor parallelism supports RoPE models only (model.pos={args.pos!r}); "
-                                 "learned/ALiBi positions would need their own sequence-parallel plan")
+                raise ValueError(
+                    f"tensor parallelism supports RoPE models only (model.pos={args.pos!r}); "
+                    "learned/ALiBi positions would need their own sequence-parallel plan"
+                )
         if args.tie_embeddings and (self.tp > 1 or self.pp > 1):
-            raise ValueError("tensor and pipeline parallelism need untied embeddings (the embedding and the "
-                             "head are split differently / live on different stages); set "
-                             "model.tie_embeddings = false")
+            raise ValueError(
+                "tensor and pipeline parallelism need untied embeddings (the embedding and the "
+                "head are split differently / live on different stages); set "
+                "model.tie_embeddings = false"
+            )
         stages = self.pp * virtual_stages
         if stages > args.n_layers:
             raise ValueError(
                 f"pp={self.pp} × virtual_stages={virtual_stages} = {stages} pipeline stages but the model "
-                f"has only {args.n_layers} layers; every stage needs at least one layer")
+                f"has only {args.n_layers} layers; every stage needs at least one layer"
+            )
         if self.ep > 1:
             if moe is None:
-                raise ValueError(f"parallel.ep={self.ep} needs a mixture-of-experts model (e.g. "
-                                 f"model.name = 'debug-moe'); use ep = 1 for a dense model")
+                raise ValueError(
+                    f"parallel.ep={self.ep} needs a mixture-of-experts model (e.g. "
+                    f"model.name = 'debug-moe'); use ep = 1 for a dense model"
+                )
             if moe.num_experts % self.ep:
                 raise ValueError(f"parallel.ep={self.ep} must divide the expert count {moe.num_experts}")
 
@@ -188,15 +202,15 @@ class Strategy:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
 
     @classmethod
-    def of(cls, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, zero: int = 1,
-           **step: Any) -> Strategy:
+    def of(
+        cls, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, zero: int = 1, **step: Any
+    ) -> Strategy:
         """The planner's view: ``dp`` ranks of data parallelism under ZeRO stage ``zero``. ZeRO-0
         without experts is replication (DDP); any sharding of state is ``dp_shard`` (FSDP2)."""
         if ep >= 1 and dp % ep:
             raise ValueError(f"expert parallel degree {ep} must divide data parallel degree {dp}")
         degrees = dict(tp=tp, pp=pp, cp=cp, ep=ep)
-        layout = (Layout(dp_replicate=dp, **degrees) if zero == 0 and ep == 1
-                  else Layout(dp_shard=dp, **degrees))
+        layout = Layout(dp_replicate=dp, **degrees) if zero == 0 and ep == 1 else Layout(dp_shard=dp, **degrees)
         return cls(layout, zero=zero, **step)
 
     @property
@@ -231,13 +245,23 @@ class Strategy:
     def num_micro_batches(self, global_batch: int) -> int:
         per_step = self.dp * self.micro_batch
         if global_batch % per_step:
-            raise ValueError(f"global batch {global_batch} is not divisible by dp {self.dp} × "
-                             f"micro-batch {self.micro_batch}")
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by dp {self.dp} × micro-batch {self.micro_batch}"
+            )
         return global_batch // per_step
 
     def as_dict(self) -> dict[str, object]:
-        return dict(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, micro_batch=self.micro_batch,
-                    virtual_stages=self.virtual_stages, zero=self.zero, recompute=self.recompute)
+        return dict(
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            micro_batch=self.micro_batch,
+            virtual_stages=self.virtual_stages,
+            zero=self.zero,
+            recompute=self.recompute,
+        )
 
 
 def partition_layers(n_layers: int, pp: int, head_share: float = 0.0) -> list[int]:
@@ -259,7 +283,7 @@ def partition_layers(n_layers: int, pp: int, head_share: float = 0.0) -> list[in
     last = best[1]
     rest, stages = n_layers - last, pp - 1
     counts = [rest // stages + (1 if i < rest % stages else 0) for i in range(stages)]
-    return counts + [last]
+    return [*counts, last]
 
 
 def moe_layers_in(shape: ModelShape, n_layers: int) -> int:

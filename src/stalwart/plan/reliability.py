@@ -31,8 +31,9 @@ def rate_from_probability(p: float, period_hours: float = 24.0) -> float:
     return -math.log1p(-p) / period_hours
 
 
-def job_mtbf_hours(n_gpus: int, *, p_gpu_day: float = 0.0, gpu_mtbf_hours: float = 0.0,
-                   n_nodes: int = 0, node_mtbf_hours: float = 0.0) -> float:
+def job_mtbf_hours(
+    n_gpus: int, *, p_gpu_day: float = 0.0, gpu_mtbf_hours: float = 0.0, n_nodes: int = 0, node_mtbf_hours: float = 0.0
+) -> float:
     """Mean time between failures of the whole job: independent rates add up (per-GPU rate from a
     daily failure probability or an MTBF, plus an optional per-node rate)."""
     if n_gpus <= 0:
@@ -82,9 +83,16 @@ def ettr(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float
     return interval_s / (m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m))
 
 
-def ettr_two_tier(fast_interval_s: float, fast_stall_s: float, fast_restart_s: float,
-                  slow_interval_s: float, slow_stall_s: float, slow_restart_s: float,
-                  mtbf_s: float, fast_recoverable: float) -> float:
+def ettr_two_tier(
+    fast_interval_s: float,
+    fast_stall_s: float,
+    fast_restart_s: float,
+    slow_interval_s: float,
+    slow_stall_s: float,
+    slow_restart_s: float,
+    mtbf_s: float,
+    fast_recoverable: float,
+) -> float:
     """First-order ETTR of in-memory snapshots every ``fast_interval_s`` backed by storage
     checkpoints every ``slow_interval_s``: a failure is recovered from memory with probability
     ``fast_recoverable`` (losing half a fast interval + its restart), otherwise from storage.
@@ -93,8 +101,9 @@ def ettr_two_tier(fast_interval_s: float, fast_stall_s: float, fast_restart_s: f
     if not 0 <= fast_recoverable <= 1:
         raise ValueError(f"fraction of failures recoverable from memory must be in [0, 1], got {fast_recoverable}")
     stall = fast_stall_s / fast_interval_s + slow_stall_s / slow_interval_s
-    loss = (fast_recoverable * ((fast_interval_s + fast_stall_s) / 2 + fast_restart_s)
-            + (1 - fast_recoverable) * ((slow_interval_s + slow_stall_s) / 2 + slow_restart_s))
+    loss = fast_recoverable * ((fast_interval_s + fast_stall_s) / 2 + fast_restart_s) + (1 - fast_recoverable) * (
+        (slow_interval_s + slow_stall_s) / 2 + slow_restart_s
+    )
     return max(0.0, (1 / (1 + stall)) * (1 - loss / mtbf_s))
 
 
@@ -114,9 +123,16 @@ class Policy:
 
     def ettr(self, mtbf_s: float) -> float:
         if self.snapshot_interval_s:
-            return ettr_two_tier(self.snapshot_interval_s, self.snapshot_stall_s, self.snapshot_restart_s,
-                                 self.interval_s, self.stall_s, self.restart_s, mtbf_s,
-                                 self.snapshot_recoverable)
+            return ettr_two_tier(
+                self.snapshot_interval_s,
+                self.snapshot_stall_s,
+                self.snapshot_restart_s,
+                self.interval_s,
+                self.stall_s,
+                self.restart_s,
+                mtbf_s,
+                self.snapshot_recoverable,
+            )
         return ettr(self.interval_s, self.stall_s, self.restart_s, mtbf_s)
 
 
@@ -129,9 +145,15 @@ def compare_policies(policies: list[Policy], mtbf_s: float, run_days: float) -> 
     for pol in policies:
         e = pol.ettr(mtbf_s)
         wall_days = run_days / e if e > 0 else math.inf
-        rows.append({**asdict(pol), "ettr": e, "wall_days": wall_days,
-                     "expected_failures": wall_days * 86400 / mtbf_s,
-                     "lost_days": wall_days - run_days})
+        rows.append(
+            {
+                **asdict(pol),
+                "ettr": e,
+                "wall_days": wall_days,
+                "expected_failures": wall_days * 86400 / mtbf_s,
+                "lost_days": wall_days - run_days,
+            }
+        )
     return sorted(rows, key=lambda r: -float(r["ettr"]))
 
 

@@ -52,12 +52,23 @@ class ModelShape:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_args(cls, args: ModelArgs, name: str = "custom", **moe: int) -> "ModelShape":
-        return cls(name=name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-                   kv_heads=args.kv_heads, ffn_hidden=args.hidden, vocab_size=args.vocab_size,
-                   mlp=args.mlp, norm=args.norm, bias=args.bias, tie_embeddings=args.tie_embeddings,
-                   learned_pos=args.max_seq_len if args.pos == "learned" else 0,
-                   max_seq_len=args.max_seq_len, **moe)
+    def from_args(cls, args: ModelArgs, name: str = "custom", **moe: int) -> ModelShape:
+        return cls(
+            name=name,
+            dim=args.dim,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            kv_heads=args.kv_heads,
+            ffn_hidden=args.hidden,
+            vocab_size=args.vocab_size,
+            mlp=args.mlp,
+            norm=args.norm,
+            bias=args.bias,
+            tie_embeddings=args.tie_embeddings,
+            learned_pos=args.max_seq_len if args.pos == "learned" else 0,
+            max_seq_len=args.max_seq_len,
+            **moe,
+        )
 
     # -- dimensions -----------------------------------------------------------------------------
     @property
@@ -115,8 +126,7 @@ class ModelShape:
     def total_params(self) -> int:
         dense_layers = self.n_layers - self.n_moe_layers
         moe = self.n_moe_layers * (self.layer_dense_params(True) + self.num_experts * self.expert_params())
-        return (self.embedding_params() + dense_layers * self.layer_dense_params() + moe
-                + self.head_params())
+        return self.embedding_params() + dense_layers * self.layer_dense_params() + moe + self.head_params()
 
     def active_params(self) -> int:
         """Parameters that touch each token (all of a dense model; top-k experts of a MoE)."""
@@ -127,8 +137,7 @@ class ModelShape:
 
     def head_flop_share(self) -> float:
         """Output projection FLOPs in units of one transformer layer's (for pipeline balance)."""
-        layer = self.attention_params() + (self.mlp_params() if not self.is_moe
-                                           else self.top_k * self.expert_params())
+        layer = self.attention_params() + (self.mlp_params() if not self.is_moe else self.top_k * self.expert_params())
         return self.vocab_size * self.dim / layer
 
 

@@ -41,6 +41,7 @@ def seq_view(buf: mmap.mmap) -> memoryview:
     """The record's sequence number as one native unsigned 64-bit word (release before closing ``buf``)."""
     return memoryview(buf)[: SEQ.size].cast("Q")
 
+
 BODY = struct.Struct("<qdIxxxxdQd")  # step, time, phase, pad, loss, steps_reported, compute_s
 SIZE = 64
 assert SEQ.size + BODY.size <= SIZE
@@ -94,13 +95,13 @@ class ProgressWriter:
     def _publish(self) -> None:
         self._seq += 1  # odd: write in progress
         self._seqword[0] = self._seq
-        BODY.pack_into(self._map, SEQ.size, self._step, time.time(), self._phase, self._loss,
-                       self._reports, self._compute)
+        BODY.pack_into(
+            self._map, SEQ.size, self._step, time.time(), self._phase, self._loss, self._reports, self._compute
+        )
         self._seq += 1  # even: consistent
         self._seqword[0] = self._seq
 
-    def report(self, step: int, loss: float | None = None, compute_s: float | None = None,
-               **metrics: Any) -> None:
+    def report(self, step: int, loss: float | None = None, compute_s: float | None = None, **metrics: Any) -> None:
         self._step, self._reports = step, self._reports + 1
         self._loss = math.nan if loss is None else float(loss)
         self._compute = math.nan if compute_s is None else float(compute_s)
@@ -197,8 +198,9 @@ def incident(kind: str, cls: str = "training", step: int | None = None, **detail
     env = worker_env()
     if not env.progress_dir:
         return False
-    line = json.dumps({"time": time.time(), "rank": env.rank, "kind": kind, "class": cls, "step": step,
-                       "detail": _strict(detail)})
+    line = json.dumps(
+        {"time": time.time(), "rank": env.rank, "kind": kind, "class": cls, "step": step, "detail": _strict(detail)}
+    )
     path = incidents_path(env.progress_dir, env.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:

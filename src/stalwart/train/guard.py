@@ -119,8 +119,10 @@ def describe_rollback(entry: dict[str, object]) -> str:
     skipped = entry.get("skipped_samples")
     if skipped is None:
         return f"step {entry['step']}: {entry['kind']} (not rolled back)"
-    return (f"step {entry['step']}: {entry['kind']} → back to {entry['rolled_back_to']}, skipped samples "
-            f"{skipped[0]}..{skipped[1]}")  # type: ignore[index]
+    return (
+        f"step {entry['step']}: {entry['kind']} → back to {entry['rolled_back_to']}, skipped samples "
+        f"{skipped[0]}..{skipped[1]}"
+    )  # type: ignore[index]
 
 
 @dataclass
@@ -140,13 +142,21 @@ class RollbackBudget:
             lines = "\n".join("  " + describe_rollback(h) for h in [*self.history, pending])
             raise RollbackLimitExceeded(
                 f"{len(recent) + 1} rollbacks within {self.per_steps} steps (limit {self.max_rollbacks}); "
-                f"stopping for inspection:\n{lines}")
+                f"stopping for inspection:\n{lines}"
+            )
 
-    def spend(self, verdict: Verdict, rolled_back_to: int, skipped: tuple[int, int],
-              **extra: object) -> dict[str, object]:
+    def spend(
+        self, verdict: Verdict, rolled_back_to: int, skipped: tuple[int, int], **extra: object
+    ) -> dict[str, object]:
         """Record a rollback (after :meth:`check`); returns its entry."""
-        entry = {"step": verdict.step, "kind": verdict.kind, "value": verdict.value,
-                 "threshold": verdict.threshold, "rolled_back_to": rolled_back_to,
-                 "skipped_samples": list(skipped), **extra}
+        entry = {
+            "step": verdict.step,
+            "kind": verdict.kind,
+            "value": verdict.value,
+            "threshold": verdict.threshold,
+            "rolled_back_to": rolled_back_to,
+            "skipped_samples": list(skipped),
+            **extra,
+        }
         self.history.append(entry)
         return entry

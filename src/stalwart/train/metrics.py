@@ -84,8 +84,7 @@ class MetricsHook(StepHook):
         """Start writing (rank 0): appends when resuming — steps redone after a restart appear again
         (the later record wins); ``progress``: the console display."""
         self._writer = MetricsWriter(self.out / "metrics.jsonl", append=start_step > 0) if self.main else None
-        self._display = ProgressDisplay(self.total_steps, start_step, self.log_every,
-                                        enabled=self.main and progress)
+        self._display = ProgressDisplay(self.total_steps, start_step, self.log_every, enabled=self.main and progress)
 
     def close(self) -> None:
         if self._display is not None:
@@ -105,8 +104,16 @@ class MetricsHook(StepHook):
         self.step_times.append(dt)
         tps = self.tokens_per_step / dt
         mfu = (self.flops_per_token * tps / (self.peak_flops * self.world_size)) if self.peak_flops else None
-        record = {"step": stats.step, "lr": stats.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu,
-                  "checkpoint_s": stats.checkpoint_s, "samples_consumed": trainer.sampler.consumed, "time": time.time()}
+        record = {
+            "step": stats.step,
+            "lr": stats.lr,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "mfu": mfu,
+            "checkpoint_s": stats.checkpoint_s,
+            "samples_consumed": trainer.sampler.consumed,
+            "time": time.time(),
+        }
         if self._rollback is not None:
             record["rollback"], self._rollback = self._rollback, None
         values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])

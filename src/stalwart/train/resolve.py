@@ -39,9 +39,12 @@ class RunPlan:
     def summary(self) -> dict[str, Any]:
         """What summary.json records about the layout."""
         o, lo = self.options, self.layout
-        out: dict[str, Any] = {"degrees": lo.as_dict(), "describe": lo.describe(),
-                               "data_parallel": "ddp" if lo.uses_ddp else "fsdp2" if lo.dp > 1 else "none",
-                               "recompute": o.recompute}
+        out: dict[str, Any] = {
+            "degrees": lo.as_dict(),
+            "describe": lo.describe(),
+            "data_parallel": "ddp" if lo.uses_ddp else "fsdp2" if lo.dp > 1 else "none",
+            "recompute": o.recompute,
+        }
         if lo.pp > 1:
             out.update(schedule=o.schedule, virtual_stages=o.virtual_stages, layer_split=o.layer_split)
         if o.compress != "none":
@@ -101,19 +104,28 @@ def resolve(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunP
     if p.layout == "auto":
         explicit = {k: v for k, v in p.degrees().items() if v != 1}
         if explicit:
-            raise ValueError(f"parallel.layout='auto' chooses the degrees itself; remove "
-                             f"{', '.join(f'parallel.{k}={v}' for k, v in explicit.items())} or set "
-                             f"parallel.layout='manual'")
+            raise ValueError(
+                f"parallel.layout='auto' chooses the degrees itself; remove "
+                f"{', '.join(f'parallel.{k}={v}' for k, v in explicit.items())} or set "
+                f"parallel.layout='manual'"
+            )
         choice = auto_layout(args, world_size, cfg.data.seq_len, t.global_batch, moe=moe, micro_batch=t.micro_batch)
         layout, why = choice.layout, choice.why
         recompute = p.recompute if p.recompute != "none" else choice.recompute
     else:  # "manual" (Config.validate checks the value)
         layout = layout_from_config(p.degrees(), world_size, p.dp_mode)
-    options = ParallelOptions(micro_batch=t.micro_batch, schedule=p.schedule, virtual_stages=p.virtual_stages,
-                              layer_split=_layer_split(p.layer_split), recompute=recompute,
-                              recompute_every=p.recompute_every, loss_parallel=p.loss_parallel,
-                              reshard_after_forward=p.reshard_after_forward, compress=p.compress,
-                              powersgd_rank=p.powersgd_rank)
+    options = ParallelOptions(
+        micro_batch=t.micro_batch,
+        schedule=p.schedule,
+        virtual_stages=p.virtual_stages,
+        layer_split=_layer_split(p.layer_split),
+        recompute=recompute,
+        recompute_every=p.recompute_every,
+        loss_parallel=p.loss_parallel,
+        reshard_after_forward=p.reshard_after_forward,
+        compress=p.compress,
+        powersgd_rank=p.powersgd_rank,
+    )
     virtual = options.virtual_stages if layout.pp > 1 else 1
     layout.check_model(args, moe, virtual)
     options.check(layout)

@@ -43,17 +43,24 @@ BURN_IN = CheckConfig(matmul_size=512, iters=3)  # well under a second; a wrong 
 class TrainingGuard:
     """Detectors plus the rollback policy around a Checkpointer and a sampler with ``skip(n)``."""
 
-    def __init__(self, cfg: GuardConfig, ckpt: Any, state: dict[str, Any], sampler: Any,
-                 device: torch.device, group: Any = None) -> None:
+    def __init__(
+        self, cfg: GuardConfig, ckpt: Any, state: dict[str, Any], sampler: Any, device: torch.device, group: Any = None
+    ) -> None:
         if ckpt is None:
             raise ValueError("the training guard needs a Checkpointer to roll back to (enable checkpoints)")
         self.cfg, self.ckpt, self.state, self.sampler = cfg, ckpt, state, sampler
         self.device, self.group = device, group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.detector = SpikeDetector(GuardSettings(
-            window=cfg.window, warmup_steps=cfg.warmup_steps, loss_k=cfg.loss_k, grad_k=cfg.grad_k or 1.0,
-            check_grad_norm=cfg.grad_k > 0))
+        self.detector = SpikeDetector(
+            GuardSettings(
+                window=cfg.window,
+                warmup_steps=cfg.warmup_steps,
+                loss_k=cfg.loss_k,
+                grad_k=cfg.grad_k or 1.0,
+                check_grad_norm=cfg.grad_k > 0,
+            )
+        )
         # Not checkpointed: a rollback must not forget itself (the budget counts across rollbacks).
         self.budget = RollbackBudget(cfg.max_rollbacks, cfg.per_steps)
         if not log.handlers:
@@ -98,19 +105,31 @@ class TrainingGuard:
         entry = self.budget.spend(verdict, info.step, skipped, source=info.source)
         if info.step > target:
             entry["short"] = True  # no checkpoint was old enough yet (early in the run)
-        self._incident("rollback", verdict.step, verdict=verdict.kind,
-                       **{k: v for k, v in entry.items() if k not in ("step", "kind")})
+        self._incident(
+            "rollback",
+            verdict.step,
+            verdict=verdict.kind,
+            **{k: v for k, v in entry.items() if k not in ("step", "kind")},
+        )
         if self.rank == 0:
-            log.warning("rolled back to step %d (%s: %s), skipping samples %d..%d", info.step, info.source,
-                        info.detail, *skipped)
+            log.warning(
+                "rolled back to step %d (%s: %s), skipping samples %d..%d",
+                info.step,
+                info.source,
+                info.detail,
+                *skipped,
+            )
         return info.step
 
     def _burn_in(self, verdict: Verdict) -> None:
         """Silent data corruption check (stalwart.health.check's burn-in) on every rank. Chaos
         ``nan:rank=R:at=matmul`` makes rank R compute a wrong result."""
         fault = chaos.due("matmul", step=verdict.step, rank=self.rank)
-        cfg = BURN_IN if fault is None else CheckConfig(
-            matmul_size=BURN_IN.matmul_size, iters=BURN_IN.iters, fault=CheckFault("nan", self.rank))
+        cfg = (
+            BURN_IN
+            if fault is None
+            else CheckConfig(matmul_size=BURN_IN.matmul_size, iters=BURN_IN.iters, fault=CheckFault("nan", self.rank))
+        )
         ok, _ = burn_in(cfg, self.device, self.rank)
         flags = torch.zeros(self.world, device=self.device)
         flags[self.rank] = float(not ok)
@@ -119,15 +138,25 @@ class TrainingGuard:
         bad = [r for r, f in enumerate(flags.tolist()) if f]
         if not bad:
             if self.rank == 0:
-                log.info("matmul burn-in correct on all %d ranks: treating step %d as a training incident",
-                         self.world, verdict.step)
+                log.info(
+                    "matmul burn-in correct on all %d ranks: treating step %d as a training incident",
+                    self.world,
+                    verdict.step,
+                )
             return
         if self.rank in bad:  # journaled by the bad rank itself, through its own node's agent
-            incident("sdc", "hardware", step=verdict.step, evict=True, rank=self.rank,
-                     reason="matmul burn-in differs from the float64 reference after a non-finite loss")
+            incident(
+                "sdc",
+                "hardware",
+                step=verdict.step,
+                evict=True,
+                rank=self.rank,
+                reason="matmul burn-in differs from the float64 reference after a non-finite loss",
+            )
         raise SilentDataCorruption(
             f"{verdict.describe()}; rank(s) {bad} failed the matmul burn-in (wrong result vs a float64 "
-            "reference): a hardware fault — evict their node(s); the update was not applied")
+            "reference): a hardware fault — evict their node(s); the update was not applied"
+        )
 
     def _incident(self, kind: str, step: int, **detail: Any) -> None:
         if self.rank == 0:  # one journal entry per job-wide event

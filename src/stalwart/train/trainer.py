@@ -84,21 +84,37 @@ class Trainer:
         # from (train.seed, its name): the same weights whatever the world size or layout. self.model is
         # this rank's part under the unsplit model's parameter names (what the optimizer and checkpoints
         # see); self.pm holds the pieces the step is made of.
-        self.pm = parallelize(model, self.plan.layout, build_mesh(self.plan.layout), self.plan.options, env.device,
-                              init_seed=cfg.train.seed)
+        self.pm = parallelize(
+            model,
+            self.plan.layout,
+            build_mesh(self.plan.layout),
+            self.plan.options,
+            env.device,
+            init_seed=cfg.train.seed,
+        )
         self.model = self.pm.module
         self.accum = self.plan.grad_accum
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.sampler = GlobalSampler(len(self.dataset), cfg.train.global_batch, cfg.data.seed,
-                                     cfg.data.shuffle, parse_skip_ranges(cfg.data.skip_samples))
+        self.sampler = GlobalSampler(
+            len(self.dataset),
+            cfg.train.global_batch,
+            cfg.data.seed,
+            cfg.data.shuffle,
+            parse_skip_ranges(cfg.data.skip_samples),
+        )
         self.step = 0
         self.timer = SectionTimer(env.device)
-        self.flops_per_token = flops_per_token(self.n_params, self.model_args.n_layers,
-                                               self.model_args.dim, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(
+            self.n_params, self.model_args.n_layers, self.model_args.dim, cfg.data.seq_len
+        )
         # Everything a resume needs besides `step` (which restore returns).
-        self.state = {"model": self.model, "optim": self.optimizer, "scheduler": self.scheduler,
-                      "sampler": self.sampler}
+        self.state = {
+            "model": self.model,
+            "optim": self.optimizer,
+            "scheduler": self.scheduler,
+            "sampler": self.sampler,
+        }
         self.ckpt = self._build_checkpointer()
         self.guard: Any = None  # stalwart.train.rollback.TrainingGuard when guard.enabled
         if cfg.guard.enabled:  # validate() made sure checkpoints are on
@@ -109,9 +125,17 @@ class Trainer:
         if self.ckpt is not None:
             self.step = self.ckpt.restore(self.state) if cfg.checkpoint.resume else self.ckpt.discard_snapshots()
         t = cfg.train
-        self.metrics = MetricsHook(Path(t.out_dir), t.steps, t.log_every, t.global_batch * cfg.data.seq_len,
-                                   env.world_size, self.flops_per_token, t.peak_flops, env.is_main,
-                                   moe=self.pm.has_moe)
+        self.metrics = MetricsHook(
+            Path(t.out_dir),
+            t.steps,
+            t.log_every,
+            t.global_batch * cfg.data.seq_len,
+            env.world_size,
+            self.flops_per_token,
+            t.peak_flops,
+            env.is_main,
+            moe=self.pm.has_moe,
+        )
         self.hooks: list[StepHook] = [ChaosLossHook(env.rank)]
         if self.guard is not None:
             self.hooks.append(GuardHook(self.guard, env.world_size))
@@ -127,10 +151,18 @@ class Trainer:
 
         out.mkdir(parents=True, exist_ok=True)
         persists = bool(c.persist_every_steps or c.persist_every_s)  # memory-only needs no keeper (multi-node)
-        return Checkpointer(c.dir or str(out / "checkpoints"), memory_every=c.memory_every,
-                            persist_every_steps=c.persist_every_steps, persist_every_s=c.persist_every_s,
-                            keep_last=c.keep_last, keep_every=c.keep_every, shm_root=c.shm_dir,
-                            keeper_idle_s=c.keeper_idle_s, keeper_log=out / "keeper.log", keeper=persists)
+        return Checkpointer(
+            c.dir or str(out / "checkpoints"),
+            memory_every=c.memory_every,
+            persist_every_steps=c.persist_every_steps,
+            persist_every_s=c.persist_every_s,
+            keep_last=c.keep_last,
+            keep_every=c.keep_every,
+            shm_root=c.shm_dir,
+            keeper_idle_s=c.keeper_idle_s,
+            keeper_log=out / "keeper.log",
+            keeper=persists,
+        )
 
     # -- one optimizer step --------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -234,15 +266,23 @@ class Trainer:
         step_times = self.metrics.step_times
         tokens_per_step = t.global_batch * self.cfg.data.seq_len
         summary = {
-            "steps": self.step, "world_size": self.env.world_size, "dp_mode": self.cfg.parallel.dp_mode,
+            "steps": self.step,
+            "world_size": self.env.world_size,
+            "dp_mode": self.cfg.parallel.dp_mode,
             "layout": self.plan.summary(),
-            "model": self.cfg.model.name, "n_params": self.n_params, "grad_accum": self.accum,
-            "global_batch": t.global_batch, "seq_len": self.cfg.data.seq_len,
+            "model": self.cfg.model.name,
+            "n_params": self.n_params,
+            "grad_accum": self.accum,
+            "global_batch": t.global_batch,
+            "seq_len": self.cfg.data.seq_len,
             "final_loss": self.metrics.last_loss if step_times else None,
             "median_step_time_s": statistics.median(step_times) if step_times else None,
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-            "wall_s": wall, "samples_consumed": self.sampler.consumed, "final_hash": final_hash,
-            "optim_hash": self.optimizer_hash(), "metrics": str(out / "metrics.jsonl"),
+            "wall_s": wall,
+            "samples_consumed": self.sampler.consumed,
+            "final_hash": final_hash,
+            "optim_hash": self.optimizer_hash(),
+            "metrics": str(out / "metrics.jsonl"),
         }
         if self.ckpt is not None:
             summary["checkpoint"] = self.checkpoint_report()
@@ -264,11 +304,19 @@ class Trainer:
 
     def checkpoint_report(self) -> dict[str, Any]:
         info, w = self.ckpt.last_restore, self.ckpt.writer.stats
-        return {"restored_from": info.source if info else "disabled", "restore_step": info.step if info else 0,
-                "restore_s": info.seconds if info else 0.0, "restore_detail": info.detail if info else "",
-                "restore_skipped": info.skipped if info else [], "snapshots": w["snapshots"],
-                "snapshots_skipped": w["skipped"], "hook_wait_s": w["wait_s"], "save_call_s": self.ckpt.stats["save_s"],
-                "persist_requests": self.ckpt.stats["persist_requests"], "dir": self.ckpt.storage.url}
+        return {
+            "restored_from": info.source if info else "disabled",
+            "restore_step": info.step if info else 0,
+            "restore_s": info.seconds if info else 0.0,
+            "restore_detail": info.detail if info else "",
+            "restore_skipped": info.skipped if info else [],
+            "snapshots": w["snapshots"],
+            "snapshots_skipped": w["skipped"],
+            "hook_wait_s": w["wait_s"],
+            "save_call_s": self.ckpt.stats["save_s"],
+            "persist_requests": self.ckpt.stats["persist_requests"],
+            "dir": self.ckpt.storage.url,
+        }
 
     def _chaos(self) -> None:
         """STALWART_CHAOS faults at point "step" fire here, after this step's snapshot completed."""

@@ -9,5 +9,15 @@ from stalwart.train.parallel.apply import ParallelModel, ParallelOptions, clip_g
 from stalwart.train.parallel.mesh import Mesh, build_mesh, coords
 from stalwart.train.parallel.pipeline import split_layers, stage_layers
 
-__all__ = ["Layout", "ParallelModel", "ParallelOptions", "clip_grad_norm_", "parallelize", "Mesh", "build_mesh",
-           "coords", "split_layers", "stage_layers"]
+__all__ = [
+    "Layout",
+    "Mesh",
+    "ParallelModel",
+    "ParallelOptions",
+    "build_mesh",
+    "clip_grad_norm_",
+    "coords",
+    "parallelize",
+    "split_layers",
+    "stage_layers",
+]

@@ -70,8 +70,10 @@ class ParallelOptions:
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'")
         if self.schedule == "interleaved_1f1b" and layout.pp > 1 and self.virtual_stages < 2:
-            raise ValueError("schedule='interleaved_1f1b' needs virtual_stages ≥ 2 (stages per rank); "
-                             "use '1f1b' for one stage per rank")
+            raise ValueError(
+                "schedule='interleaved_1f1b' needs virtual_stages ≥ 2 (stages per rank); "
+                "use '1f1b' for one stage per rank"
+            )
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
         compress_mod.check_mode(self.compress, layout.uses_ddp)
@@ -82,9 +84,18 @@ class ParallelOptions:
 class ParallelModel:
     """The parallelised model on this rank plus the step logic its layout needs."""
 
-    def __init__(self, module: nn.Module, parts: list[nn.Module], layout: Layout, mesh: Mesh,
-                 options: ParallelOptions, device: torch.device, loss_parallel: bool,
-                 pipeline: PipelineRunner | None, hook_state: Any = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        parts: list[nn.Module],
+        layout: Layout,
+        mesh: Mesh,
+        options: ParallelOptions,
+        device: torch.device,
+        loss_parallel: bool,
+        pipeline: PipelineRunner | None,
+        hook_state: Any = None,
+    ) -> None:
         self.module = module  # optimizer + checkpoint view (original FQNs; DDP wrapper under DDP)
         self.parts = parts  # what runs forward on this rank (one unless PP)
         self.layout, self.mesh, self.options, self.device = layout, mesh, options, device
@@ -113,8 +124,7 @@ class ParallelModel:
     def micro_batches(self, local_batch: int) -> int:
         mb = self.options.micro_batch
         if local_batch % mb:
-            raise ValueError(f"the batch per data-parallel rank ({local_batch}) is not divisible by "
-                             f"micro_batch={mb}")
+            raise ValueError(f"the batch per data-parallel rank ({local_batch}) is not divisible by micro_batch={mb}")
         return local_batch // mb
 
     @contextlib.contextmanager
@@ -199,8 +209,9 @@ class ParallelModel:
 
 
 # -- gradient norm over mixed meshes ----------------------------------------------------------------
-def clip_grad_norm_(params: Sequence[nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Sequence[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Like ``torch.nn.utils.clip_grad_norm_`` but for a mix of plain tensors and DTensors on
     different meshes (TP, FSDP, EP) and for parameters split across pipeline stages. Squared norms
     of local shards are summed over the mesh axes each gradient is sharded on (never over axes it
@@ -253,8 +264,7 @@ def _dp_mesh(mesh: Mesh, layout: Layout) -> DeviceMesh:
 
 
 def _expert_dp_mesh(mesh: Mesh, layout: Layout) -> DeviceMesh:
-    return (mesh["dp_replicate", "dp_shard_mod_ep"] if layout.dp_replicate > 1
-            else mesh["dp_shard_mod_ep"])
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if layout.dp_replicate > 1 else mesh["dp_shard_mod_ep"]
 
 
 def _apply_fsdp(part: nn.Module, mesh: Mesh, layout: Layout, options: ParallelOptions) -> None:
@@ -266,14 +276,19 @@ def _apply_fsdp(part: nn.Module, mesh: Mesh, layout: Layout, options: ParallelOp
         if layout.ep > 1:
             for experts in expert_modules(block):
                 fully_shard(experts, mesh=_expert_dp_mesh(mesh, layout), **kwargs)
-                experts.set_gradient_divide_factor(expert_fsdp_divide_factor(layout.dp_replicate,
-                                                                             layout.dp_shard))
+                experts.set_gradient_divide_factor(expert_fsdp_divide_factor(layout.dp_replicate, layout.dp_shard))
         fully_shard(block, mesh=dp_mesh, **kwargs)
     fully_shard(part, mesh=dp_mesh, **kwargs)
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, options: ParallelOptions = ParallelOptions(),
-                device: torch.device | None = None, init_seed: int | None = None) -> ParallelModel:
+def parallelize(
+    model: nn.Module,
+    layout: Layout,
+    mesh: Mesh,
+    options: ParallelOptions = ParallelOptions(),
+    device: torch.device | None = None,
+    init_seed: int | None = None,
+) -> ParallelModel:
     """Parallelise a ``Transformer``/``MoETransformer`` in place for ``layout`` over ``mesh`` (from
     ``build_mesh``): either initialised (same weights on every rank), or on the meta device, which
     is then materialised shard by shard and initialised from ``init_seed`` (required then)."""
@@ -309,10 +324,15 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, options: ParallelO
     if layout.uses_ddp:
         # No buffer broadcast: the model's buffers (RoPE tables) are computed alike on every rank, and a
         # broadcast in every forward would hide a slow peer's delay inside each rank's compute time.
-        ddp = DDP(model, process_group=mesh["dp_replicate"].get_group(), broadcast_buffers=False,
-                  device_ids=[device.index] if device.type == "cuda" else None)
-        hook_state = compress_mod.register(ddp, options.compress, powersgd_rank=options.powersgd_rank,
-                                           powersgd_start_iter=options.powersgd_start_iter)
+        ddp = DDP(
+            model,
+            process_group=mesh["dp_replicate"].get_group(),
+            broadcast_buffers=False,
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
+        hook_state = compress_mod.register(
+            ddp, options.compress, powersgd_rank=options.powersgd_rank, powersgd_start_iter=options.powersgd_start_iter
+        )
         parts_m, module = [ddp], ddp
     else:
         if fsdp:
@@ -322,6 +342,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, options: ParallelO
                 materialize(model, parts_m, device, init_seed)
         module = model
     if layout.pp > 1:
-        pipeline = PipelineRunner(parts_m, ids, layout.pp * options.virtual_stages, mesh["pp"], device,
-                                  options.schedule)
+        pipeline = PipelineRunner(
+            parts_m, ids, layout.pp * options.virtual_stages, mesh["pp"], device, options.schedule
+        )
     return ParallelModel(module, parts_m, layout, mesh, options, device, use_lp, pipeline, hook_state)

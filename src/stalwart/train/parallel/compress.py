@@ -24,8 +24,10 @@ def check_mode(mode: str, uses_ddp: bool) -> None:
     if mode not in MODES:
         raise ValueError(f"compress={mode!r} is not one of {', '.join(MODES)}")
     if mode == "powersgd" and not uses_ddp:
-        raise ValueError("compress='powersgd' needs plain DDP (dp_replicate > 1 and no dp_shard/tp/pp/ep); "
-                         "with FSDP2 use compress='bf16' (reduce in bf16) or 'none'")
+        raise ValueError(
+            "compress='powersgd' needs plain DDP (dp_replicate > 1 and no dp_shard/tp/pp/ep); "
+            "with FSDP2 use compress='bf16' (reduce in bf16) or 'none'"
+        )
 
 
 def cast_hook(dtype: torch.dtype) -> Callable[..., torch.futures.Future]:
@@ -62,8 +64,7 @@ def serialized(hook: Callable[..., torch.futures.Future]) -> Callable[..., torch
     return run
 
 
-def register(model: DDP, mode: str, *, powersgd_rank: int = 1, powersgd_start_iter: int = 2,
-             seed: int = 0) -> Any:
+def register(model: DDP, mode: str, *, powersgd_rank: int = 1, powersgd_start_iter: int = 2, seed: int = 0) -> Any:
     """Register the hook for ``mode`` on a DDP model; returns the hook state (PowerSGD) or None."""
     check_mode(mode, True)
     group = model.process_group
@@ -73,10 +74,15 @@ def register(model: DDP, mode: str, *, powersgd_rank: int = 1, powersgd_start_it
         if powersgd_rank < 1:
             raise ValueError(f"powersgd_rank must be ≥ 1, got {powersgd_rank}")
         if powersgd_start_iter < 2:
-            raise ValueError(f"powersgd_start_iter must be ≥ 2 (error feedback needs one plain step), "
-                             f"got {powersgd_start_iter}")
-        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
-                                       start_powerSGD_iter=powersgd_start_iter, random_seed=seed)
+            raise ValueError(
+                f"powersgd_start_iter must be ≥ 2 (error feedback needs one plain step), got {powersgd_start_iter}"
+            )
+        state = powersgd.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=powersgd_start_iter,
+            random_seed=seed,
+        )
         hook = powersgd.powerSGD_hook
         if dist.get_backend(group) == "gloo":
             hook = serialized(hook)

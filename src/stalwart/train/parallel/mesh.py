@@ -47,8 +47,10 @@ def build_mesh(layout: Layout, device_type: str | None = None) -> Mesh:
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
-    flat = {"dp_shard": flatten_mesh(mesh, ("dp_shard_mod_ep", "ep"), "dp_shard"),
-            "dp": flatten_mesh(mesh, ("dp_replicate", "dp_shard_mod_ep", "ep"), "dp")}
+    flat = {
+        "dp_shard": flatten_mesh(mesh, ("dp_shard_mod_ep", "ep"), "dp_shard"),
+        "dp": flatten_mesh(mesh, ("dp_replicate", "dp_shard_mod_ep", "ep"), "dp"),
+    }
     flat["dp_replicate,dp_shard"] = slice_flattened(mesh, ("dp_replicate", "dp_shard"))
     return Mesh(mesh, flat)
 

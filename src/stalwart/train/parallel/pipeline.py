@@ -34,8 +34,9 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 
 
 # -- how many layers each stage gets --------------------------------------------------------------
-def split_layers(n_layers: int, n_stages: int, layer_split: str | Sequence[int] = "even",
-                 end_weight: float = 1.0) -> list[int]:
+def split_layers(
+    n_layers: int, n_stages: int, layer_split: str | Sequence[int] = "even", end_weight: float = 1.0
+) -> list[int]:
     """Layers per stage, in stage order.
 
     ``"even"``: as equal as possible (earlier stages take the remainder). ``"lighter_ends"``: the
@@ -45,13 +46,16 @@ def split_layers(n_layers: int, n_stages: int, layer_split: str | Sequence[int] 
     if n_stages < 1:
         raise ValueError(f"the pipeline needs at least one stage, got {n_stages}")
     if n_stages > n_layers:
-        raise ValueError(f"{n_stages} pipeline stages (pp × virtual_stages) but only {n_layers} layers: "
-                         f"every stage needs at least one layer; lower pp or virtual_stages")
+        raise ValueError(
+            f"{n_stages} pipeline stages (pp × virtual_stages) but only {n_layers} layers: "
+            f"every stage needs at least one layer; lower pp or virtual_stages"
+        )
     if not isinstance(layer_split, str):
         counts = [int(c) for c in layer_split]
         if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
-            raise ValueError(f"layer_split={list(layer_split)} must give {n_stages} positive counts that sum "
-                             f"to {n_layers} layers")
+            raise ValueError(
+                f"layer_split={list(layer_split)} must give {n_stages} positive counts that sum to {n_layers} layers"
+            )
         return counts
     if layer_split == "even":
         return [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
@@ -82,8 +86,9 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
-def stage_layers(n_layers: int, pp: int, virtual_stages: int,
-                 layer_split: str | Sequence[int] = "even") -> list[list[int]]:
+def stage_layers(
+    n_layers: int, pp: int, virtual_stages: int, layer_split: str | Sequence[int] = "even"
+) -> list[list[int]]:
     """Global layer indices of every stage, in stage order."""
     counts = split_layers(n_layers, pp * virtual_stages, layer_split)
     out, start = [], 0
@@ -131,8 +136,9 @@ class StageModule(nn.Module):
         return h
 
 
-def split_model(model: nn.Module, pp_rank: int, pp: int, virtual_stages: int = 1,
-                layer_split: str | Sequence[int] = "even") -> tuple[list[int], list[StageModule]]:
+def split_model(
+    model: nn.Module, pp_rank: int, pp: int, virtual_stages: int = 1, layer_split: str | Sequence[int] = "even"
+) -> tuple[list[int], list[StageModule]]:
     """Prune ``model`` in place to this rank's stages and return (stage ids, stage modules)."""
     n_stages = pp * virtual_stages
     layers = stage_layers(model.args.n_layers, pp, virtual_stages, layer_split)
@@ -148,8 +154,10 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, virtual_stages: int = 1
             model.pos_embeddings = None
     if n_stages - 1 not in ids:
         if model.args.tie_embeddings:
-            raise ValueError("pipeline parallelism with tied embeddings is not supported (the embedding "
-                             "and the head live on different stages); set model.tie_embeddings = false")
+            raise ValueError(
+                "pipeline parallelism with tied embeddings is not supported (the embedding "
+                "and the head live on different stages); set model.tie_embeddings = false"
+            )
         model.norm = None
         model.output = None
     return ids, stages
@@ -164,21 +172,32 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def check_microbatches(schedule: str, n_microbatches: int, pp: int) -> None:
     """Raise ValueError when ``schedule`` cannot run ``n_microbatches`` per step over ``pp`` ranks."""
     if schedule == "1f1b" and n_microbatches < pp:
-        raise ValueError(f"1F1B needs at least pp={pp} micro-batches per step, got {n_microbatches}: "
-                         f"lower micro_batch or raise the batch per data-parallel rank")
+        raise ValueError(
+            f"1F1B needs at least pp={pp} micro-batches per step, got {n_microbatches}: "
+            f"lower micro_batch or raise the batch per data-parallel rank"
+        )
     if schedule == "interleaved_1f1b":
         rounds = max(1, n_microbatches // pp)
         if n_microbatches % rounds:
-            raise ValueError(f"interleaved 1F1B needs micro-batches ({n_microbatches}) divisible by "
-                             f"{rounds} rounds; use a multiple of pp={pp}")
+            raise ValueError(
+                f"interleaved 1F1B needs micro-batches ({n_microbatches}) divisible by "
+                f"{rounds} rounds; use a multiple of pp={pp}"
+            )
 
 
 class PipelineRunner:
     """Builds the stages and schedule once per micro-batch count and runs one step."""
 
-    def __init__(self, stages: list[StageModule], ids: list[int], n_stages: int, pp_mesh: DeviceMesh,
-                 device: torch.device, schedule: str = "1f1b",
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> None:
+    def __init__(
+        self,
+        stages: list[StageModule],
+        ids: list[int],
+        n_stages: int,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        schedule: str = "1f1b",
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+    ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
         if len(stages) > 1 and schedule != "interleaved_1f1b":
@@ -200,16 +219,18 @@ class PipelineRunner:
         # Imported here: torch.distributed.pipelining imports torch._dynamo (~1 s of every worker start,
         # every recovery included), which jobs without a pipeline never need.
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         if self._schedule is not None and n_microbatches == self._n_microbatches:
             return self._schedule
         check_microbatches(self.kind, n_microbatches, self.pp_mesh.size())
-        stages = [PipelineStage(m, i, self.n_stages, self.device, group=self.group)
-                  for m, i in zip(self.modules, self.ids)]
+        stages = [
+            PipelineStage(m, i, self.n_stages, self.device, group=self.group) for m, i in zip(self.modules, self.ids)
+        ]
         if self.kind == "interleaved_1f1b":
-            sched: _PipelineSchedule = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=self._loss,
-                                                               scale_grads=True)
+            sched: _PipelineSchedule = ScheduleInterleaved1F1B(
+                stages, n_microbatches, loss_fn=self._loss, scale_grads=True
+            )
         elif self.kind == "1f1b":
             sched = Schedule1F1B(stages[0], n_microbatches, loss_fn=self._loss, scale_grads=True)
         else:
@@ -217,8 +238,13 @@ class PipelineRunner:
         self._schedule, self._n_microbatches = sched, n_microbatches
         return sched
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, n_microbatches: int,
-             on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        n_microbatches: int,
+        on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Forward + backward of this data-parallel rank's batch; gradients are the mean over
         micro-batches. Returns the mean micro-batch loss, identical on every stage (0-dim fp32; a
         broadcast from the last stage, asynchronous to the host). ``on_loss`` transforms each

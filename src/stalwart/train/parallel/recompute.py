@@ -28,9 +28,18 @@ MODES = ("none", "selective", "full")
 
 def _save_ops() -> set[object]:
     aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_mm"]
+    names = [
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "linear",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_mm",
+    ]
     ops: set[object] = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None:

@@ -19,8 +19,14 @@ from collections.abc import Iterator
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from stalwart.plan.parallel import Layout
 
@@ -36,8 +42,7 @@ def block_plan() -> dict[str, object]:
     """Plan for one transformer ``Block`` (keys relative to the block)."""
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                        desired_input_layouts=(Replicate(), None)),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -61,9 +66,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, use_loss_parall
         root["norm"] = SequenceParallel()
     has_head = getattr(model, "output", None) is not None
     if has_head:
-        root["output"] = ColwiseParallel(input_layouts=Shard(1),
-                                         output_layouts=Shard(-1) if use_loss_parallel else Replicate(),
-                                         use_local_output=not use_loss_parallel)
+        root["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if use_loss_parallel else Replicate(),
+            use_local_output=not use_loss_parallel,
+        )
     if root:
         parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
