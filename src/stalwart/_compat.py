@@ -212,6 +212,9 @@ def slice_flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
 
 
 # --- training (determinism, activation checkpointing) --------------------------------------------
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
+    _CHECKPOINT_PREFIX as CHECKPOINT_WRAPPER_PREFIX,  # noqa: F401
+)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402, F401
 
 
