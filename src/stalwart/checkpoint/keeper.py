@@ -5,7 +5,7 @@ It watches the shared-memory snapshots, persists them to storage per policy (DCP
 when the job completes. It learns the storage and policy from ``job.json``, which the workers write
 (:class:`~stalwart.checkpoint.node_job.NodeJob` owns that protocol).
 
-Two ways to run (``python -m stalwart.checkpoint JOB_DIR``):
+Two ways to run (``python -m stalwart.checkpoint JOB_DIR``, see :mod:`stalwart.checkpoint.keeper_process`):
 
 - under ``stalwart run`` the agent starts it with ``--parent AGENT_PID`` before the workers: it serves
   the directory whatever job the workers run in it, and on SIGTERM or when the agent is gone it
@@ -21,63 +21,24 @@ both are logged with the steps concerned.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
-import signal
-import sys
-import threading
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stalwart import runtime
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import retention
 from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
 from stalwart.checkpoint.storage import Storage, step_name
 
+if TYPE_CHECKING:
+    from stalwart.checkpoint.keeper_process import StopRequest
+
 log = logging.getLogger("stalwart.checkpoint.keeper")
-_LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
-
-
-class StopRequest:
-    """The agent's keeper is asked to stop by SIGTERM (the agent exits) or by the agent's death
-    (PR_SET_PDEATHSIG, and a parent-pid check for other systems). From then on it has ``grace_s``
-    seconds to finish; a watchdog ends the process after that, so it never outlives the agent for long."""
-
-    def __init__(self, parent: int, grace_s: float) -> None:
-        self.parent, self.grace_s = parent, grace_s
-        self.why: str | None = None
-        self.logged = False
-        signal.signal(signal.SIGTERM, lambda *_: self.request("the agent stops the keeper"))
-        # A gone parent (or no prctl) is noticed by the parent-pid check below: the final pass still runs.
-        runtime.die_with_parent(parent, signal.SIGTERM, exit_if_gone=False)
-        self()
-
-    def request(self, why: str) -> None:
-        """Safe in a signal handler: no logging here (the handler may interrupt a log call)."""
-        if self.why is None:
-            self.why = why
-            watchdog = threading.Timer(self.grace_s, self._expire)
-            watchdog.daemon = True
-            watchdog.start()
-
-    def _expire(self) -> None:
-        log.error("did not finish within %.0f s of the stop request; exiting", self.grace_s)
-        logging.shutdown()
-        os._exit(1)
-
-    def __call__(self) -> bool:
-        if self.why is None and os.getppid() != self.parent:
-            self.request(f"the agent (pid {self.parent}) is gone")
-        if self.why is not None and not self.logged:
-            self.logged = True
-            log.info("stopping: %s (finishing within %.0f s)", self.why, self.grace_s)
-        return self.why is not None
+LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
 
 
 class Keeper:
@@ -357,77 +318,3 @@ class Keeper:
 
 
 # -- the agent's keeper ------------------------------------------------------------------------------
-_job_log: tuple[str, logging.Handler] | None = None
-
-
-def _log_also_to(path: str | None) -> None:
-    """The agent's keeper logs to the agent's run directory and also where the workers asked
-    (``keeper_log`` in job.json), where a keeper they started would have logged."""
-    global _job_log
-    if not path or (_job_log and _job_log[0] == path):
-        return
-    root = logging.getLogger()
-    if _job_log:
-        root.removeHandler(_job_log[1])
-        _job_log[1].close()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
-    root.addHandler(handler)
-    _job_log = (path, handler)
-
-
-def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02) -> int:
-    """Serve ``node``'s directory for as long as the agent runs: wait for workers to write job.json,
-    keep their snapshots, start over when a job completes (its directory removed), until stopped."""
-    log.info("keeper for %s, serving agent pid %d", node.root, stop.parent)
-    while not stop():
-        node.root.mkdir(parents=True, exist_ok=True)
-        job = node.job()
-        if "storage" not in job:
-            time.sleep(max(poll_s, 0.1))
-            continue
-        _log_also_to(job.get("keeper_log"))
-        try:
-            served = Keeper(node, poll_s, stop).run()
-        except Exception as err:
-            log.error("cannot serve %s: %r", node.root, err)
-            served = False
-        if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
-            time.sleep(1.0)
-    leftover = {p.name for p in node.root.iterdir()} if node.root.is_dir() else set()
-    if leftover <= {"keeper.lock", "keeper.json", "job.lock", "persist.lock"}:
-        shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m stalwart.checkpoint",
-        description="Persist shared-memory snapshots of one job (the node's keeper).",
-    )
-    parser.add_argument("job_dir", type=Path)
-    parser.add_argument("--poll-s", type=float, default=0.02)
-    parser.add_argument(
-        "--parent",
-        type=int,
-        default=None,
-        help="the agent's pid: serve the directory while it lives (started by `stalwart run`)",
-    )
-    parser.add_argument(
-        "--grace-s",
-        type=float,
-        default=30.0,
-        help="with --parent: seconds to finish pending persists once asked to stop",
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    import torch
-
-    torch.set_num_threads(1)
-    node = NodeJob(args.job_dir)
-    if args.parent is not None:
-        return serve(node, StopRequest(args.parent, args.grace_s), args.poll_s)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    Keeper(node, args.poll_s).run()
-    return 0

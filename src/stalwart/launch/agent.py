@@ -40,6 +40,7 @@ from stalwart import _compat, runtime
 from stalwart.health.precheck import PrecheckConfig, run_precheck
 from stalwart.health.throttle import Throttle
 from stalwart.launch import detect
+from stalwart.launch.agent_journal import AgentJournal
 from stalwart.launch.client import MasterClient, MasterError
 from stalwart.launch.decide import Decision, decide, restarts_left
 from stalwart.launch.detect import Incident
@@ -86,6 +87,7 @@ class StalwartAgent(LocalElasticAgent):
         self._handler: RoundStoreHandler = spec.rdzv_handler
         super().__init__(spec, logs_specs, start_method, **_compat.local_agent_kwargs(shutdown_timeout))
         self.master, self.node_id = master, node_id
+        self.journal = AgentJournal(master, node_id)
         self.run_dir = Path(run_dir)
         self.progress_dir = self.run_dir / "progress" / node_id
         self.reader = ProgressReader(self.progress_dir)
@@ -207,7 +209,7 @@ class StalwartAgent(LocalElasticAgent):
                     flush=True,
                 )
         if incident is not None:
-            self._open_incident(incident)
+            self.journal.opened(incident)
         return result, incident
 
     def _decide(self, incident: Incident | None) -> Decision:
@@ -247,23 +249,7 @@ class StalwartAgent(LocalElasticAgent):
         self._restart_round += 1
         self.hang.reset()
         self._initialize_workers(group)
-        restarted = time.time()
-        if incident is not None and incident.id is not None:
-            self._journal(
-                lambda: self.master.update_incident(
-                    incident.id,
-                    {"stopped": stopped, "restarted": restarted},
-                    {"save_on_failure": saved} if saved else None,
-                )
-            )
-        elif incident is None:
-            self._journal(
-                lambda: self.master.decide(
-                    "regroup",
-                    "membership changed: workers restarted without a fault",
-                    {"node_id": self.node_id, "save_on_failure": saved},
-                )
-            )
+        self.journal.restarted(incident, stopped, time.time(), saved)
 
     # -- TorchElastic hooks (named in _compat.AGENT_OVERRIDES) -----------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -351,18 +337,6 @@ class StalwartAgent(LocalElasticAgent):
                 pass
         incident.details["stacks"] = dumps
 
-    def _open_incident(self, incident: Incident) -> None:
-        times = {"detected": incident.detected}
-        if incident.fault is not None:
-            times["fault"] = incident.fault
-        self._journal(
-            lambda: setattr(
-                incident,
-                "id",
-                self.master.open_incident(incident.kind, self.node_id, incident.cls, times, incident.details),
-            )
-        )
-
     def _check_first_step(self, progress: list[Progress]) -> None:
         """Close the pending incident when every rank has reported a step since the restart."""
         incident = self._pending
@@ -373,35 +347,10 @@ class StalwartAgent(LocalElasticAgent):
         pcontext = _compat.worker_processes(self)
         pids = pcontext.pids().values() if pcontext is not None else []
         warm = bool(pids) and all(self.worker_pid(pid) != pid for pid in pids)  # every rank forked warm
-        incident.details.update(first_step=first, warm_start=warm)
-        if incident.id is not None:
-            self._journal(lambda: self.master.update_incident(incident.id, {"first_step": first}, {"warm_start": warm}))
+        self.journal.first_step(incident, first, warm)
 
     def _forward_worker_incidents(self) -> None:
-        """Journal what workers reported themselves (see ``stalwart.incident``); an ``sdc`` with
-        ``evict`` also journals a decision naming this node (the eviction itself is a later step)."""
-        now = time.time()
-        for record in self.worker_incidents.read(self.progress_dir):
-            report = detect.worker_report(record, self.node_id, now)
-            log.warning(
-                "worker incident on rank %s at step %s: %s %s",
-                record.get("rank"),
-                record.get("step"),
-                report.kind,
-                record.get("detail"),
-            )
-            self._journal(
-                partial(self.master.open_incident, report.kind, self.node_id, report.cls, report.times, report.details)
-            )
-            if report.evict_reason is not None:
-                self._journal(
-                    partial(
-                        self.master.decide,
-                        "evict",
-                        report.evict_reason,
-                        {"node_id": self.node_id, "rank": record.get("rank"), "step": record.get("step")},
-                    )
-                )
+        self.journal.worker_reports(self.worker_incidents.read(self.progress_dir))
 
     # -- evidence and membership --------------------------------------------------------------------
     def _worker_pids(self) -> list[int]:
@@ -447,9 +396,3 @@ class StalwartAgent(LocalElasticAgent):
         if not verdict.get("admit", result.ok):
             self.status.evict(str(verdict.get("reason") or "the master did not admit this node after its precheck"))
             self._check_evicted()
-
-    def _journal(self, call: Callable[[], Any]) -> None:
-        try:
-            call()
-        except (MasterError, OSError) as err:
-            log.error("could not journal to the master: %s", err)

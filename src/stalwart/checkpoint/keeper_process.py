@@ -1,0 +1,135 @@
+"""The keeper as a process: ``python -m stalwart.checkpoint JOB_DIR [--parent AGENT_PID]``.
+
+Under ``stalwart run`` the agent starts it with ``--parent``: it serves the node's job directory for
+as long as the agent lives (job after job), stops on SIGTERM or when the agent is gone, and finishes
+what is due within ``--grace-s`` (``StopRequest``). Without ``--parent`` a worker started it for one job
+(see :mod:`stalwart.checkpoint.keeper` for what it does with the snapshots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from stalwart import runtime
+from stalwart.checkpoint.keeper import LOG_FORMAT, Keeper, log
+from stalwart.checkpoint.node_job import NodeJob
+
+
+class StopRequest:
+    """The agent's keeper is asked to stop by SIGTERM (the agent exits) or by the agent's death
+    (PR_SET_PDEATHSIG, and a parent-pid check for other systems). From then on it has ``grace_s``
+    seconds to finish; a watchdog ends the process after that, so it never outlives the agent for long."""
+
+    def __init__(self, parent: int, grace_s: float) -> None:
+        self.parent, self.grace_s = parent, grace_s
+        self.why: str | None = None
+        self.logged = False
+        signal.signal(signal.SIGTERM, lambda *_: self.request("the agent stops the keeper"))
+        # A gone parent (or no prctl) is noticed by the parent-pid check below: the final pass still runs.
+        runtime.die_with_parent(parent, signal.SIGTERM, exit_if_gone=False)
+        self()
+
+    def request(self, why: str) -> None:
+        """Safe in a signal handler: no logging here (the handler may interrupt a log call)."""
+        if self.why is None:
+            self.why = why
+            watchdog = threading.Timer(self.grace_s, self._expire)
+            watchdog.daemon = True
+            watchdog.start()
+
+    def _expire(self) -> None:
+        log.error("did not finish within %.0f s of the stop request; exiting", self.grace_s)
+        logging.shutdown()
+        os._exit(1)
+
+    def __call__(self) -> bool:
+        if self.why is None and os.getppid() != self.parent:
+            self.request(f"the agent (pid {self.parent}) is gone")
+        if self.why is not None and not self.logged:
+            self.logged = True
+            log.info("stopping: %s (finishing within %.0f s)", self.why, self.grace_s)
+        return self.why is not None
+
+
+_job_log: tuple[str, logging.Handler] | None = None
+
+
+def _log_also_to(path: str | None) -> None:
+    """The agent's keeper logs to the agent's run directory and also where the workers asked
+    (``keeper_log`` in job.json), where a keeper they started would have logged."""
+    global _job_log
+    if not path or (_job_log and _job_log[0] == path):
+        return
+    root = logging.getLogger()
+    if _job_log:
+        root.removeHandler(_job_log[1])
+        _job_log[1].close()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(handler)
+    _job_log = (path, handler)
+
+
+def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02) -> int:
+    """Serve ``node``'s directory for as long as the agent runs: wait for workers to write job.json,
+    keep their snapshots, start over when a job completes (its directory removed), until stopped."""
+    log.info("keeper for %s, serving agent pid %d", node.root, stop.parent)
+    while not stop():
+        node.root.mkdir(parents=True, exist_ok=True)
+        job = node.job()
+        if "storage" not in job:
+            time.sleep(max(poll_s, 0.1))
+            continue
+        _log_also_to(job.get("keeper_log"))
+        try:
+            served = Keeper(node, poll_s, stop).run()
+        except Exception as err:
+            log.error("cannot serve %s: %r", node.root, err)
+            served = False
+        if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
+            time.sleep(1.0)
+    leftover = {p.name for p in node.root.iterdir()} if node.root.is_dir() else set()
+    if leftover <= {"keeper.lock", "keeper.json", "job.lock", "persist.lock"}:
+        shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stalwart.checkpoint",
+        description="Persist shared-memory snapshots of one job (the node's keeper).",
+    )
+    parser.add_argument("job_dir", type=Path)
+    parser.add_argument("--poll-s", type=float, default=0.02)
+    parser.add_argument(
+        "--parent",
+        type=int,
+        default=None,
+        help="the agent's pid: serve the directory while it lives (started by `stalwart run`)",
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="with --parent: seconds to finish pending persists once asked to stop",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    import torch
+
+    torch.set_num_threads(1)
+    node = NodeJob(args.job_dir)
+    if args.parent is not None:
+        return serve(node, StopRequest(args.parent, args.grace_s), args.poll_s)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    Keeper(node, args.poll_s).run()
+    return 0
