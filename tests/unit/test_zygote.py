@@ -205,3 +205,26 @@ def test_a_forked_worker_reads_its_own_contract_not_the_zygotes(tmp_path, monkey
         assert has_writer == "True", "the progress writer follows the worker's STALWART_PROGRESS_DIR"
     finally:
         z.stop()
+
+
+def test_a_workers_death_reaches_its_client_while_the_zygote_cannot_answer(zygote, tmp_path):
+    """The zygote imports its idle-time preloads in its only thread (seconds, e.g. dynamo) and cannot
+    report a worker's exit meanwhile; the client reads it from the zombie's /proc record instead, so
+    TorchElastic sees a failed worker at once, not a silent one that looks hung. Here the zygote is
+    stopped outright after the fork: nothing but /proc can tell the client."""
+    (tmp_path / "dies.py").write_text(
+        "import os, signal, sys, time\n"
+        "time.sleep(1.0)\n"
+        "if sys.argv[1] == 'kill':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "sys.exit(5)\n"
+    )
+    for what, expected in (("exit", 5), ("kill", -signal.SIGKILL)):
+        exe, args = zygote.entrypoint(["-u", str(tmp_path / "dies.py"), what])
+        client = subprocess.Popen([exe, *args], env={**os.environ, **zygote.env()}, cwd=tmp_path)
+        worker_of(zygote, client)
+        os.kill(zygote.proc.pid, signal.SIGSTOP)
+        try:
+            assert client.wait(timeout=30) == expected
+        finally:
+            os.kill(zygote.proc.pid, signal.SIGCONT)

@@ -14,6 +14,7 @@ Kept free of stalwart and torch imports on purpose: it runs with ``-S`` (no site
 
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -70,6 +71,54 @@ def record_pid(child: int) -> None:
             pass
 
 
+def zombie_status(pid: int):
+    """The worker's wait status if it has died but the zygote has not reaped it yet (a zombie), else
+    None. The zygote reaps and reports between its own work; while it imports a module ahead (seconds)
+    it cannot, and TorchElastic must still see the worker's exit at once."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[:1] != [b"Z"] or len(fields) < 50:
+        return None
+    return int(fields[49])  # field 52, exit_code: the status as waitpid reports it (Linux ≥ 3.5)
+
+
+class Replies:
+    """The zygote's replies, one JSON object per line; ``next(timeout)`` is None when none came in time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf = sock, b""
+
+    def next(self, timeout=None):
+        while b"\n" not in self.buf:
+            if not select.select([self.sock], [], [], timeout)[0]:
+                return None
+            chunk = self.sock.recv(4096)
+            if not chunk:  # the zygote went away
+                return {}
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line or b"{}")
+
+
+def wait_for_worker(replies: Replies, child: int) -> dict:
+    """The zygote's last word on the worker, or the worker's status read from /proc if it died first."""
+    while True:
+        try:
+            last = replies.next(timeout=0.1)
+        except (OSError, ValueError):
+            return {}
+        if last is not None:
+            return last
+        status = zombie_status(child)
+        if status is not None:
+            if os.WIFSIGNALED(status):
+                return {"signal": os.WTERMSIG(status)}
+            return {"exit": os.WEXITSTATUS(status)}
+
+
 def main() -> None:
     args = sys.argv[1:]
     path = os.environ.get(ENV_SOCKET)
@@ -82,8 +131,8 @@ def main() -> None:
         sock.connect(path)
         socket.send_fds(sock, [struct.pack("!I", len(request))], fds)
         sock.sendall(request)
-        replies = sock.makefile("rb")
-        first = json.loads(replies.readline() or b"{}")
+        replies = Replies(sock)
+        first = replies.next()
     except (OSError, ValueError) as err:
         cold_start(args, f"zygote unreachable ({err})")
     if "pid" not in first:
@@ -92,10 +141,7 @@ def main() -> None:
     for sig in FORWARDED:
         signal.signal(sig, forward(child))
     record_pid(child)
-    try:
-        last = json.loads(replies.readline() or b"{}")
-    except (OSError, ValueError):
-        last = {}
+    last = wait_for_worker(replies, child)
     if "signal" in last:
         sig = int(last["signal"])
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
