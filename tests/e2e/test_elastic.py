@@ -88,19 +88,10 @@ def losses(out: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics}
 
 
-def start_node(
-    tmp_path: Path,
-    data: Path,
-    address: str,
-    job: str,
-    n: int,
-    run: Sequence[str] = (),
-    train: Sequence[str] = (),
-    script: Sequence[str] = (),
-) -> subprocess.Popen:
-    """One node's `stalwart run` of the trainer (`train`: more overrides) or of `script`; `run`: more
-    flags for stalwart run (later ones win)."""
-    cmd = [
+def agent_cmd(tmp_path: Path, address: str, job: str, n: int, nproc: int = 1, slow_s: float = 0.1) -> list[str]:
+    """`stalwart run` for node ``n`` of an elastic job (1–2 nodes, master-served rendezvous), without
+    the worker command. Chaos slows every step by ``slow_s``, so a node is lost mid-run, not after it."""
+    return [
         sys.executable,
         "-m",
         "stalwart",
@@ -108,7 +99,7 @@ def start_node(
         "--nnodes",
         "1:2",
         "--nproc-per-node",
-        "1",
+        str(nproc),
         "--rdzv-backend",
         "c10d",
         "--rdzv-id",
@@ -124,9 +115,26 @@ def start_node(
         "--max-restarts",
         "3",
         "--chaos",
-        "slow:seconds=0.1",  # every step: the node is lost mid-run, not after it
+        f"slow:seconds={slow_s:g}",
         "--run-dir",
         str(tmp_path / f"run{n}"),
+    ]
+
+
+def start_node(
+    tmp_path: Path,
+    data: Path,
+    address: str,
+    job: str,
+    n: int,
+    run: Sequence[str] = (),
+    train: Sequence[str] = (),
+    script: Sequence[str] = (),
+) -> subprocess.Popen:
+    """One node's `stalwart run` of the trainer (`train`: more overrides) or of `script`; `run`: more
+    flags for stalwart run (later ones win)."""
+    cmd = [
+        *agent_cmd(tmp_path, address, job, n),
         *run,
         *(script or ["-m", "stalwart", "train", *train_args(data, tmp_path), *train]),
     ]

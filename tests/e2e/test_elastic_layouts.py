@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +19,7 @@ import pytest
 from stalwart.checkpoint import Storage
 from stalwart.launch.journal import Journal
 
-from .test_elastic import RDZV, lose_node, start_master
-from .test_master import TOKEN
+from .test_elastic import agent_cmd, lose_node, start_master
 from .test_train_layouts import COMMON, RTOL, train
 
 pytestmark = pytest.mark.e2e
@@ -31,32 +29,7 @@ STEPS, BATCH, WORKERS = 10, 8, 2  # BATCH: test_train_layouts' global batch
 def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> subprocess.Popen:
     """One node of the TP2 job: an agent with two workers; dp is whatever the ranks allow (2, then 1)."""
     cmd = [
-        sys.executable,
-        "-m",
-        "stalwart",
-        "run",
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        str(WORKERS),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-id",
-        job,
-        "--rdzv-conf",
-        RDZV,
-        "--master",
-        address,
-        "--job-token",
-        TOKEN,
-        "--node-id",
-        f"node{n}",
-        "--max-restarts",
-        "3",
-        "--chaos",
-        "slow:seconds=0.2",  # every step: the node is lost mid-run, not after it
-        "--run-dir",
-        str(tmp_path / f"run{n}"),
+        *agent_cmd(tmp_path, address, job, n, nproc=WORKERS, slow_s=0.2),
         "-m",
         "stalwart",
         "train",
