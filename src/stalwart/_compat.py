@@ -9,7 +9,6 @@ Nothing outside this module imports a private torch name (``torch.*._x``) or pat
 from __future__ import annotations
 
 import inspect
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -92,12 +91,6 @@ def rendezvous_addr_and_port(params: Any) -> tuple[str | None, int | None]:
 # Warm start (launch/zygote.py): torch.compile, torch.use_deterministic_algorithms and others import
 # dynamo (0.5-3 s), so the zygote preloads it for scripts.
 DYNAMO_MODULES = ("torch._dynamo",)
-
-
-def join_non_daemon_threads() -> None:
-    """Join the non-daemon threads as the interpreter does at exit (``threading._shutdown``): a forked
-    worker that ends with ``os._exit`` would otherwise cut its threads off."""
-    threading._shutdown()  # type: ignore[attr-defined]
 
 
 # --- end of elastic agent section -------------------------------------------------------------

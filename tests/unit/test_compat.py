@@ -139,19 +139,6 @@ def test_dynamo_modules_exist() -> None:
         assert importlib.util.find_spec(name) is not None, f"{name} is gone: the zygote preloads it"
 
 
-def test_join_non_daemon_threads_joins() -> None:
-    import subprocess
-    import sys
-
-    code = (
-        "import threading, time\nfrom stalwart import _compat\ndone = []\n"
-        "t = threading.Thread(target=lambda: (time.sleep(0.2), done.append(1)))\nt.start()\n"
-        "_compat.join_non_daemon_threads()\nassert done == [1] and not t.is_alive()\nprint('joined')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "joined" in out.stdout, out.stderr
-
-
 # --- end of elastic agent section -------------------------------------------------------------
 
 

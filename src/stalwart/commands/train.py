@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.commands.common import emit
-from stalwart.runtime import ENV_PARENT_REPORTS, worker_env
+from stalwart.runtime import ENV_PARENT_REPORTS, exit_process, worker_env
 
 EPILOG = """\
 config overrides:
@@ -113,4 +113,6 @@ def run(args: argparse.Namespace, overrides: dict[str, Any], raw_argv: list[str]
     summary = train(args.config, overrides, args.nproc, worker_argv)
     if summary is not None and not worker_env().parent_reports:
         emit(summary, args.json, "training summary")
+    if worker_env().launched or args.nproc == 1:  # this process trained: it used a process group
+        exit_process(0)
     return 0

@@ -7,7 +7,6 @@ interpreter would (exit codes, tracebacks without this module's frames, atexit, 
 
 from __future__ import annotations
 
-import atexit
 import io
 import os
 import runpy
@@ -16,7 +15,7 @@ import sys
 import traceback
 from typing import Any
 
-from stalwart import _compat, runtime
+from stalwart import runtime
 
 
 def parse_python_args(argv: list[str]) -> tuple[bool, str | None, str | None, list[str]]:
@@ -109,17 +108,7 @@ def become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> N
         except BaseException as err:  # what Python's main does with an uncaught exception
             _print_exception(err)
             code = 1
-        try:
-            _compat.join_non_daemon_threads()  # as the interpreter does at exit
-        except Exception:
-            pass
-        atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()
     finally:
-        for s in (sys.stdout, sys.stderr):
-            try:
-                s.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        runtime.exit_process(code)  # threads joined, atexit run, streams flushed; no finalization

@@ -31,7 +31,7 @@ from stalwart.runtime.env import (
     chaos_now,
     worker_env,
 )
-from stalwart.runtime.lifetime import die_with_parent
+from stalwart.runtime.lifetime import die_with_parent, exit_process
 from stalwart.runtime.progress import (
     PHASES,
     ProgressWriter,
@@ -78,6 +78,7 @@ __all__ = [
     "chaos_marker_dir",
     "chaos_now",
     "die_with_parent",
+    "exit_process",
     "fault_fired",
     "fault_path",
     "finished",
