@@ -239,4 +239,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from stalwart.runtime import exit_process  # gloo may abort at interpreter finalization (see exit_process)
+
+    exit_process(main())

@@ -64,6 +64,8 @@ ck.wait()
 if a.no_close:
     os._exit(0)
 ck.close()
+from stalwart.runtime import exit_process  # a gloo user's end (see exit_process); as stalwart's workers end
+exit_process(0)
 """
 
 

@@ -75,6 +75,8 @@ SAVE = MODEL + textwrap.dedent("""
     if rank == 0:
         torch.save({"model": msd, "optim": osd}, expected)
     dist.destroy_process_group()
+    from stalwart.runtime import exit_process  # gloo may abort at finalization (see exit_process)
+    exit_process(0)
 """)
 
 # a fresh process with torch only: the standard template, DCP's load, set_state_dict

@@ -37,7 +37,8 @@ def exit_process(code: int) -> NoReturn:
     - a process-group thread (gloo's ``runLoop``) may still be releasing a finished collective's
       tensors, which takes the GIL; during finalization CPython ends such a thread with
       ``pthread_exit``, and the unwind through torch's C++ aborts the process ("terminate called
-      without an active exception", exit -6, after a clean last step: seen after ``all_gather_object``);
+      without an active exception", exit -6, after a clean last step: seen after ``all_gather_object``
+      and after FSDP2's ``get_state_dict`` even with ``destroy_process_group``; pytorch/pytorch#190489);
     - a worker forked from the zygote would also finalize what the zygote imported.
     """
     try:
