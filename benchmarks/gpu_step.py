@@ -159,15 +159,15 @@ def plain_loop(a: argparse.Namespace, data: Path, device: str) -> dict[str, floa
 def measure(a: argparse.Namespace) -> dict:
     import torch
 
-    from stalwart.checkpoint.snapshot import shm_free_bytes
-    from stalwart.data import ensure_default_corpus
-    from stalwart.plan.compute import flops_per_token
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not a.smoke:
         raise SystemExit(
             "benchmarks/gpu_step.py needs CUDA (torch.cuda.is_available() is False); --smoke runs a tiny CPU shape"
         )
+    from stalwart.checkpoint.snapshot import shm_free_bytes
+    from stalwart.data import ensure_default_corpus
+    from stalwart.plan.compute import flops_per_token
+
     work = Path(a.work or tempfile.mkdtemp(prefix="stalwart-gpu-step-"))
     data = ensure_default_corpus(work / "data")
     peak, device_name = peak_flops(device)
