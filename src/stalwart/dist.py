@@ -64,7 +64,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if env.launched:
-            dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(env.rank, env.world_size, env.local_rank, env.local_world_size, device, backend)
