@@ -39,7 +39,7 @@ test: lint
 # dependencies are already installed (the lent GPU machines), skip the venv: make gpu-check GPU_PY=python3
 GPU_PY ?= $(BIN)/python
 gpu-check:
-	PYTHONPATH=src:. $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=src:.:$$PYTHONPATH $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs data/prepared .pytest_cache
