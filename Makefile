@@ -7,7 +7,7 @@ PIP_FLAGS ?= -q
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test demo test lint clean
+.PHONY: setup setup-test demo test lint clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ lint: setup-test
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# On a CUDA machine: tests/gpu + benchmarks/gpu_step.py, one summary (docs/gpu.md). Where stalwart's
+# dependencies are already installed (the lent GPU machines), skip the venv: make gpu-check GPU_PY=python3
+GPU_PY ?= $(BIN)/python
+gpu-check:
+	PYTHONPATH=src:.:$$PYTHONPATH $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs data/prepared .pytest_cache

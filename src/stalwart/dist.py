@@ -35,20 +35,36 @@ def launched() -> bool:
     return worker_env().launched
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
-    use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
+def pick_device(backend: str, cuda_devices: int, local_rank: int, local_world_size: int) -> tuple[str, torch.device]:
+    """(backend, device) for a rank. ``auto``: NCCL with a GPU per local rank; when ranks outnumber
+    the GPUs they share them round-robin over gloo (NCCL refuses two ranks on one GPU: "Duplicate GPU
+    detected"; gloo takes CUDA tensors); the CPU over gloo without CUDA. ``gloo`` always means the CPU."""
+    use_cuda = cuda_devices > 0 and backend in ("auto", "nccl")
+    if backend == "nccl" and not cuda_devices:
         raise ValueError("parallel.backend='nccl' needs CUDA; use 'gloo' (or 'auto') on a CPU machine")
+    shared = use_cuda and local_world_size > cuda_devices
+    if backend == "nccl" and shared:
+        raise ValueError(
+            f"parallel.backend='nccl' with {local_world_size} ranks on {cuda_devices} GPU(s): NCCL needs one "
+            "GPU per rank; use 'auto' (ranks share the GPUs over gloo) or fewer ranks per node"
+        )
+    if backend == "auto":
+        backend = "gloo" if shared or not use_cuda else "nccl"
+    device = torch.device("cuda", local_rank % cuda_devices) if use_cuda else torch.device("cpu")
+    return backend, device
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     env = worker_env()
-    device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend, device = pick_device(backend, cuda_devices, env.local_rank, env.local_world_size)
+    use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if env.launched:
-            dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(env.rank, env.world_size, env.local_rank, env.local_world_size, device, backend)

@@ -207,22 +207,29 @@ class _Slot:
             return
         if current < size:
             os.posix_fallocate(self.fd, 0, size)
+        self.unpin()  # the old mapping goes: its page-locking must not outlive it
         self.size = max(size, current)
         # MAP_POPULATE maps every page now, so no copy pays page faults later.
         self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        self.pinned = False
+
+    def _address(self) -> int:
+        import ctypes
+
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
     def pin_for_cuda(self) -> None:
         """Page-lock the mapping so device-to-host copies can be asynchronous (CUDA only)."""
         if self.pinned or self.map is None:
             return
-        import ctypes
-
-        ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
+        err = torch.cuda.cudart().cudaHostRegister(self._address(), self.size, 0)
         self.pinned = int(err) == 0
         if not self.pinned:
             log.warning("cudaHostRegister of %s failed (%s); snapshot copies will be synchronous", self.path, err)
+
+    def unpin(self) -> None:
+        if self.pinned and self.map is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._address())
+        self.pinned = False
 
 
 class SnapshotWriter:

@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     runtime.die_with_parent(args.parent)
+    # A preload that asks torch.cuda.is_available() would otherwise initialise the CUDA driver here
+    # (cuInit) without torch.cuda.is_initialized() saying so, and every forked worker's CUDA would fail.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     server = Server(args.socket, args.preload, args.parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers are stopped by the agent, through their stand-ins

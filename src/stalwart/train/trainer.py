@@ -87,7 +87,7 @@ class Trainer:
         self.pm = parallelize(
             model,
             self.plan.layout,
-            build_mesh(self.plan.layout),
+            build_mesh(self.plan.layout, env.device.type),
             self.plan.options,
             env.device,
             init_seed=cfg.train.seed,
@@ -268,6 +268,8 @@ class Trainer:
         summary = {
             "steps": self.step,
             "world_size": self.env.world_size,
+            "device": str(self.env.device),  # cuda:N or cpu, with the backend: what the run really used
+            "backend": self.env.backend,
             "dp_mode": self.cfg.parallel.dp_mode,
             "layout": self.plan.summary(),
             "model": self.cfg.model.name,
