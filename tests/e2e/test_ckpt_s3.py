@@ -116,3 +116,116 @@ def test_s3_persist_verify_and_restore(s3_env, stdlib_data, tmp_path, capsys):
             except (ProcessLookupError, KeyError, ValueError):
                 pass
         shutil.rmtree(shm, ignore_errors=True)
+
+
+class _Outage:
+    """A TCP forwarder in front of the S3 server that can go away and come back on the same port:
+    while down, connections are refused or reset (the endpoint is unreachable); the server's data stays."""
+
+    def __init__(self, target_port: int) -> None:
+        import threading
+
+        self.target, self.threading = target_port, threading
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        self.threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def down(self) -> None:
+        assert self.listener is not None
+        self.listener.close()
+        self.listener = None
+        for c in self.conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+        self.conns.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                self.threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
+def test_s3_outage_mid_run_is_survived_and_the_job_ends_bitwise_equal(s3_env, stdlib_data, tmp_path):
+    """The S3 endpoint goes away mid-run and comes back: training goes on from memory, the outage is a
+    journaled `storage` incident (unreachable), no committed checkpoint is lost, the first commit after
+    it verifies, and the final weights equal a fault-free run's bit for bit."""
+    import s3fs
+
+    proxy = _Outage(int(s3_env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    shm = Path("/dev/shm") / f"stalwart-s3o-{uuid.uuid4().hex[:8]}"
+    shm.mkdir()
+    steps = 24
+
+    def train(url: str, out: Path, endpoint: str) -> subprocess.Popen:
+        cmd = [
+            *(sys.executable, "-m", "stalwart", "train", "--config", "configs/debug.toml", "--nproc", "1"),
+            *(f"--data.dir={stdlib_data}", "--data.seq_len=32", f"--train.steps={steps}", "--train.warmup_steps=2"),
+            *(f"--train.out_dir={out}", "--checkpoint.enabled=true", f"--checkpoint.dir={url}"),
+            *("--checkpoint.persist_every_steps=3", f"--checkpoint.shm_dir={shm}", "--checkpoint.keeper_idle_s=5"),
+            "--train.deterministic=true",
+        ]
+        env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "STALWART_TEST_STEP_DELAY_S": "0"}
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    try:
+        clean = train(f"s3://stalwart-test/clean-{uuid.uuid4().hex[:6]}", tmp_path / "a", s3_env["AWS_ENDPOINT_URL"])
+        out, _ = clean.communicate(timeout=300)
+        assert clean.returncode == 0, out[-4000:]
+        url = f"s3://stalwart-test/outage-{uuid.uuid4().hex[:6]}"
+        fs = s3fs.S3FileSystem()
+        job = train(url, tmp_path / "b", f"http://127.0.0.1:{proxy.port}")
+        deadline = time.monotonic() + 120
+        while not fs.exists(f"{url}/latest") and time.monotonic() < deadline and job.poll() is None:
+            fs.invalidate_cache()
+            time.sleep(0.1)
+        proxy.down()
+        statuses = lambda: [json.loads(p.read_text()).get("storage") or {} for p in shm.glob("stalwart/*/keeper.json")]
+        while not any(s.get("ok") is False for s in statuses()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proxy.up()
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, out[-4000:]
+        assert "storage unreachable" in out or "storage timeout" in out, out[-4000:]
+        fs.invalidate_cache()
+        assert fs.cat(f"{url}/latest").decode() == f"step-{steps:08d}"
+        a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("a", "b"))
+        assert b["final_hash"] == a["final_hash"] and b["optim_hash"] == a["optim_hash"]
+        log = (tmp_path / "b" / "keeper.log").read_text()
+        assert "storage recovered" in log, log[-4000:]
+    finally:
+        for status in shm.glob("stalwart/*/keeper.json"):
+            try:
+                os.kill(int(json.loads(status.read_text())["pid"]), signal.SIGKILL)
+            except (ProcessLookupError, KeyError, ValueError):
+                pass
+        shutil.rmtree(shm, ignore_errors=True)

@@ -115,7 +115,11 @@ def test_read_only_store_stops_the_final_wait_naming_the_shared_memory_copy(tmp_
         model = nn.Linear(8, 8)
         state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
         ckpt = Checkpointer(
-            str(store / "ckpt"), persist_every_steps=2, shm_root=str(shm), keeper_log=tmp_path / "k.log"
+            str(store / "ckpt"),
+            persist_every_steps=2,
+            shm_root=str(shm),
+            keeper_log=tmp_path / "k.log",
+            keeper_idle_s=1,
         )
         assert ckpt.restore(state) == 0
         for step in (1, 2):
