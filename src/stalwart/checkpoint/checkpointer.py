@@ -31,7 +31,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint.durability import FINAL_ATTEMPTS, AtRiskPolicy, StorageUnavailableError, not_durable
+from stalwart.checkpoint.durability import (
+    FINAL_ATTEMPTS,
+    AtRiskPolicy,
+    StorageNews,
+    StorageUnavailableError,
+    not_durable,
+)
 from stalwart.checkpoint.node_job import NodeJob, job_dir_for
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json
@@ -120,6 +126,8 @@ class Checkpointer:
             bool(env.under_agent and env.job_id and keeper)
             and self.job.root.resolve() == NodeJob.of_agent(env.job_id, env.node_id).root.resolve()
         )
+        # Without an agent nobody else brings the keeper's storage incidents to the console.
+        self.storage_news = StorageNews(self.storage.url, enabled=self.rank == 0 and not self.keeper_by_agent)
         self._job_lock = self.job.attach()  # the keeper never removes files while we hold it
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
@@ -292,14 +300,13 @@ class Checkpointer:
         """Stop (``StorageUnavailableError``) when failing storage leaves more work at risk than the
         policy allows. Reads the keeper's status at most once a second."""
         now = time.time()
-        if not self.persisting or now - self._risk_checked < 1.0:
-            return
-        self._risk_checked = now
-        status = self.storage_status()
-        why = self.at_risk.violation(status, step, now, self._started_wall)
-        if why is not None:
-            self.writer.wait()
-            raise not_durable(step, self.paths.root, status, why)
+        if self.persisting and now - self._risk_checked >= 1.0:
+            self._risk_checked = now
+            status = self.storage_status()
+            self.storage_news.tell(status)
+            if (why := self.at_risk.violation(status, step, now, self._started_wall)) is not None:
+                self.writer.wait()
+                raise not_durable(step, self.paths.root, status, why)
 
     def ensure_durable(self, step: int) -> None:
         """Return only once ``step`` (the final one) is committed to storage; raise
@@ -376,6 +383,8 @@ class Checkpointer:
         t0, spawned, gone_since, keeperless_since = time.monotonic(), 0, 0.0, 0.0
         while time.monotonic() - t0 < self.persist_timeout_s:
             status = read_json(self.paths.keeper_status) or {}
+            if final:
+                self.storage_news.tell(status.get("storage"))
             if int(status.get("last_committed", -1)) >= step:
                 self.pending_persist = None
                 return

@@ -11,10 +11,12 @@ full disk, and would resume from memory and end as if all was well).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("stalwart.checkpoint")
 FINAL_ATTEMPTS = 3  # failed attempts at the final step before the job gives up (with backoff: ~7 s)
 
 
@@ -57,3 +59,29 @@ def not_durable(step: int, root: Path, storage: dict[str, Any] | None, why: str)
         f"`stalwart ckpt persist-from-memory {root}` (or `--to URL` for other storage) before this machine "
         "reboots. Not restarting: a restart cannot fix storage."
     )
+
+
+class StorageNews:
+    """Says on the worker's console when persists start failing (once per cause) and when they recover;
+    fed the keeper's storage status. Off under an agent, which prints the keeper's incidents itself."""
+
+    def __init__(self, url: str, enabled: bool) -> None:
+        self.url, self.enabled = url, enabled
+        self.told: str | None = None  # the cause last reported, None while storage works
+
+    def tell(self, status: dict[str, Any] | None) -> None:
+        cause = None if not status or status.get("ok", True) else status.get("cause")
+        if not self.enabled or cause == self.told:
+            return
+        assert status is not None or cause is None
+        if cause is not None:
+            log.error(
+                "storage %s: persists to %s fail (%s); training continues from memory (last committed step: %s)",
+                cause,
+                self.url,
+                status.get("last_error") if status else None,
+                status.get("last_committed") if status else None,
+            )
+        elif status is not None:
+            log.warning("storage recovered: step %s committed to %s", status.get("last_committed"), self.url)
+        self.told = cause
