@@ -325,10 +325,11 @@ class Checkpointer:
 
     def wait(self, persist: bool = False) -> None:
         """Wait for the in-flight snapshot; with ``persist=True`` also until the keeper committed the
-        last step requested for persistence (raises RuntimeError if it reports a failure)."""
+        last step requested for persistence (``StorageUnavailableError`` when storage keeps failing it:
+        see ``ensure_durable``, which also covers a final step restored from memory)."""
         self.writer.wait()
         if persist and self.pending_persist is not None and self.use_keeper:
-            self._wait_persisted(self.pending_persist)
+            self._wait_persisted(self.pending_persist, final=True)
 
     def close(self, success: bool = True) -> None:
         """Finish the in-flight snapshot and remove the hooks. ``success=True`` tells the keeper this
