@@ -316,8 +316,8 @@ class Checkpointer:
         if not self.persisting:
             return
         status = read_json(self.paths.keeper_status) or {}
-        if int(status.get("last_committed", -1)) >= step:
-            return
+        if int(status.get("last_committed", -1)) >= step or (self.storage.latest() or -1) >= step:
+            return  # (restored from storage at the final step: the keeper may not have looked yet)
         if all(s.step != step for s in complete_slots(self.paths, self.rank)):
             raise not_durable(step, self.paths.root, self.storage_status(), "the final step is not in memory")
         self.pending_persist = step  # e.g. restored from memory at the final step: ask again
