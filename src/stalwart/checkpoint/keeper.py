@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.checkpoint import multinode
@@ -45,8 +46,11 @@ LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
 class Keeper:
     """Serves one job in a directory: persists agreed snapshots per policy, saves on failure, tidies."""
 
-    def __init__(self, node: NodeJob, poll_s: float = 0.02, stop: StopRequest | None = None) -> None:
+    def __init__(
+        self, node: NodeJob, poll_s: float = 0.02, stop: StopRequest | None = None, status_copy: Path | None = None
+    ) -> None:
         self.node, self.paths, self.poll_s, self.stop = node, node.paths, poll_s, stop
+        self.status_copy = status_copy  # the agent's: outlives the job directory (job report)
         self.job: dict[str, Any] = {}
         self.job_version: tuple[int, int] | None = None
         self.handled_pids: set[int] = set()
@@ -99,6 +103,8 @@ class Keeper:
             leftovers=sorted(self.leftovers),
         )
         atomic_write(self.paths.keeper_status, json.dumps(self.status).encode())
+        if self.status_copy is not None:
+            atomic_write(self.status_copy, json.dumps({"storage": self.status["storage"]}).encode())
 
     def policy(self, key: str, default: Any = 0) -> Any:
         return self.job.get("policy", {}).get(key, default)

@@ -239,7 +239,7 @@ def run(argv: list[str]) -> int:
         local_addr=config.local_addr,
     )
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir)
-    storage_watch = StorageWatch(node_job.root)
+    storage_watch = StorageWatch(node_job.root, keeper.status_copy)
     agent = StalwartAgent(
         spec,
         logs_specs,

@@ -3,9 +3,10 @@
 The keeper (a separate process, see ``stalwart.checkpoint.storage_health``) appends a ``storage``
 incident to ``storage.incidents.jsonl`` in the job's shared-memory directory when persists start to
 fail (with the cause: full, permission, unreachable, timeout, torn) and when they recover, and keeps
-its storage status in ``keeper.json``. Each monitor tick the agent reads both through this watch:
-it prints each incident on the console, journals it with the master, and passes the status on to the
-heartbeat (``/metrics``) and the job report. Files only: launch does not import the checkpoint package.
+its storage status in a file the agent names (``--status-copy``: it outlives the job directory). Each
+monitor tick the agent reads both through this watch: it prints each incident on the console, journals
+it with the master, and passes the status on to the heartbeat (``/metrics``) and the job report. Files
+only: launch does not import the checkpoint package.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from typing import Any
 from stalwart.launch.evidence import IncidentTail
 
 INCIDENTS = "storage.incidents.jsonl"
-STATUS = "keeper.json"
 
 
 class StorageWatch:
-    def __init__(self, job_dir: Path) -> None:
-        self.job_dir = Path(job_dir)
+    def __init__(self, job_dir: Path, status_file: Path) -> None:
+        """``status_file``: where the agent's keeper keeps a copy of its status (``--status-copy``)."""
+        self.job_dir, self.status_file = Path(job_dir), Path(status_file)
         self.tail = IncidentTail(INCIDENTS)
         self.status: dict[str, Any] | None = None  # the newest status seen (kept after the keeper tidies)
 
@@ -31,7 +32,7 @@ class StorageWatch:
         """New incident records (printed here) and the keeper's storage status."""
         records = self.tail.read(self.job_dir)
         try:
-            status = json.loads((self.job_dir / STATUS).read_text()).get("storage")
+            status = json.loads(self.status_file.read_text()).get("storage")
         except (OSError, ValueError, AttributeError):
             status = None
         if isinstance(status, dict):
