@@ -130,6 +130,18 @@ def checkpoint_writer(path: str, *, local: bool, wrap_fs: Callable[[Any], Any], 
     return writer
 
 
+def join_checkpoint_writer_threads(timeout_s: float) -> list[str]:
+    """Wait for DCP's extra writer threads (``FileSystemWriter(thread_count>1)`` starts threads running
+    ``_write_files_from_queue``; when the calling thread's own share fails — a full disk — it raises
+    without joining them, and they go on reading tensors). Returns the names of those still running."""
+    import threading
+
+    stray = [t for t in threading.enumerate() if "_write_files_from_queue" in t.name and t.is_alive()]
+    for t in stray:
+        t.join(timeout_s)
+    return [t.name for t in stray if t.is_alive()]
+
+
 def checkpoint_reader(path: str, *, local: bool, read_metadata: Callable[[], Any], **kwargs: Any) -> Any:
     """A DCP ``FileSystemReader`` (``local``) or ``FsspecReader`` that takes its ``.metadata`` from
     ``read_metadata()`` (stalwart's restricted unpickler) instead of ``pickle.load``; it stamps the

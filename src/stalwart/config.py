@@ -107,12 +107,22 @@ class CheckpointConfig:
     shm_dir: str = "/dev/shm"  # tmpfs for the snapshots (needs 2 x the state size free)
     keeper_idle_s: float = 120.0  # the keeper exits after this long without live workers
     resume: bool = True  # restore at start (false: start over, superseding what is in `dir`)
+    # While storage fails, training goes on from memory until this much work since the last commit is
+    # at risk; then the job stops with an error naming the shared-memory copy (0 = no bound)
+    max_unpersisted_steps: int = 0
+    max_unpersisted_s: float = 1800.0
 
     def validate(self) -> None:
         for key in ("memory_every", "keep_last"):
             if getattr(self, key) < 1:
                 raise ValueError(f"checkpoint.{key} must be ≥ 1, got {getattr(self, key)}")
-        for key in ("persist_every_steps", "persist_every_s", "keep_every"):
+        for key in (
+            "persist_every_steps",
+            "persist_every_s",
+            "keep_every",
+            "max_unpersisted_steps",
+            "max_unpersisted_s",
+        ):
             if getattr(self, key) < 0:
                 raise ValueError(f"checkpoint.{key} must be ≥ 0 (0 = off), got {getattr(self, key)}")
         if self.persist_every_steps % self.memory_every:

@@ -232,7 +232,18 @@ def test_prometheus_metrics_from_the_journal(master):
         "/v1/nodes/heartbeat",
         {
             "node_id": "node-0",
-            "progress": {"ranks": [{"rank": 0, "step": 41}], "window": {"compute_s": 0.25, "steps": 5}},
+            "progress": {
+                "ranks": [{"rank": 0, "step": 41}],
+                "window": {"compute_s": 0.25, "steps": 5},
+                # the keeper's storage status, as the agent's heartbeat carries it (launch.storage_watch)
+                "storage": {
+                    "ok": False,
+                    "cause": "full",
+                    "failures": 4,
+                    "last_committed": 20,
+                    "last_commit_time": time.time() - 30,
+                },
+            },
         },
     )
     client.open_incident("sigkill", "node-1", "system", {"detected": time.time()})
@@ -254,6 +265,10 @@ def test_prometheus_metrics_from_the_journal(master):
     assert samples["stalwart_restarts_used"] == 1 and samples["stalwart_restart_budget"] == 2
     assert samples["stalwart_last_step"] == 41 and samples["stalwart_step_compute_seconds"] == 0.25
     assert samples['stalwart_decisions_total{action="restart"}'] == 1
+    assert samples["stalwart_checkpoint_last_committed_step"] == 20
+    assert 30 <= samples["stalwart_checkpoint_last_commit_age_seconds"] < 3600
+    assert samples["stalwart_checkpoint_persist_failures_total"] == 4
+    assert samples['stalwart_checkpoint_storage_failing{cause="full",node="node-0"}'] == 1
 
 
 def test_injected_faults_are_journaled_and_delivered_with_heartbeats(master):

@@ -58,6 +58,7 @@ def run_job(tmp_path: Path, data: Path, chaos: str | None = None) -> tuple[dict,
 def reference(stdlib_data, tmp_path_factory):
     run, summary = run_job(tmp_path_factory.mktemp("ref"), stdlib_data)
     assert run["incidents"] == []
+    assert run["storage"]["ok"] and run["storage"]["last_committed"] == STEPS, "the report has the final commit"
     return summary
 
 

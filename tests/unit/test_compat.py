@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from stalwart import _compat
@@ -287,3 +288,47 @@ def test_set_deterministic_algorithms_sets_the_public_flag() -> None:
 
 
 # --- end of training section ------------------------------------------------------------------
+
+
+def test_dcp_writer_threads_outlive_a_failed_write_until_joined(tmp_path: Path) -> None:
+    """DCP raises from the calling thread's share of ``write_data`` without joining its extra writer
+    threads: ``join_checkpoint_writer_threads`` finds them by name and waits for them."""
+    import errno
+    import threading
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    finished: list[str] = []
+
+    class FullOnMainThread:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "w" in mode and str(path).endswith(".distcp"):
+                if threading.current_thread() is threading.main_thread():
+                    time.sleep(0.2)  # the extra thread has taken its file by now
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                time.sleep(1.0)
+            with self.inner.create_stream(path, mode) as stream:
+                yield stream
+            finished.append(str(path))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    state = {"a": torch.zeros(64), "b": torch.ones(64)}
+    writer = _compat.checkpoint_writer(
+        str(tmp_path), local=True, wrap_fs=FullOnMainThread, sync_files=False, thread_count=2
+    )
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings(), pytest.raises((CheckpointException, OSError)):
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    stray = [t for t in threading.enumerate() if "_write_files_from_queue" in t.name]
+    assert stray and not finished, "the extra writer thread still runs after the failure"
+    assert _compat.join_checkpoint_writer_threads(30.0) == []
+    assert not any(t.is_alive() for t in stray) and finished

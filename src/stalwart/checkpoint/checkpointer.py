@@ -31,6 +31,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stalwart.checkpoint.durability import (
+    FINAL_ATTEMPTS,
+    AtRiskPolicy,
+    StorageNews,
+    StorageUnavailableError,
+    not_durable,
+)
 from stalwart.checkpoint.node_job import NodeJob, job_dir_for
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json
@@ -73,6 +80,7 @@ class Checkpointer:
         process_group: Any = None,
         rng: bool = True,
         persist_timeout_s: float = 600.0,
+        at_risk: AtRiskPolicy | None = None,
     ) -> None:
         for key, value, low in (
             ("memory_every", memory_every, 1),
@@ -108,6 +116,8 @@ class Checkpointer:
         self.memory_every, self.persist_every_steps = memory_every, persist_every_steps
         self.persist_every_s, self.use_keeper = persist_every_s, keeper
         self.keeper_log, self.persist_timeout_s, self.rng = keeper_log, persist_timeout_s, rng
+        self.at_risk = at_risk if at_risk is not None else AtRiskPolicy()
+        self._started_wall, self._risk_checked = time.time(), 0.0
         self.job = NodeJob(job_dir_for(self.storage.url, shm_root, job_id))
         self.paths = self.job.paths
         # Under `stalwart run` the agent runs the keeper of its job's default directory; we start one
@@ -116,6 +126,8 @@ class Checkpointer:
             bool(env.under_agent and env.job_id and keeper)
             and self.job.root.resolve() == NodeJob.of_agent(env.job_id, env.node_id).root.resolve()
         )
+        # Without an agent nobody else brings the keeper's storage incidents to the console.
+        self.storage_news = StorageNews(self.storage.url, enabled=self.rank == 0 and not self.keeper_by_agent)
         self._job_lock = self.job.attach()  # the keeper never removes files while we hold it
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
@@ -272,14 +284,52 @@ class Checkpointer:
         self.stats["save_s"] += time.perf_counter() - t0
         if self.local_rank == 0 and self.use_keeper:
             self._ensure_keeper()  # restarts a keeper that died
+        self._check_at_risk(step)
         return started
+
+    @property
+    def persisting(self) -> bool:
+        """False for memory-only checkpoints (the user's choice): then nothing is required of storage."""
+        return self.use_keeper and bool(self.persist_every_steps or self.persist_every_s)
+
+    def storage_status(self) -> dict[str, Any] | None:
+        """The keeper's view of storage (``StorageHealth.status``), None before it wrote one."""
+        return (read_json(self.paths.keeper_status) or {}).get("storage")
+
+    def _check_at_risk(self, step: int) -> None:
+        """Stop (``StorageUnavailableError``) when failing storage leaves more work at risk than the
+        policy allows. Reads the keeper's status at most once a second."""
+        now = time.time()
+        if self.persisting and now - self._risk_checked >= 1.0:
+            self._risk_checked = now
+            status = self.storage_status()
+            self.storage_news.tell(status)
+            if (why := self.at_risk.violation(status, step, now, self._started_wall)) is not None:
+                self.writer.wait()
+                raise not_durable(step, self.paths.root, status, why)
+
+    def ensure_durable(self, step: int) -> None:
+        """Return only once ``step`` (the final one) is committed to storage; raise
+        ``StorageUnavailableError`` naming the shared-memory copy when storage keeps failing it.
+        A no-op for memory-only checkpoints. Call it after the last ``save``."""
+        self.writer.wait()
+        if not self.persisting:
+            return
+        status = read_json(self.paths.keeper_status) or {}
+        if int(status.get("last_committed", -1)) >= step or (self.storage.latest() or -1) >= step:
+            return  # (restored from storage at the final step: the keeper may not have looked yet)
+        if all(s.step != step for s in complete_slots(self.paths, self.rank)):
+            raise not_durable(step, self.paths.root, self.storage_status(), "the final step is not in memory")
+        self.pending_persist = step  # e.g. restored from memory at the final step: ask again
+        self._wait_persisted(step, final=True)
 
     def wait(self, persist: bool = False) -> None:
         """Wait for the in-flight snapshot; with ``persist=True`` also until the keeper committed the
-        last step requested for persistence (raises RuntimeError if it reports a failure)."""
+        last step requested for persistence (``StorageUnavailableError`` when storage keeps failing it:
+        see ``ensure_durable``, which also covers a final step restored from memory)."""
         self.writer.wait()
         if persist and self.pending_persist is not None and self.use_keeper:
-            self._wait_persisted(self.pending_persist)
+            self._wait_persisted(self.pending_persist, final=True)
 
     def close(self, success: bool = True) -> None:
         """Finish the in-flight snapshot and remove the hooks. ``success=True`` tells the keeper this
@@ -328,15 +378,23 @@ class Checkpointer:
                 log.warning("keeper for %s is not running; starting a new one", self.paths.root)
             self._keeper_proc = self.job.spawn_keeper(self.keeper_log)
 
-    def _wait_persisted(self, step: int) -> None:
+    def _wait_persisted(self, step: int, final: bool = False) -> None:
+        """``final``: storage failures are retried by the keeper (with backoff) up to ``FINAL_ATTEMPTS``
+        times before giving up; otherwise the first failure reported for ``step`` raises."""
         t0, spawned, gone_since, keeperless_since = time.monotonic(), 0, 0.0, 0.0
         while time.monotonic() - t0 < self.persist_timeout_s:
             status = read_json(self.paths.keeper_status) or {}
+            if final:
+                self.storage_news.tell(status.get("storage"))
             if int(status.get("last_committed", -1)) >= step:
                 self.pending_persist = None
                 return
+            failed = [e for e in status.get("events", []) if e.get("step") == step and e.get("kind") == "failed"]
+            if failed and (not final or len(failed) >= FINAL_ATTEMPTS):
+                why = f"the keeper could not persist step {step} in {len(failed)} attempt(s)"
+                raise not_durable(step, self.paths.root, status.get("storage"), why)
             for e in status.get("events", []):
-                if e.get("step") == step and e.get("kind") in ("failed", "skipped"):
+                if e.get("step") == step and e.get("kind") == "skipped":
                     raise RuntimeError(f"the keeper could not persist step {step}: {e['detail']}")
             if all(slot.step != step for slot in complete_slots(self.paths, self.rank)):
                 # Newer snapshots overwrote it before the keeper took it (the keeper was still busy
@@ -364,7 +422,7 @@ class Checkpointer:
                         f"{self.keeper_log or self.paths.root / 'keeper.log'}"
                     )
             time.sleep(0.02)
-        raise RuntimeError(
-            f"step {step} was not persisted within {self.persist_timeout_s} s; see the keeper "
+        raise StorageUnavailableError(
+            f"step {step} was not persisted within {self.persist_timeout_s} s (storage too slow?); see the keeper "
             f"log ({self.keeper_log or self.paths.root / 'keeper.log'})"
         )

@@ -26,13 +26,15 @@ import logging
 import os
 import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.node_job import NodeJob, agreed
-from stalwart.checkpoint.persist import retention
+from stalwart.checkpoint.persist import remove_torn, retention
 from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
 from stalwart.checkpoint.storage import Storage, step_name
+from stalwart.checkpoint.storage_health import INCIDENTS_FILE, StorageHealth
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.keeper_process import StopRequest
@@ -44,8 +46,11 @@ LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
 class Keeper:
     """Serves one job in a directory: persists agreed snapshots per policy, saves on failure, tidies."""
 
-    def __init__(self, node: NodeJob, poll_s: float = 0.02, stop: StopRequest | None = None) -> None:
+    def __init__(
+        self, node: NodeJob, poll_s: float = 0.02, stop: StopRequest | None = None, status_copy: Path | None = None
+    ) -> None:
         self.node, self.paths, self.poll_s, self.stop = node, node.paths, poll_s, stop
+        self.status_copy = status_copy  # the agent's: outlives the job directory (job report)
         self.job: dict[str, Any] = {}
         self.job_version: tuple[int, int] | None = None
         self.handled_pids: set[int] = set()
@@ -53,6 +58,7 @@ class Keeper:
         self.events: list[dict[str, Any]] = []
         self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time()}
         self.request_checked = 0.0
+        self.leftovers: set[int] = set()  # failed attempts whose removal failed too: removed later
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
         self.last_persist_time = time.monotonic()
@@ -75,6 +81,8 @@ class Keeper:
             self.storage = Storage(job["storage"], job.get("storage_options"))
             self.storage.refresh()
             self.last_persisted = self.storage.latest() or -1
+            self.health = StorageHealth(self.storage.url, self.paths.root / INCIDENTS_FILE)
+            self.health.last_committed = self.last_persisted
             self.given_up.clear()
             self.status["last_committed"] = self.last_persisted
             if before:
@@ -88,8 +96,15 @@ class Keeper:
     def event(self, kind: str, step: int | None, detail: str, level: int = logging.INFO) -> None:
         log.log(level, "%s%s: %s", kind, f" step {step}" if step is not None else "", detail)
         self.events = ([*self.events, {"time": time.time(), "kind": kind, "step": step, "detail": detail}])[-50:]
-        self.status.update(events=self.events, last_committed=self.last_persisted)
+        self.status.update(
+            events=self.events,
+            last_committed=self.last_persisted,
+            storage=self.health.status(),
+            leftovers=sorted(self.leftovers),
+        )
         atomic_write(self.paths.keeper_status, json.dumps(self.status).encode())
+        if self.status_copy is not None:
+            atomic_write(self.status_copy, json.dumps({"storage": self.status["storage"]}).encode())
 
     def policy(self, key: str, default: Any = 0) -> Any:
         return self.job.get("policy", {}).get(key, default)
@@ -159,7 +174,7 @@ class Keeper:
             return
         ranks = self.node.node_ranks(world)
         self._check_failures(world, {r: read_json(self.paths.owner(r)) for r in ranks})
-        self._maybe_persist(world, ranks)
+        self._maybe_persist(world, ranks, force=True)
         self._finish(world, self.stop.why or "stopped")
 
     def _closed(self, rank: int, owner: dict[str, Any] | None) -> bool:
@@ -178,19 +193,27 @@ class Keeper:
             try:
                 result = self.node.save_on_failure(self.storage.url, self.job.get("storage_options"), world, quiet=True)
             except Exception as err:
-                self.event("save-on-failure-failed", None, repr(err), logging.ERROR)
+                cause = self.health.failed("save-on-failure", None, err)
+                self.event("save-on-failure-failed", None, f"({cause}) {err!r}", logging.ERROR)
                 continue
             if result["persisted"]:
                 self.last_persisted = max(self.last_persisted, result["step"])
+                self.health.committed(result["step"])
                 self._retention()
             self.event("save-on-failure", result["step"], result["detail"])
 
-    def _maybe_persist(self, world: int, ranks: list[int]) -> None:
+    def _maybe_persist(self, world: int, ranks: list[int], force: bool = False) -> None:
+        """Persist what the policy says is due. While storage fails, attempts back off and each retry
+        takes the newest step in memory (``force``: one attempt now, the final pass)."""
+        if not (force or self.health.may_try()):
+            return
         steps = self.node.snapshot_steps(world, ranks)
         common = agreed(steps)
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
         target = max(flagged, default=-1)
+        if self.health.streak and self.coordinator and (self.policy("persist_every_steps") or every_s):
+            target = max(common, default=-1)  # a retry: the newest state in memory
         if target <= self.last_persisted or target in self.given_up:
             target = -1
             newest = max(common, default=-1)
@@ -208,7 +231,7 @@ class Keeper:
         if not self.coordinator:
             every = 0  # the coordinator reports coalesced steps
         due = [s for s in range(max(1, self.last_persisted + 1), target) if every > 0 and s % every == 0]
-        if due:
+        if due and not self.health.streak:  # while storage fails, the retries say why steps are skipped
             self.event(
                 "coalesced",
                 target,
@@ -230,11 +253,15 @@ class Keeper:
                 logging.WARNING,
             )
             return
-        except Exception as err:
-            self.given_up.add(target)
-            self.event("failed", target, f"persist failed: {err!r}", logging.ERROR)
+        except Exception as err:  # storage: retried with backoff (not given up), torn attempt removed
+            cause = self.health.failed("persist", target, err)
+            if not remove_torn(self.storage, target):
+                self.leftovers.add(target)
+            self.event("failed", target, f"persist failed ({cause}): {err!r}", logging.DEBUG)
             return
         self.last_persisted = target
+        self.health.committed(target)
+        self._remove_leftovers()
         if manifest.get("already"):
             self.event("already-committed", target, f"committed step {manifest.get('step')} covers it")
             return
@@ -268,14 +295,32 @@ class Keeper:
     def _retention(self) -> None:
         if not self.coordinator:
             return
-        removed = retention(self.storage, int(self.policy("keep_last", 3)), int(self.policy("keep_every", 0)))
+        try:
+            removed = retention(self.storage, int(self.policy("keep_last", 3)), int(self.policy("keep_every", 0)))
+        except Exception as err:
+            cause = self.health.failed("retention", self.last_persisted, err)
+            self.event("retention-failed", self.last_persisted, f"({cause}) {err!r}", logging.DEBUG)
+            return
         if removed:
             log.info("retention removed step(s) %s", removed)
+
+    def _remove_leftovers(self) -> None:
+        """Storage works again: remove the failed attempts that could not be removed when they failed."""
+        for step in sorted(self.leftovers):
+            if remove_torn(self.storage, step):
+                self.leftovers.discard(step)
+                self.event("removed-torn", step, "a failed attempt, removed now that storage works again")
 
     def _tidy_storage(self) -> None:
         """Torn step directories (a persist that died) are never resumed from; remove them."""
         if not self.coordinator:
             return  # the coordinator may be committing one right now
+        try:
+            self._tidy_torn()
+        except Exception as err:  # unreachable storage: the first persist will report it too
+            self.health.failed("tidy", None, err)
+
+    def _tidy_torn(self) -> None:
         with self.node.persist_lock():
             latest = self.storage.latest()
             committed = set(self.storage.committed())
@@ -305,8 +350,9 @@ class Keeper:
                 self.event(
                     "exit",
                     newest,
-                    f"{why}; keeping snapshots in {self.paths.root}: step {newest} is "
-                    f"newer than the last committed checkpoint ({latest})",
+                    f"{why}; keeping snapshots in {self.paths.root}: step {newest} is newer than the last "
+                    f"committed checkpoint ({latest}); `stalwart ckpt persist-from-memory {self.paths.root}` "
+                    "persists it",
                     logging.WARNING,
                 )
             else:

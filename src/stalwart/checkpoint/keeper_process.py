@@ -79,7 +79,7 @@ def _log_also_to(path: str | None) -> None:
     _job_log = (path, handler)
 
 
-def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02) -> int:
+def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: Path | None = None) -> int:
     """Serve ``node``'s directory for as long as the agent runs: wait for workers to write job.json,
     keep their snapshots, start over when a job completes (its directory removed), until stopped."""
     log.info("keeper for %s, serving agent pid %d", node.root, stop.parent)
@@ -91,7 +91,7 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02) -> int:
             continue
         _log_also_to(job.get("keeper_log"))
         try:
-            served = Keeper(node, poll_s, stop).run()
+            served = Keeper(node, poll_s, stop, status_copy).run()
         except Exception as err:
             log.error("cannot serve %s: %r", node.root, err)
             served = False
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="with --parent: seconds to finish pending persists once asked to stop",
     )
+    parser.add_argument("--status-copy", type=Path, default=None, help="also write the keeper's status here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     import torch
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     node = NodeJob(args.job_dir)
     if args.parent is not None:
-        return serve(node, StopRequest(args.parent, args.grace_s), args.poll_s)
+        return serve(node, StopRequest(args.parent, args.grace_s), args.poll_s, args.status_copy)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     Keeper(node, args.poll_s).run()
     return 0

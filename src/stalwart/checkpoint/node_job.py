@@ -317,10 +317,15 @@ class NodeJob:
 
     # -- the keeper process -------------------------------------------------------------------------------
     def spawn_keeper(
-        self, log_path: str | Path | None, parent: int | None = None, grace_s: float | None = None
+        self,
+        log_path: str | Path | None,
+        parent: int | None = None,
+        grace_s: float | None = None,
+        status_copy: Path | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
-        it). With ``parent`` it serves the directory for as long as that process (the agent) lives."""
+        it). With ``parent`` it serves the directory for as long as that process (the agent) lives;
+        ``status_copy``: also keep its status there (it outlives the directory, for the job report)."""
         self.root.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -329,6 +334,8 @@ class NodeJob:
             cmd += ["--parent", str(parent)]
         if grace_s is not None:
             cmd += ["--grace-s", str(grace_s)]
+        if status_copy is not None:
+            cmd += ["--status-copy", str(status_copy)]
         out = open(log_path or self.root / "keeper.log", "ab")
         try:
             return subprocess.Popen(
@@ -361,6 +368,7 @@ class KeeperProcess:
 
     def __init__(self, job: NodeJob, log_path: Path, grace_s: float = 30.0) -> None:
         self.job, self.log_path, self.grace_s = job, log_path, grace_s
+        self.status_copy = log_path.parent / "keeper-status.json"  # the keeper's status, kept for the report
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> KeeperProcess:
@@ -368,7 +376,9 @@ class KeeperProcess:
             log.warning("no %s: no keeper started for this job", DEFAULT_SHM_ROOT)
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = self.job.spawn_keeper(self.log_path, parent=os.getpid(), grace_s=self.grace_s)
+        self.proc = self.job.spawn_keeper(
+            self.log_path, parent=os.getpid(), grace_s=self.grace_s, status_copy=self.status_copy
+        )
         return self
 
     def stop(self) -> None:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from stalwart import chaos
-from stalwart._compat import checkpoint_writer
+from stalwart._compat import checkpoint_writer, join_checkpoint_writer_threads
 from stalwart.checkpoint.snapshot import SnapshotView, _dtype
 from stalwart.checkpoint.storage import MANIFEST, METADATA, Storage, file_crc32, fsync_dir, step_name
 
@@ -306,6 +306,34 @@ def write_checkpoint(
     assert all(v.step == step for v in views), "all views must hold the same step"
     t0 = time.perf_counter()
     storage.remove(step)  # a torn leftover of an earlier attempt at this step
+    try:
+        return _write_and_commit(storage, step, views, source, extra, t0)
+    except BaseException:
+        # DCP's writer threads outlive a failed write_data: they read the shared-memory views that our
+        # caller unmaps next (a SIGSEGV that silently ended the keeper), and write into the directory.
+        if stray := join_checkpoint_writer_threads(120.0):
+            log.error("DCP writer threads %s still running after a failed persist", stray)
+        remove_torn(storage, step)  # a full disk must not stay full of failed attempts
+        raise
+
+
+def remove_torn(storage: Storage, step: int) -> bool:
+    """Remove the directory of a failed attempt at ``step`` (never a committed one). Returns False when
+    that fails too (storage unreachable): the keeper removes it later, and it is never resumed from."""
+    try:
+        storage.refresh()
+        if step in storage.committed():
+            return True
+        storage.remove(step)
+        return True
+    except Exception as err:
+        log.warning("could not remove the failed attempt %s: %r; it is removed later", step_name(step), err)
+        return False
+
+
+def _write_and_commit(
+    storage: Storage, step: int, views: list[SnapshotView], source: str, extra: dict[str, Any] | None, t0: float
+) -> dict[str, Any]:
     sums: dict[str, dict[str, int]] = {}
     hook = chaos_hook(step)
     planners, plans, metadata = global_plan(storage, step, views, share_equal_objects=True)

@@ -15,6 +15,7 @@ examples:
   stalwart ckpt show runs/debug/checkpoints --step 120
   stalwart ckpt verify runs/debug/checkpoints            # exit 1 naming each bad shard
   stalwart ckpt export runs/debug/checkpoints --format safetensors --out model.safetensors
+  stalwart ckpt persist-from-memory /dev/shm/stalwart/JOB-NODE  # a job's state that storage failed
 """
 
 
@@ -49,6 +50,17 @@ def register(sub: argparse._SubParsersAction) -> None:
             a.add_argument("--out", required=True, help="output file")
             a.add_argument("--prefix", default="model", help="state key to export (default: model)")
         a.set_defaults(handler=run)
+    a = actions.add_parser(
+        "persist-from-memory",
+        help="write a job's newest shared-memory snapshot (all ranks agree on it) as a committed checkpoint",
+        description="Persist the newest snapshot every rank of a job holds in shared memory, e.g. after the job "
+        "stopped because its checkpoint store failed (its error names SHM_DIR). Writes to the job's own "
+        "storage unless --to names another. Exit 0 when the state is committed (or already was).",
+    )
+    a.add_argument("shm_dir", metavar="SHM_DIR", help="the job's directory, e.g. /dev/shm/stalwart/<job>-<node>")
+    a.add_argument("--to", metavar="URL", help="storage to write to (default: the job's checkpoint.dir)")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.set_defaults(handler=run)
 
 
 def _storage(url: str) -> Any:
@@ -72,7 +84,27 @@ def _pick(storage: Any, step: int | None) -> int:
 
 
 def run(args: argparse.Namespace, *_: Any) -> int:
-    return {"ls": _ls, "show": _show, "verify": _verify, "export": _export}[args.action](args)
+    actions = {"ls": _ls, "show": _show, "verify": _verify, "export": _export, "persist-from-memory": _persist}
+    return actions[args.action](args)
+
+
+def _persist(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stalwart.checkpoint.node_job import NodeJob
+
+    job = NodeJob(Path(args.shm_dir))
+    if not job.paths.job.is_file():
+        raise ValueError(f"{args.shm_dir} holds no job's snapshots (no {job.paths.job.name}); `ls /dev/shm/stalwart`")
+    if args.to is None and not job.job().get("storage"):
+        raise ValueError(f"{job.paths.job} names no storage; pass --to URL")
+    result = job.save_on_failure(args.to, None if args.to else job.job().get("storage_options"), quiet=True)
+    ok = result["persisted"] or "already covered" in result["detail"]
+    if args.json:
+        print(json.dumps({**result, "ok": ok}))
+    else:
+        print(("ok: " if ok else "FAILED: ") + result["detail"])
+    return 0 if ok else 1
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -155,14 +187,22 @@ def _verify(args: argparse.Namespace) -> int:
     steps = [args.step] if args.step is not None else list(reversed(storage.steps()))
     if not steps:
         raise ValueError(f"no checkpoints in {storage.url}")
-    report = {}
+    report, committed = {}, set(storage.committed())
     for step in steps:
         report[step] = storage.verify(step)
+        if step not in committed and not report[step]:
+            report[step] = [f"step {step}: beyond `latest` (a failed or in-progress attempt; never resumed from)"]
     bad = {s: p for s, p in report.items() if p}
     if args.json:
         print(
             json.dumps(
-                {"dir": storage.url, "ok": not bad, "checked": steps, "problems": {str(s): p for s, p in bad.items()}}
+                {
+                    "dir": storage.url,
+                    "ok": not bad,
+                    "checked": steps,
+                    "torn": sorted(s for s in steps if s not in committed),
+                    "problems": {str(s): p for s, p in bad.items()},
+                }
             )
         )
     else:

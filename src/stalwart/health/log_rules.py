@@ -1,4 +1,4 @@
-"""Classify a failed worker from its log: hardware | system | user, and whether to retry.
+"""Classify a failed worker from its log: hardware | system | user | storage, and whether to retry.
 
 A rule table, first match wins, ordered from the most specific evidence (hardware) to the least.
 User errors are not retried: restarting a SyntaxError burns the budget and hides the traceback.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-HARDWARE, SYSTEM, USER = "hardware", "system", "user"
+HARDWARE, SYSTEM, USER, STORAGE = "hardware", "system", "user", "storage"
 
 
 NEVER, ALWAYS, BEFORE_PROGRESS = "never", "always", "before_progress"  # when a match is fatal
@@ -43,6 +43,8 @@ RULES: tuple[Rule, ...] = (
         r"CUDA error: (?:an illegal memory access|unspecified launch failure|"
         r"device-side assert)",
     ),
+    # The checkpoint store failed the job (stalwart.checkpoint.durability): restarting cannot fix storage.
+    _r("storage", STORAGE, r"\bStorageUnavailableError\b", fatal=ALWAYS),
     _r("rollback_limit", USER, r"\b(?:RollbackLimitExceeded|RollbackUnavailable)\b", fatal=ALWAYS),
     _r(
         "oom",

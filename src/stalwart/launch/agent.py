@@ -80,6 +80,7 @@ class StalwartAgent(LocalElasticAgent):
         slowdown: float | None = None,
         join_info: dict[str, Any] | None = None,
         zygote: Zygote | None = None,
+        storage_watch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any] | None]] | None = None,
     ) -> None:
         # Before TorchElastic keeps a reference to the handler: ours tells workers which store to use.
         if not isinstance(spec.rdzv_handler, RoundStoreHandler):
@@ -100,6 +101,7 @@ class StalwartAgent(LocalElasticAgent):
         self._failure_restarts = 0  # restarts after a fault (membership changes do not count)
         self._progressed = False  # any step completed in any attempt (user-error rules need it)
         self.worker_incidents = IncidentTail()
+        self.storage_watch = storage_watch  # the keeper's storage incidents and status (launch.storage_watch)
         self.precheck = precheck  # None: no node check before rendezvous
         self.prechecks: list[dict[str, Any]] = []  # every precheck's result, for the run summary
         self.join_info = join_info or {}
@@ -202,8 +204,9 @@ class StalwartAgent(LocalElasticAgent):
                 result.failures, self._failure_logs(group, result), progress, self._progressed, now, fault_of
             )
             if not incident.retry:
+                what = "storage failure" if incident.cls == "storage" else f"user error ({incident.kind})"
                 print(
-                    f"stalwart: rank {incident.ranks[0]} failed with a user error ({incident.kind}); not "
+                    f"stalwart: rank {incident.ranks[0]} failed with a {what}; not "
                     f"restarting.\n{incident.details['traceback'] or incident.details['evidence']}",
                     file=sys.stderr,
                     flush=True,
@@ -351,6 +354,10 @@ class StalwartAgent(LocalElasticAgent):
 
     def _forward_worker_incidents(self) -> None:
         self.journal.worker_reports(self.worker_incidents.read(self.progress_dir))
+        if self.storage_watch is not None:
+            records, storage = self.storage_watch()
+            self.status.set_storage(storage)
+            self.journal.worker_reports(records)
 
     # -- evidence and membership --------------------------------------------------------------------
     def _worker_pids(self) -> list[int]:

@@ -27,6 +27,8 @@ class Decision:
 
 def decide(incident: Incident, ask_master: Callable[[], dict[str, Any]], local_restarts_left: int) -> Decision:
     """``ask_master`` requests one restart from the job's budget (``MasterClient.request_restart``)."""
+    if not incident.retry and incident.cls == "storage":
+        return Decision(False, reason=f"rank {incident.ranks}: the checkpoint store failed; a restart cannot fix it")
     if not incident.retry:
         return Decision(False, reason=f"rank {incident.ranks} failed with a user error ({incident.kind})")
     try:

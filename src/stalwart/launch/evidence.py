@@ -65,15 +65,18 @@ class IncidentTail:
     """Reads the JSON lines workers append to ``rank*.incidents.jsonl``, each line once: remembers
     the offset per file and leaves a partial last line (a write in progress) for the next read."""
 
-    def __init__(self) -> None:
+    def __init__(self, pattern: str = "rank*.incidents.jsonl") -> None:
         self._offsets: dict[Path, int] = {}
+        self.pattern = pattern
 
     def read(self, directory: Path) -> list[dict[str, Any]]:
         records = []
-        for path in sorted(directory.glob("rank*.incidents.jsonl")):
+        for path in sorted(directory.glob(self.pattern)):
             offset = self._offsets.get(path, 0)
             try:
                 with open(path, "rb") as f:
+                    if os.fstat(f.fileno()).st_size < offset:  # a new file of the same name
+                        offset = 0
                     f.seek(offset)
                     data = f.read()
             except OSError:

@@ -38,6 +38,7 @@ class NodeStatus:
         self._seen_reports: dict[int, int] = {}
         self._member = False  # this node's workers are in the current rendezvous round (else: a spare)
         self._leave: str | None = None
+        self._storage: dict[str, Any] | None = None  # the keeper's checkpoint-store status
 
     def observe(self, progress: list[Progress]) -> None:
         """The monitor's tick: the latest records, and each new step's compute time for the window."""
@@ -52,6 +53,10 @@ class NodeStatus:
         """Workers (re)start with fresh records: report counts start over."""
         with self._lock:
             self._seen_reports.clear()
+
+    def set_storage(self, storage: dict[str, Any] | None) -> None:
+        with self._lock:
+            self._storage = storage
 
     def set_member(self, member: bool) -> None:
         with self._lock:
@@ -84,6 +89,8 @@ class NodeStatus:
                 for p in self._latest
             ]
             body: dict[str, Any] = {"ranks": ranks, "member": self._member}
+            if self._storage is not None:
+                body["storage"] = self._storage
             window = self._close_window()
             if window is not None:
                 body["window"] = window

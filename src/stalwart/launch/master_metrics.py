@@ -7,6 +7,7 @@ latest window) and yields the families below.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -64,8 +65,41 @@ class JournalCollector:
         yield GaugeMetricFamily(
             "stalwart_stragglers", "Nodes flagged as stragglers", value=len(self.state.stragglers.flagged)
         )
+        yield from _storage_families(nodes, time.time())
         yield GaugeMetricFamily(
             "stalwart_master_starts",
             "Times a master served this journal",
             value=self.state.journal.get("master_starts", 1),
         )
+
+
+def _storage_families(nodes: list[dict[str, Any]], now: float) -> Iterator[Any]:
+    """The checkpoint store as the nodes' keepers see it (heartbeat ``progress.storage``): the newest
+    committed step, its age, failed persist attempts and whether storage is failing now."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    seen = [n["progress"]["storage"] for n in nodes if isinstance(n["progress"].get("storage"), dict)]
+    committed = max((s.get("last_committed", -1) for s in seen), default=-1)
+    times = [s["last_commit_time"] for s in seen if isinstance(s.get("last_commit_time"), (int, float))]
+    yield GaugeMetricFamily(
+        "stalwart_checkpoint_last_committed_step", "Newest step committed to storage (-1: none)", value=committed
+    )
+    age = GaugeMetricFamily(
+        "stalwart_checkpoint_last_commit_age_seconds", "Seconds since the newest commit to storage (absent: none yet)"
+    )
+    if times:
+        age.add_metric([], now - max(times))
+    yield age
+    yield CounterMetricFamily(
+        "stalwart_checkpoint_persist_failures",
+        "Failed attempts to write checkpoints to storage (persist, save-on-failure, retention)",
+        value=sum(int(s.get("failures", 0)) for s in seen),
+    )
+    failing = GaugeMetricFamily(
+        "stalwart_checkpoint_storage_failing", "1 while a node's persists fail, by cause", labels=["node", "cause"]
+    )
+    for n in nodes:
+        s = n["progress"].get("storage")
+        if isinstance(s, dict) and not s.get("ok", True):
+            failing.add_metric([n["node_id"], str(s.get("cause"))], 1)
+    yield failing

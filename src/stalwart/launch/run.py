@@ -33,6 +33,7 @@ from stalwart.launch.agent import Incident, NodeEvicted, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.master import Master, load_or_create_token
+from stalwart.launch.storage_watch import StorageWatch
 from stalwart.launch.store import client_rdzv_conf
 
 if TYPE_CHECKING:
@@ -238,6 +239,7 @@ def run(argv: list[str]) -> int:
         local_addr=config.local_addr,
     )
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir)
+    storage_watch = StorageWatch(node_job.root, keeper.status_copy)
     agent = StalwartAgent(
         spec,
         logs_specs,
@@ -253,6 +255,7 @@ def run(argv: list[str]) -> int:
         slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
         join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
         zygote=warm,
+        storage_watch=storage_watch,
     )
     exit_code, evicted = 0, None
     try:
@@ -282,7 +285,13 @@ def run(argv: list[str]) -> int:
         if warm is not None:
             warm.stop()
         keeper.stop()  # after the workers: it saves on failure for those that did not finish
-        summary = {**_summary(client, node_id, exit_code, agent), "evicted": evicted, "prechecks": agent.prechecks}
+        agent.journal.worker_reports(storage_watch()[0])  # what the keeper's final pass reported
+        summary = {
+            **_summary(client, node_id, exit_code, agent),
+            "evicted": evicted,
+            "prechecks": agent.prechecks,
+            "storage": storage_watch.status,
+        }
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=1))
         if master is not None:

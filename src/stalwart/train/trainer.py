@@ -148,6 +148,7 @@ class Trainer:
         if not c.enabled:
             return None
         from stalwart.checkpoint import Checkpointer
+        from stalwart.checkpoint.durability import AtRiskPolicy
 
         out.mkdir(parents=True, exist_ok=True)
         persists = bool(c.persist_every_steps or c.persist_every_s)  # memory-only needs no keeper (multi-node)
@@ -162,6 +163,7 @@ class Trainer:
             keeper_idle_s=c.keeper_idle_s,
             keeper_log=out / "keeper.log",
             keeper=persists,
+            at_risk=AtRiskPolicy(c.max_unpersisted_steps, c.max_unpersisted_s),
         )
 
     # -- one optimizer step --------------------------------------------------------------------
@@ -251,7 +253,7 @@ class Trainer:
             self.metrics.drain(wait=True)
             stalwart.finished()  # teardown below (final persist, hashes) is not a hang
             if self.ckpt is not None:
-                self.ckpt.wait(persist=True)  # the final state is durable before we report success
+                self.ckpt.ensure_durable(self.step)  # the final state is durable before we report success
         except BaseException:
             if self.ckpt is not None:
                 self.ckpt.close(success=False)  # snapshots stay for a restart

@@ -1,0 +1,206 @@
+"""Storage health as the keeper sees it: why a persist failed, when to try again, what to report.
+
+A failed persist (write, fsync, commit, retention, save-on-failure) is classified by its cause —
+``full``, ``permission``, ``unreachable``, ``timeout``, ``torn`` (a write cut short without an OS
+error) or ``error`` — and becomes a ``storage`` incident when a run of failures starts or its cause
+changes (and a ``recovered`` one at the next commit), so the user hears about it once per episode,
+not once per attempt. Retries back off exponentially while training continues from memory. Log lines
+of repeated failures are rate-limited and say how many were folded into them: nothing is hidden, the
+counts are in the keeper's status (and from there in ``/metrics`` and the job report).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("stalwart.checkpoint.keeper")
+
+CAUSES = ("full", "permission", "unreachable", "timeout", "torn", "error")
+INCIDENTS_FILE = "storage.incidents.jsonl"  # in the job's shm directory; the agent forwards each line
+_ERRNO = {
+    errno.ENOSPC: "full",
+    errno.EDQUOT: "full",
+    errno.EFBIG: "full",
+    errno.EACCES: "permission",
+    errno.EPERM: "permission",
+    errno.EROFS: "permission",
+    errno.ETIMEDOUT: "timeout",
+    errno.ECONNREFUSED: "unreachable",
+    errno.ECONNRESET: "unreachable",
+    errno.EHOSTUNREACH: "unreachable",
+    errno.ENETUNREACH: "unreachable",
+    errno.EHOSTDOWN: "unreachable",
+    errno.ENOTCONN: "unreachable",
+}
+# Messages of errors that carry no errno (botocore, aiohttp, torch's zip writer), lower case.
+_TEXT = (
+    ("full", ("no space left", "quota exceeded", "entitytoolarge")),
+    ("permission", ("permission denied", "read-only file system", "accessdenied", "access denied", "forbidden")),
+    ("timeout", ("timed out", "timeout")),
+    ("unreachable", ("could not connect", "connection refused", "endpointconnectionerror", "connection reset")),
+    ("unreachable", ("cannot connect to host", "name or service not known", "connection aborted")),
+    ("torn", ("unexpected pos", "torn", "short write", "incomplete")),
+)
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """The error, its causes and contexts, and the per-rank failures DCP wraps in CheckpointException."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo and len(seen) < 32:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]  # type: ignore[list-item]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+    return seen
+
+
+def classify(err: BaseException) -> str:
+    """The cause of a storage error (one of ``CAUSES``): an errno anywhere in the chain wins, then the
+    error's type and text (object stores and torch's zip writer say it in words)."""
+    chain = _chain(err)
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in _ERRNO:
+            return _ERRNO[e.errno]
+    for e in chain:
+        if isinstance(e, TimeoutError):
+            return "timeout"
+        if isinstance(e, PermissionError):
+            return "permission"
+        if isinstance(e, ConnectionError):
+            return "unreachable"
+    text = " ".join(f"{type(e).__name__} {e}" for e in chain).lower()
+    for cause, needles in _TEXT:
+        if any(n in text for n in needles):
+            return cause
+    return "error"
+
+
+class StorageHealth:
+    """Failures of one keeper's persists, backoff and the records to journal.
+
+    ``backoff_s`` doubles per consecutive failure up to ``max_backoff_s``; ``log_every_s`` rate-limits
+    the log lines of a run of failures with the same cause."""
+
+    def __init__(
+        self,
+        url: str,
+        incidents: Path | None,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self.url, self.incidents = url, incidents
+        self.backoff_s, self.max_backoff_s, self.log_every_s = backoff_s, max_backoff_s, log_every_s
+        self.failures = 0  # all failed attempts, ever
+        self.streak = 0  # consecutive failed attempts since the last commit
+        self.failing_since: float | None = None
+        self.cause: str | None = None
+        self.last_error = ""
+        self.retry_at = 0.0  # monotonic: no new attempt before this
+        self.last_committed = -1
+        self.last_commit_time: float | None = None  # wall clock
+        self._logged_at = 0.0
+        self._folded = 0  # failures not logged since the last line
+
+    def may_try(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self.retry_at
+
+    def failed(self, op: str, step: int | None, err: BaseException) -> str:
+        """Record one failed attempt; logs (rate-limited), journals an incident when a run of failures
+        starts or its cause changes, and sets the next retry time. Returns the cause."""
+        cause = classify(err)
+        new_episode = self.streak == 0 or cause != self.cause
+        self.failures += 1
+        self.streak += 1
+        self.cause, self.last_error = cause, f"{type(err).__name__}: {err}"[:500]
+        self.failing_since = self.failing_since or time.time()
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self.streak - 1))
+        self.retry_at = time.monotonic() + delay
+        now = time.monotonic()
+        if new_episode or now - self._logged_at >= self.log_every_s:
+            folded = f" ({self._folded} more failure(s) since the last report)" if self._folded else ""
+            log.error(
+                "storage %s: %s of step %s to %s failed: %s; training continues from memory, retry in %.0f s "
+                "(failure %d in a row, last committed step: %s)%s",
+                cause,
+                op,
+                step,
+                self.url,
+                self.last_error,
+                delay,
+                self.streak,
+                self.last_committed if self.last_committed >= 0 else "none",
+                folded,
+            )
+            self._logged_at, self._folded = now, 0
+        else:
+            self._folded += 1
+        if new_episode:
+            self._journal(
+                step,
+                {"cause": cause, "op": op, "error": self.last_error, "failures": self.failures, "retry_in_s": delay},
+            )
+        return cause
+
+    def committed(self, step: int) -> None:
+        """A commit succeeded: a run of failures ends with a ``recovered`` record."""
+        if self.streak:
+            down = time.time() - (self.failing_since or time.time())
+            log.warning(
+                "storage recovered: step %d committed to %s after %d failed attempt(s) over %.0f s (%s)",
+                step,
+                self.url,
+                self.streak,
+                down,
+                self.cause,
+            )
+            self._journal(
+                step,
+                {"recovered": True, "cause": self.cause, "failed_attempts": self.streak, "down_s": round(down, 3)},
+            )
+        self.streak, self.failing_since, self.retry_at, self._folded = 0, None, 0.0, 0
+        self.last_committed, self.last_commit_time = max(self.last_committed, step), time.time()
+
+    def status(self) -> dict[str, Any]:
+        """For the keeper's status file: read by the workers (at-risk policy), the agent (console,
+        ``/metrics``, job report) and ``stalwart ckpt``."""
+        return {
+            "url": self.url,
+            "ok": self.streak == 0,
+            "cause": self.cause if self.streak else None,
+            "last_error": self.last_error if self.streak else None,
+            "failures": self.failures,
+            "streak": self.streak,
+            "failing_since": self.failing_since,
+            "last_committed": self.last_committed,
+            "last_commit_time": self.last_commit_time,
+        }
+
+    def _journal(self, step: int | None, detail: dict[str, Any]) -> None:
+        if self.incidents is None:
+            return
+        record = {
+            "kind": "storage",
+            "class": "storage",
+            "time": time.time(),
+            "step": step,
+            "rank": None,
+            "detail": {**detail, "url": self.url, "last_committed": self.last_committed},
+        }
+        try:
+            with open(self.incidents, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            os.chmod(self.incidents, 0o600)
+        except OSError as err:  # shm itself full: the log line above still tells
+            log.warning("could not record the storage incident in %s: %s", self.incidents, err)
