@@ -64,6 +64,7 @@ class TrainConfig:
     log_every: int = 10
     out_dir: str = "runs/debug"
     peak_flops: float = 0.0  # per device, FLOP/s; enables MFU in metrics (0 = unknown)
+    rank_records: bool = True  # every rank writes OUT_DIR/ranks/rank{R}.jsonl (docs/observe.md)
 
 
 @dataclass
