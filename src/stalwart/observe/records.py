@@ -8,9 +8,10 @@ directory, one JSON object per applied step, milliseconds throughout:
 
 A step's record joins two halves that become known at different times on a GPU — its section times
 (CUDA events, resolved a step late) and its loss/grad norm (an asynchronous host copy) — and is
-written once both are in (``flush(force=True)`` writes what is there). Lines are buffered and
-written at most once a second and at ``close``: no system call per step, no network call ever; the
-agent or ``stalwart trace export`` read the files where they lie. ``rank{R}.meta.json`` says where the
+written once both are in (``flush(force=True)`` writes what is there). Each complete record is
+written at once (one ``write`` per step, no fsync: a rank killed by its launcher after a peer died
+must not lose its last steps, the ones a post-mortem needs); no network call ever: the agent or
+``stalwart trace export`` read the files where they lie. ``rank{R}.meta.json`` says where the
 rank sits in the mesh (``coords``), its host and pid, for the merged timeline.
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 RANKS_DIR = "ranks"
-FLUSH_EVERY_S = 1.0
+FLUSH_EVERY_S = 0.0  # write each record as it completes (see above)
 
 
 def records_path(run_dir: str | Path, rank: int) -> Path:
