@@ -287,3 +287,24 @@ def test_set_deterministic_algorithms_sets_the_public_flag() -> None:
 
 
 # --- end of training section ------------------------------------------------------------------
+
+
+def test_flight_recorder_dump_lists_collectives_on_gloo() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from stalwart._compat import flight_recorder_dump
+    from stalwart.dist import init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        group = dist.new_group([0])
+        dist.all_reduce(torch.ones(3), group=group)
+        dist.all_reduce(torch.ones(3), group=group)
+        dump = flight_recorder_dump()
+        mine = [e for e in dump["entries"] if e["process_group"][0] == group.group_name]
+    finally:
+        shutdown()
+    assert [e["collective_seq_id"] for e in mine] == [1, 2]
+    assert all(e["profiling_name"].endswith("all_reduce") and e["input_sizes"] == [[3]] for e in mine)
+    assert all(isinstance(e["retired"], bool) for e in mine)

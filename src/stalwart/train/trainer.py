@@ -37,6 +37,7 @@ from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
 from stalwart.models import build_model, count_params
+from stalwart.observe.flight import start_for_worker
 from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
 from stalwart.train.guard import Verdict
@@ -146,6 +147,9 @@ class Trainer:
             coords=mesh_coords(self.pm.coords),
         )
         runtime.set_section_timer(self.timer)  # stalwart.timer("name") sections join this rank's records
+        # Under `stalwart run`: answers the agent's Flight Recorder requests on a hang (observe.flight).
+        groups = {dim: self.pm.mesh[dim].get_group() for dim in ("dp", "pp", "tp")}
+        self.flight = start_for_worker(groups, mesh_coords(self.pm.coords))
         self.hooks: list[StepHook] = [ChaosLossHook(env.rank)]
         if self.guard is not None:
             self.hooks.append(GuardHook(self.guard, env.world_size))
