@@ -81,3 +81,14 @@ def test_trace_export_has_every_rank_step_and_incident(run_dir: Path, tmp_path: 
     assert any(e.get("cat") == "recovery" for e in events)
     stall = [e for e in events if e["name"] == "forward" and e["pid"] == STALL_RANK + 1 and e["dur"] >= 200e3]
     assert stall, "the stall is on its rank's track"
+
+
+def test_status_after_the_fact(run_dir: Path):
+    status = json.loads(stalwart("status", str(run_dir), "--json").stdout)
+    assert status["state"] == "finished" and not status["live"] and status["step"] == STEPS
+    assert status["tokens_per_s"] > 0 and set(status["ranks"]) == {"0", "1"}
+    [incident] = status["incidents"]
+    assert incident["kind"] == "sigkill" and 0 < incident["detect_s"] <= incident["recover_s"]
+    assert status["restarts_used"] == 1 and [n["step"] for n in status["nodes"]] == [STEPS]
+    text = stalwart("status", str(run_dir)).stdout
+    assert "finished" in text and "sigkill" in text and "recovered in" in text
