@@ -92,3 +92,31 @@ def test_status_after_the_fact(run_dir: Path):
     assert status["restarts_used"] == 1 and [n["step"] for n in status["nodes"]] == [STEPS]
     text = stalwart("status", str(run_dir)).stdout
     assert "finished" in text and "sigkill" in text and "recovered in" in text
+
+
+def test_metrics_histograms_put_the_stall_in_its_bucket(run_dir: Path):
+    """The master (restarted over the job's journal, as after a master failure) serves each rank's
+    forward histogram; rank 1's counts every step, and its highest bucket holds the stall."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from stalwart.launch.master import Master
+
+    token = (run_dir / "token").read_text().strip()
+    master = Master(run_dir / "journal.sqlite", token).start()
+    try:
+        request = urllib.request.Request(master.address + "/metrics", headers={"Authorization": f"Bearer {token}"})
+        text = urllib.request.urlopen(request, timeout=30).read().decode()
+    finally:
+        master.stop()
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "stalwart_rank_section_ms"]
+    forward = {
+        s.labels["le"]: s.value
+        for s in family.samples
+        if s.name.endswith("_bucket") and s.labels["rank"] == str(STALL_RANK) and s.labels["section"] == "forward"
+    }
+    assert forward["+Inf"] >= STEPS, "every step of the rank, across its restart"
+    stalled_ms = {(r["step"], r["rank"]): r["ms"]["forward"] for r in read_records(run_dir)}[(STALL_STEP, STALL_RANK)]
+    top = min(float(le) for le, n in forward.items() if n == forward["+Inf"])  # highest non-empty bucket's bound
+    assert top >= stalled_ms > 200.0 and forward[str(int(top))] - forward.get("200", 0) >= 1

@@ -118,6 +118,7 @@ class StalwartAgent(LocalElasticAgent):
             lambda: self.get_worker_group().state.name,
             heartbeat_s,
             ChaosInbox(chaos_file) if chaos_file is not None else None,
+            hist_dir=self.progress_dir,
         )
 
     # -- lifecycle ------------------------------------------------------------------------------

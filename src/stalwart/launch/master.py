@@ -108,11 +108,13 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
             nonlocal registry
             from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+            from stalwart.launch.master_histograms import SectionHistogramCollector
             from stalwart.launch.master_metrics import JournalCollector
 
             if registry is None:
                 registry = CollectorRegistry(auto_describe=False)
                 registry.register(JournalCollector(state))
+                registry.register(SectionHistogramCollector(state.journal.nodes))
             self._reply(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
 
         def do_GET(self) -> None:

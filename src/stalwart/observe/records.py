@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart.observe.histo import SectionHistograms
+
 RANKS_DIR = "ranks"
 FLUSH_EVERY_S = 0.0  # write each record as it completes (see above)
 
@@ -53,9 +55,20 @@ def sections_ms(sections: dict[str, Any]) -> dict[str, Any]:
 class RankRecords:
     """This rank's record writer (see the module docstring)."""
 
-    def __init__(self, run_dir: str | Path, rank: int, coords: dict[str, int], append: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        rank: int,
+        coords: dict[str, int],
+        append: bool = False,
+        hist_dir: str | Path | None = None,
+    ) -> None:
         self.path = records_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        dirs = [self.path.parent, *([hist_dir] if hist_dir else [])]  # hist_dir: the agent's progress dir
+        self.hist = SectionHistograms(rank, dirs, resume=append)
+        if append:
+            self._catch_up()
         self.rank = rank
         meta = {"rank": rank, "coords": coords, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
         meta_path(run_dir, rank).write_text(json.dumps(meta))
@@ -66,6 +79,20 @@ class RankRecords:
         self._halves: dict[int, int] = {}  # step → halves in (2 = complete)
         self._lines: list[str] = []
         self._flushed = time.monotonic()
+
+    def _catch_up(self) -> None:
+        """A restarted rank: fold into the resumed histograms the records its predecessor wrote after
+        their last publish (from the byte offset they cover: the tail only)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(min(self.hist.offset, os.path.getsize(self.path)))
+            for line in f:
+                try:
+                    self.hist.add(json.loads(line), publish=False)
+                except json.JSONDecodeError:
+                    continue
+            self.hist.offset = f.tell()
 
     def _add(self, step: int, part: dict[str, Any]) -> None:
         record = self._partial.setdefault(step, {"step": step, "rank": self.rank})
@@ -87,9 +114,11 @@ class RankRecords:
 
     def _emit(self, step: int) -> None:
         self._halves.pop(step, None)
-        self._lines.append(json.dumps(self._partial.pop(step)))
+        record = self._partial.pop(step)
+        self._lines.append(json.dumps(record))
         if time.monotonic() - self._flushed >= FLUSH_EVERY_S:
             self.flush()
+        self.hist.add(record)  # after the flush: its offset covers this record
 
     def flush(self, force: bool = False) -> None:
         """Write buffered lines; ``force``: also records still missing a half (a failure, the end)."""
@@ -100,10 +129,12 @@ class RankRecords:
             self._file.write("\n".join(self._lines) + "\n")
             self._file.flush()
             self._lines.clear()
+            self.hist.offset = self._file.tell()
         self._flushed = time.monotonic()
 
     def close(self) -> None:
         self.flush(force=True)
+        self.hist.publish()
         self._file.close()
 
 

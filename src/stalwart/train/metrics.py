@@ -23,6 +23,7 @@ import torch
 import stalwart
 from stalwart.observe.progress import MetricsWriter, ProgressDisplay
 from stalwart.observe.records import RankRecords
+from stalwart.runtime import worker_env
 from stalwart.train.hooks import StepHook, StepStats
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ class MetricsHook(StepHook):
         self._writer = MetricsWriter(self.out / "metrics.jsonl", append=start_step > 0) if self.main else None
         self._display = ProgressDisplay(self.total_steps, start_step, self.log_every, enabled=self.main and progress)
         if self.rank is not None:
-            self._records = RankRecords(self.out, self.rank, self.coords, append=start_step > 0)
+            hist_dir = worker_env().progress_dir  # under `stalwart run`: /metrics histograms
+            self._records = RankRecords(self.out, self.rank, self.coords, append=start_step > 0, hist_dir=hist_dir)
 
     def close(self) -> None:
         if self._display is not None:
