@@ -27,7 +27,7 @@ def test_an_open_hang_is_recovering_with_its_diagnosis():
     assert status["ranks"][1]["step"] == 18
     assert [i["recover_s"] for i in status["incidents"]] == [3.0, None]
     assert status["incidents"][1]["detect_s"] == 4.0 and "rank 3" in status["diagnosis"]
-    assert status["stragglers"] == ["n1"]
+    assert status["stragglers"] == ["n1"] and status["section_stragglers"] == {}
 
 
 def test_a_finished_run_without_a_master():

@@ -7,6 +7,8 @@ import statistics
 import time
 from typing import Any
 
+from stalwart.observe.stragglers import scores
+
 RECENT_STEPS = 10  # tokens/s and MFU: median over the newest records
 
 
@@ -76,6 +78,8 @@ def build_status(
             for rank, r in sorted(latest.items())
         },
     }
+    if records:
+        out["section_stragglers"] = scores(records)["flagged"]  # rank → its slow compute sections
     if master is not None:
         out["job_id"] = master.get("job_id")
         out["restarts_used"] = master.get("restarts_used")

@@ -149,7 +149,7 @@ class Trainer:
         runtime.set_section_timer(self.timer)  # stalwart.timer("name") sections join this rank's records
         # Under `stalwart run`: answers the agent's Flight Recorder requests on a hang (observe.flight).
         groups = {dim: self.pm.mesh[dim].get_group() for dim in ("dp", "pp", "tp")}
-        self.flight = start_for_worker(groups, mesh_coords(self.pm.coords))
+        self.flight = start_for_worker(groups, mesh_coords(self.pm.coords)) if t.flight_dumps else None
         self.hooks: list[StepHook] = [ChaosLossHook(env.rank)]
         if self.guard is not None:
             self.hooks.append(GuardHook(self.guard, env.world_size))
