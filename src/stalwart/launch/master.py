@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from stalwart.launch import dashboard
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
 from stalwart.launch.master_state import ApiError, MasterState
@@ -82,6 +83,9 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
             return body
 
         def _dispatch(self, method: str) -> None:
+            if method == "GET" and self.path == dashboard.PATH:  # a static page, no job data: no token
+                self._reply(HTTPStatus.OK, dashboard.page(), dashboard.CONTENT_TYPE)
+                return
             try:
                 auth = (self.headers.get("Authorization") or "").encode()
                 if not auth:

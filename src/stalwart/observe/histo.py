@@ -35,6 +35,7 @@ class SectionHistograms:
             d.mkdir(parents=True, exist_ok=True)
         self.sections: dict[str, dict[str, Any]] = {}
         self.offset = 0  # bytes of the rank's records file these counts cover (set by RankRecords)
+        self.last: dict[str, Any] = {}  # the newest record's step, loss, tokens/s, MFU (the dashboard's curves)
         self._published = 0.0
         if resume and self.directories:
             self._load(hist_path(self.directories[0], rank))
@@ -48,6 +49,7 @@ class SectionHistograms:
             self.sections, self.offset = body["sections"], int(body.get("offset", 0))
 
     def add(self, record: dict[str, Any], publish: bool = True) -> None:
+        self.last = {k: record[k] for k in ("step", "time", "loss", "tokens_per_s", "mfu") if k in record}
         for name, ms in (record.get("ms") or {}).items():
             h = self.sections.setdefault(name, {"counts": [0] * (len(BUCKETS_MS) + 1), "sum": 0.0, "count": 0})
             h["counts"][next((i for i, b in enumerate(BUCKETS_MS) if ms <= b), len(BUCKETS_MS))] += 1
@@ -62,6 +64,7 @@ class SectionHistograms:
             "buckets_ms": list(BUCKETS_MS),
             "sections": self.sections,
             "offset": self.offset,
+            "last": self.last,
             "time": time.time(),
         }
 
