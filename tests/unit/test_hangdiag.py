@@ -42,3 +42,24 @@ def test_a_rank_without_a_dump_is_named():
 def test_nothing_pending_is_no_hang_in_collectives():
     diag = diagnose({r: _dump(r, [("gloo:all_reduce", [[8]], True)]) for r in (0, 1)}, expected=[0, 1])
     assert diag["stuck"] == [] and diag["desync"] == [] and "no collective is pending" in diag["summary"]
+
+
+def test_the_agent_waits_for_nobody_without_dumpers_and_asks_those_that_run_one(tmp_path):
+    import json
+    import threading
+
+    from stalwart.observe import flight
+    from stalwart.observe.hangdiag import hang_collectives
+
+    assert hang_collectives(tmp_path, [0, 1], timeout_s=60)["summary"] == "no flight-recorder dumper in these ranks"
+    flight.ready_path(tmp_path, 1).write_text("1")
+
+    def answer():  # rank 1's dumper, answering the request as its thread would
+        while not flight.request_path(tmp_path, 1).exists():
+            threading.Event().wait(0.05)
+        body = _dump(1, [("gloo:all_reduce", [[8]], False)]) | {"time": 9e99}
+        flight.dump_path(tmp_path, 1).write_text(json.dumps(body))
+
+    threading.Thread(target=answer, daemon=True).start()
+    diag = hang_collectives(tmp_path, [0, 1], timeout_s=60)
+    assert diag["no_dump"] == [] and diag["stuck"][0]["waiting"] == [1], "rank 0 (no dumper) was not waited for"

@@ -30,6 +30,15 @@ def dump_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.fr.json"
 
 
+def ready_path(directory: str | Path, rank: int) -> Path:
+    """Exists while the rank runs a dumper: the agent asks (and waits for) only those ranks."""
+    return Path(directory) / f"rank{rank}.fr.ready"
+
+
+def with_dumper(directory: str | Path, ranks: list[int]) -> list[int]:
+    return [r for r in ranks if ready_path(directory, r).exists()]
+
+
 def group_table(groups: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{"dp": ProcessGroup, ...}`` → ``{group_name: {"label": "dp", "ranks": [...]}}`` (the names
     in Flight Recorder entries are the groups' ``group_name``)."""
@@ -57,6 +66,7 @@ class FlightDumper:
 
     def start(self) -> FlightDumper:
         threading.Thread(target=self._run, name="stalwart-flight-dumper", daemon=True).start()
+        ready_path(self.directory, self.rank).write_text(str(os.getpid()))
         return self
 
     def stop(self) -> None:

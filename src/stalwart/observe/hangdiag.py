@@ -109,6 +109,10 @@ def summarize(stuck: list[dict[str, Any]], desyncs: list[dict[str, Any]], no_dum
 
 
 def hang_collectives(progress_dir: str | Path, ranks: list[int], timeout_s: float = 3.0) -> dict[str, Any]:
-    """The agent's call on a hang, before it kills the workers: ask its ranks for their Flight Recorder
-    dumps (bounded wait) and diagnose them. Ranks that run no ``FlightDumper`` show as ``no_dump``."""
-    return diagnose(flight.collect(progress_dir, ranks, timeout_s), expected=ranks)
+    """The agent's call on a hang, before it kills the workers: ask its ranks that run a
+    ``FlightDumper`` for their Flight Recorder dumps (bounded wait) and diagnose them; without any
+    such rank (a script that starts none) it returns at once, so a hang's recovery waits for nothing."""
+    asked = flight.with_dumper(progress_dir, ranks)
+    if not asked:
+        return {"stuck": [], "desync": [], "no_dump": [], "summary": "no flight-recorder dumper in these ranks"}
+    return diagnose(flight.collect(progress_dir, asked, timeout_s), expected=asked)
