@@ -1,7 +1,6 @@
 """Four ranks as a 2×2 mesh (pp × dp), each step one all-reduce in its dp group then one in its pp
 group, under `stalwart run` with a Flight Recorder dumper per rank. --stuck-rank R stops entering
-collectives before its dp all-reduce of --at-step (it spins in Python, as a stuck data loader would);
---shape-rank R all-reduces a tensor of another shape there instead (a desync)."""
+collectives before its dp all-reduce of --at-step (it spins in Python, as a stuck data loader would)."""
 
 import argparse
 import time
