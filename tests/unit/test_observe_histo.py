@@ -40,7 +40,8 @@ def test_the_master_exports_per_rank_and_per_node_histograms():
         h.add({"ms": {"forward": ms}})
     nodes = [{"node_id": "n0", "progress": {"hist": {"3": h.to_dict()}}}]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SectionHistogramCollector(lambda: nodes))
+    incidents = [{"fault": 10.0, "detected": 10.5, "first_step": 16.0}, {"fault": 20.0, "detected": 21.5}]
+    registry.register(SectionHistogramCollector(lambda: nodes, lambda: incidents))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     buckets = {
         s.labels["le"]: s.value
@@ -50,3 +51,9 @@ def test_the_master_exports_per_rank_and_per_node_histograms():
     assert buckets["5"] == 1 and buckets["200"] == 1 and buckets["500"] == 2 and buckets["+Inf"] == 2
     node = [s for s in families["stalwart_node_section_ms"].samples if s.name.endswith("_sum")]
     assert node[0].labels == {"node": "n0", "section": "forward"} and node[0].value == 253.0
+    recovery = {
+        s.labels["le"]: s.value for s in families["stalwart_incident_recovery_seconds"].samples if "le" in s.labels
+    }
+    assert recovery["5"] == 0 and recovery["10"] == 1 and recovery["+Inf"] == 1, "the open incident is not counted"
+    detection = [s.value for s in families["stalwart_incident_detection_seconds"].samples if s.name.endswith("_sum")]
+    assert detection == [2.0]

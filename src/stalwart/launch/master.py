@@ -118,7 +118,7 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
             if registry is None:
                 registry = CollectorRegistry(auto_describe=False)
                 registry.register(JournalCollector(state))
-                registry.register(SectionHistogramCollector(state.journal.nodes))
+                registry.register(SectionHistogramCollector(state.journal.nodes, state.journal.incidents))
             self._reply(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
 
         def do_GET(self) -> None:

@@ -1,6 +1,7 @@
 """Per-node and per-rank step/section histograms (ms buckets) on the master's ``/metrics``, from the
 histograms each node's heartbeat carries (``stalwart.observe.histo``; stored with the node's
-progress in the journal, so a restarted master exports them too)."""
+progress in the journal, so a restarted master exports them too), and the journal's incidents as
+detection and recovery time histograms (s)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from stalwart.observe.histo import BUCKETS_MS, cumulative
 
+RECOVERY_BUCKETS_S = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 RANK_FAMILY = "stalwart_rank_section_ms"
 NODE_FAMILY = "stalwart_node_section_ms"
 
@@ -23,8 +25,8 @@ def _merge(into: dict[str, Any], h: dict[str, Any]) -> None:
 class SectionHistogramCollector:
     """A prometheus_client collector over ``nodes()`` (the journal's node rows)."""
 
-    def __init__(self, nodes: Any) -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: Any, incidents: Any = list) -> None:
+        self.nodes, self.incidents = nodes, incidents
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import HistogramMetricFamily
@@ -49,3 +51,14 @@ class SectionHistogramCollector:
                 per_node.add_metric([node["node_id"], section], cumulative(h["counts"]), h["sum"])
         yield per_rank
         yield per_node
+        yield from self._recoveries(HistogramMetricFamily)
+
+    def _recoveries(self, family: Any) -> Iterator[Any]:
+        """Fault → detected and fault → first step after the restart, over the journal's incidents."""
+        spans = {"detection": ("fault", "detected"), "recovery": ("fault", "first_step")}
+        for what, (begin, end) in spans.items():
+            values = [i[end] - i[begin] for i in self.incidents() if i.get(begin) and i.get(end)]
+            counts = [sum(1 for v in values if v <= b) for b in RECOVERY_BUCKETS_S] + [len(values)]
+            h = family(f"stalwart_incident_{what}_seconds", f"Incidents' {what} times (s), from the journal")
+            h.add_metric([], [(str(b), c) for b, c in zip([*RECOVERY_BUCKETS_S, "+Inf"], counts)], sum(values))
+            yield h
