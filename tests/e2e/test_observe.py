@@ -96,7 +96,8 @@ def test_status_after_the_fact(run_dir: Path):
 
 def test_metrics_histograms_put_the_stall_in_its_bucket(run_dir: Path):
     """The master (restarted over the job's journal, as after a master failure) serves each rank's
-    forward histogram; rank 1's counts every step, and its highest bucket holds the stall."""
+    forward histogram as of the node's last heartbeat (up to ~3 s behind the rank: the final steps
+    may be missing); rank 1's counts cover its steps before the restart, the stall among them."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -116,7 +117,7 @@ def test_metrics_histograms_put_the_stall_in_its_bucket(run_dir: Path):
         for s in family.samples
         if s.name.endswith("_bucket") and s.labels["rank"] == str(STALL_RANK) and s.labels["section"] == "forward"
     }
-    assert forward["+Inf"] >= STEPS, "every step of the rank, across its restart"
+    assert forward["+Inf"] >= KILL_STEP, "the restarted rank resumed its predecessor's counts"
     stalled_ms = {(r["step"], r["rank"]): r["ms"]["forward"] for r in read_records(run_dir)}[(STALL_STEP, STALL_RANK)]
     top = min(float(le) for le, n in forward.items() if n == forward["+Inf"])  # highest non-empty bucket's bound
     assert top >= stalled_ms > 200.0 and forward[str(int(top))] - forward.get("200", 0) >= 1
