@@ -238,3 +238,19 @@ def set_deterministic_algorithms() -> None:
 
 
 # --- end of training section ------------------------------------------------------------------
+
+
+# --- flight recorder (hang diagnosis) ----------------------------------------------------------------
+def flight_recorder_dump() -> dict[str, Any]:
+    """This process's PyTorch Flight Recorder ring (every process group's recent collectives with their
+    sequence ids, ops, shapes and whether each finished; on by default, gloo included) as a dict:
+    ``{"entries": [...], "pg_status": {...}, ...}``. The private ``_dump_fr_trace_json`` is the only
+    reader torch has; its ``pg_config`` is empty on gloo, so callers name groups themselves."""
+    import json
+
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    return json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+
+
+# --- end of flight recorder section -----------------------------------------------------------------

@@ -64,6 +64,8 @@ class TrainConfig:
     log_every: int = 10
     out_dir: str = "runs/debug"
     peak_flops: float = 0.0  # per device, FLOP/s; enables MFU in metrics (0 = unknown)
+    rank_records: bool = True  # every rank writes OUT_DIR/ranks/rank{R}.jsonl (docs/observe.md)
+    flight_dumps: bool = True  # under `stalwart run`: answer the agent's Flight Recorder requests on a hang
 
 
 @dataclass

@@ -332,3 +332,24 @@ def test_dcp_writer_threads_outlive_a_failed_write_until_joined(tmp_path: Path) 
     assert stray and not finished, "the extra writer thread still runs after the failure"
     assert _compat.join_checkpoint_writer_threads(30.0) == []
     assert not any(t.is_alive() for t in stray) and finished
+
+
+def test_flight_recorder_dump_lists_collectives_on_gloo() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from stalwart._compat import flight_recorder_dump
+    from stalwart.dist import init_distributed, shutdown
+
+    init_distributed("gloo")
+    try:
+        group = dist.new_group([0])
+        dist.all_reduce(torch.ones(3), group=group)
+        dist.all_reduce(torch.ones(3), group=group)
+        dump = flight_recorder_dump()
+        mine = [e for e in dump["entries"] if e["process_group"][0] == group.group_name]
+    finally:
+        shutdown()
+    assert [e["collective_seq_id"] for e in mine] == [1, 2]
+    assert all(e["profiling_name"].endswith("all_reduce") and e["input_sizes"] == [[3]] for e in mine)
+    assert all(isinstance(e["retired"], bool) for e in mine)

@@ -145,8 +145,8 @@ def test_records_wait_for_their_host_copy_except_at_log_steps(tmp_path: Path, mo
 
         class timer:
             @staticmethod
-            def step_done():
-                return None
+            def resolved():
+                return []
 
     hook = MetricsHook(
         tmp_path,

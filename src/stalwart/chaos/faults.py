@@ -13,7 +13,8 @@ actions  ``kill`` (SIGKILL the calling process), ``segv`` (SIGSEGV), ``exit`` (`
          burn-in computes a wrong result), ``slow:at=precheck:factor=F`` (the burn-in runs F× slower)
          and ``slow:at=node:factor=F`` (the agent duty-cycles its workers with SIGSTOP/SIGCONT so the
          whole node computes F× slower: a straggler); F defaults to 3 for these.
-keys     ``at`` point name (default ``step``; ``loss`` for nan/spike; ``precheck`` for node-fail),
+keys     ``at`` point name (default ``step``; ``loss`` for nan/spike; ``precheck`` for node-fail;
+         ``forward``: inside the step's first forward section, e.g. a stall at an exact step),
          ``rank`` and ``step`` (omitted = any), ``code`` exit code (default 1), ``seconds`` for delay,
          ``factor`` for spike and node slowness, ``once`` (default 1 except for delay)
 

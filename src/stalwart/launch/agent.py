@@ -50,6 +50,7 @@ from stalwart.launch.heartbeat import ChaosInbox, Heartbeat, NodeStatus
 from stalwart.launch.progress import Progress, ProgressReader
 from stalwart.launch.rendezvous import RoundStoreHandler, serve_worker_store
 from stalwart.launch.zygote import Zygote
+from stalwart.observe.hangdiag import hang_collectives
 
 __all__ = ["Incident", "NodeEvicted", "StalwartAgent", "stack_dump"]
 log = logging.getLogger("stalwart.agent")
@@ -119,6 +120,7 @@ class StalwartAgent(LocalElasticAgent):
             lambda: self.get_worker_group().state.name,
             heartbeat_s,
             ChaosInbox(chaos_file) if chaos_file is not None else None,
+            hist_dir=self.progress_dir,
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -319,6 +321,10 @@ class StalwartAgent(LocalElasticAgent):
             [round(silent[r], 1) for r in incident.ranks],
             [round(allowance[r], 1) for r in incident.ranks],
         )
+        incident.details["collectives"] = collectives = hang_collectives(
+            self.progress_dir, [w.global_rank for w in group.workers]
+        )
+        log.error("hang diagnosis:\n%s", collectives["summary"])
         pcontext = _compat.worker_processes(self)
         started = pcontext.pids() if pcontext is not None else {}
         pids = {local: self.worker_pid(pid) for local, pid in started.items()}  # the real workers (warm start)

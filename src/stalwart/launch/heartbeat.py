@@ -20,6 +20,7 @@ from typing import Any
 
 from stalwart.launch.client import MasterClient, MasterError
 from stalwart.launch.progress import Progress
+from stalwart.observe import histo
 
 log = logging.getLogger("stalwart.agent")
 
@@ -140,8 +141,10 @@ class Heartbeat:
         worker_state: Callable[[], str],
         interval_s: float = 1.0,
         chaos: ChaosInbox | None = None,
+        hist_dir: Path | None = None,
     ) -> None:
         self.master, self.node_id, self.status = master, node_id, status
+        self.hist_dir = hist_dir  # the ranks' step/section histograms (observe.histo), for /metrics
         self.local_world_size = local_world_size
         self.worker_state = worker_state
         self.interval_s = interval_s
@@ -164,6 +167,8 @@ class Heartbeat:
     def beat(self) -> None:
         """Send one heartbeat; apply what the reply brings (injected faults, eviction)."""
         body = {"state": self.worker_state(), **self.status.report(time.time())}
+        if self.hist_dir is not None:
+            body["hist"] = histo.read_node(self.hist_dir)
         beat: dict[str, Any] = {"node_id": self.node_id, "progress": body}
         if self.chaos is not None:
             beat["chaos_after"] = self.chaos.seen

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from stalwart.launch import dashboard
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
 from stalwart.launch.master_state import ApiError, MasterState
@@ -82,6 +83,9 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
             return body
 
         def _dispatch(self, method: str) -> None:
+            if method == "GET" and self.path == dashboard.PATH:  # a static page, no job data: no token
+                self._reply(HTTPStatus.OK, dashboard.page(), dashboard.CONTENT_TYPE)
+                return
             try:
                 auth = (self.headers.get("Authorization") or "").encode()
                 if not auth:
@@ -108,11 +112,13 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
             nonlocal registry
             from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+            from stalwart.launch.master_histograms import SectionHistogramCollector
             from stalwart.launch.master_metrics import JournalCollector
 
             if registry is None:
                 registry = CollectorRegistry(auto_describe=False)
                 registry.register(JournalCollector(state))
+                registry.register(SectionHistogramCollector(state.journal.nodes, state.journal.incidents))
             self._reply(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
 
         def do_GET(self) -> None:

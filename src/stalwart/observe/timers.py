@@ -1,15 +1,18 @@
 """Section timers for the training step: where a step's time goes, at ~1 µs per section, no host sync.
 
     timer = SectionTimer(device)
+    timer.begin_step(step)          # optional: tags the step and anchors its spans
     with timer.section("forward"): ...
     with timer.section("comm_wait", compute=False): ...
     sections = timer.step_done()   # {"forward": 0.012, ..., "compute_s": ..., "wait_s": ...} or None
 
-On the CPU, sections are timed with perf_counter and ``step_done`` returns this step's times. On
-CUDA, sections record events on the current stream and are resolved *late*: ``step_done`` returns
+On the CPU, sections are timed with ``perf_counter_ns`` and ``step_done`` returns this step's times.
+On CUDA, sections record events on the current stream and are resolved *late*: ``step_done`` returns
 the times of the newest earlier step whose events the GPU has passed (``Event.query``, which never
-waits) — normally the previous step — or None when none has finished yet. Nothing here synchronises,
-so the host keeps queueing work ahead of the GPU.
+waits) — normally the previous step — or None when none has finished yet; ``resolved()`` returns
+every finished step, oldest first. Nothing here synchronises, so the host keeps queueing work ahead
+of the GPU. After ``begin_step`` a result also carries ``step`` and ``spans``: ``[name, start_ms,
+dur_ms]`` per section occurrence, from the step's first section (for the merged timeline).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-Section = tuple[str, bool, Any, Any]  # name, counts as compute, start event, end event
+Section = tuple[str, bool, Any, Any]  # name, counts as compute, start, end (ns on the CPU, events on CUDA)
 
 
 def summarize(totals: dict[str, float], wait: set[str]) -> dict[str, float]:
@@ -36,10 +39,14 @@ def summarize(totals: dict[str, float], wait: set[str]) -> dict[str, float]:
 class SectionTimer:
     def __init__(self, device: torch.device | None = None) -> None:
         self.cuda = device is not None and device.type == "cuda"
-        self._open: list[Section] = []  # CUDA: this step's sections
-        self._pending: deque[list[Section]] = deque()  # CUDA: finished steps not yet resolved
-        self._totals: dict[str, float] = {}
-        self._wait: set[str] = set()
+        self._open: list[Section] = []  # this step's sections
+        self._step: int | None = None  # set by begin_step
+        self._pending: deque[tuple[int | None, list[Section]]] = deque()  # CUDA: finished, unresolved
+
+    def begin_step(self, step: int) -> None:
+        """The step the next sections belong to (a step abandoned before ``step_done`` is dropped)."""
+        self._open.clear()
+        self._step = step
 
     @contextlib.contextmanager
     def section(self, name: str, compute: bool = True) -> Iterator[None]:
@@ -52,40 +59,50 @@ class SectionTimer:
                 end.record()
                 self._open.append((name, compute, start, end))
             return
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         try:
             yield
         finally:
-            self._add(name, compute, time.perf_counter() - t0)
-
-    def _add(self, name: str, compute: bool, seconds: float) -> None:
-        self._totals[name] = self._totals.get(name, 0.0) + seconds
-        if not compute:
-            self._wait.add(name)
+            self._open.append((name, compute, t0, time.perf_counter_ns()))
 
     def discard(self) -> None:
         """Forget the current step's sections (a step that was not applied belongs to no step)."""
         self._open.clear()
-        self._totals.clear()
-        self._wait.clear()
 
-    def step_done(self) -> dict[str, float] | None:
+    def _resolve(self, step: int | None, sections: list[Section]) -> dict[str, Any]:
+        totals: dict[str, float] = {}
+        wait: set[str] = set()
+        spans: list[list[Any]] = []
+        first = sections[0][2] if sections else None
+        for name, compute, start, end in sections:
+            if self.cuda:
+                begin_ms, dur_ms = first.elapsed_time(start), start.elapsed_time(end)
+            else:
+                begin_ms, dur_ms = (start - first) / 1e6, (end - start) / 1e6
+            totals[name] = totals.get(name, 0.0) + dur_ms / 1e3
+            spans.append([name, round(begin_ms, 3), round(dur_ms, 3)])
+            if not compute:
+                wait.add(name)
+        out: dict[str, Any] = summarize(totals, wait)
+        if step is not None:
+            out["step"], out["spans"] = step, spans
+        return out
+
+    def resolved(self) -> list[dict[str, Any]]:
+        """End of a step: the results of every step now resolved, oldest first (CPU: this one)."""
+        sections, self._open = self._open, []
+        step, self._step = self._step, None
+        if not self.cuda:
+            return [self._resolve(step, sections)]
+        if sections:
+            self._pending.append((step, sections))
+        out = []
+        while self._pending and self._pending[0][1][-1][3].query():
+            out.append(self._resolve(*self._pending.popleft()))
+        return out
+
+    def step_done(self) -> dict[str, Any] | None:
         """End of a step. CPU: its seconds per section plus ``compute_s`` and ``wait_s``. CUDA: those of
         the newest earlier step the GPU has finished, or None (never waits)."""
-        if not self.cuda:
-            out = summarize(self._totals, self._wait)
-            self.discard()
-            return out
-        if self._open:
-            self._pending.append(self._open)
-            self._open = []
-        latest = None
-        while self._pending and self._pending[0][-1][3].query():
-            totals: dict[str, float] = {}
-            wait: set[str] = set()
-            for name, compute, start, end in self._pending.popleft():
-                totals[name] = totals.get(name, 0.0) + start.elapsed_time(end) / 1e3
-                if not compute:
-                    wait.add(name)
-            latest = summarize(totals, wait)
-        return latest
+        done = self.resolved()
+        return done[-1] if done else None

@@ -46,6 +46,7 @@ from stalwart.runtime.progress import (
     report,
     writer,
 )
+from stalwart.runtime.sections import set_section_timer, timer
 
 
 def reset() -> None:
@@ -89,6 +90,8 @@ __all__ = [
     "record_path",
     "report",
     "reset",
+    "set_section_timer",
+    "timer",
     "worker_env",
     "writer",
 ]

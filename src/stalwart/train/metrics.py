@@ -11,6 +11,7 @@ detection (``compute_s`` comes from the section timer, itself resolved late on C
 
 from __future__ import annotations
 
+import resource
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ import torch
 
 import stalwart
 from stalwart.observe.progress import MetricsWriter, ProgressDisplay
+from stalwart.observe.records import RankRecords
+from stalwart.runtime import worker_env
 from stalwart.train.hooks import StepHook, StepStats
 
 if TYPE_CHECKING:
@@ -57,11 +60,14 @@ class _Pending:
     step: int
     values: HostCopy  # loss, grad norm, aux loss
     record: dict[str, Any]  # everything already known on the host
+    rank_values: dict[str, Any]  # this rank's own: step start, host sections, memory
 
 
 @dataclass
 class MetricsHook(StepHook):
-    """Builds one record per applied step; rank 0 writes them to ``metrics.jsonl`` and the console."""
+    """Builds one record per applied step; rank 0 writes them to ``metrics.jsonl`` and the console,
+    and with ``rank`` given every rank its own (``stalwart.observe.records``): sections in ms, loss,
+    grad norm, lr, tokens/s, MFU, memory."""
 
     out: Path
     total_steps: int
@@ -72,31 +78,42 @@ class MetricsHook(StepHook):
     peak_flops: float | None
     main: bool
     moe: bool = False
+    rank: int | None = None  # None: no per-rank records
+    coords: dict[str, int] = field(default_factory=dict)  # the rank's mesh coordinates, for the timeline
     step_times: list[float] = field(default_factory=list)
     last_loss: float | None = None  # of the newest written record
     _pending: deque[_Pending] = field(default_factory=deque)
     _rollback: dict[str, Any] | None = None
     _writer: MetricsWriter | None = None
     _display: ProgressDisplay | None = None
+    _records: RankRecords | None = None
     _t0: float = 0.0
+    _wall0: float = 0.0
 
     def open(self, start_step: int, progress: bool = True) -> None:
         """Start writing (rank 0): appends when resuming — steps redone after a restart appear again
         (the later record wins); ``progress``: the console display."""
         self._writer = MetricsWriter(self.out / "metrics.jsonl", append=start_step > 0) if self.main else None
         self._display = ProgressDisplay(self.total_steps, start_step, self.log_every, enabled=self.main and progress)
+        if self.rank is not None:
+            hist_dir = worker_env().progress_dir  # under `stalwart run`: /metrics histograms
+            self._records = RankRecords(self.out, self.rank, self.coords, append=start_step > 0, hist_dir=hist_dir)
 
     def close(self) -> None:
         if self._display is not None:
             self._display.close()
         if self._writer is not None:
             self._writer.close()
+        if self._records is not None:
+            self._records.close()
 
     def note_rollback(self, entry: dict[str, Any]) -> None:
         """Attach a rollback to the next step's record (every record stays a step record)."""
         self._rollback = entry
 
     def before_step(self, trainer: Trainer, step: int) -> None:
+        trainer.timer.begin_step(step)
+        self._wall0 = time.time()
         self._t0 = time.perf_counter()
 
     def after_step(self, trainer: Trainer, stats: StepStats) -> None:
@@ -116,11 +133,22 @@ class MetricsHook(StepHook):
         }
         if self._rollback is not None:
             record["rollback"], self._rollback = self._rollback, None
+        rank_values = {
+            "time": self._wall0,
+            "ms": {"checkpoint": round(stats.checkpoint_s * 1e3, 3), "step": round(dt * 1e3, 3)},
+            "mem_mb": memory_mb(stats.loss.device),
+        }
         values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
-        self._pending.append(_Pending(stats.step, HostCopy(values), record))
+        self._pending.append(_Pending(stats.step, HostCopy(values), record, rank_values))
         log_step = stats.step % self.log_every == 0 or stats.step == self.total_steps
         self.drain(wait=log_step)
-        sections = trainer.timer.step_done()
+        done = trainer.timer.resolved()
+        if self._records is not None:
+            for resolved in done:
+                self._records.add_sections(resolved)
+            if log_step:
+                self._records.flush()
+        sections = done[-1] if done else None
         known = self.last_loss if not self._pending and self.last_loss is not None else None
         stalwart.report(stats.step, loss=known, compute_s=sections["compute_s"] if sections else None)
 
@@ -137,3 +165,18 @@ class MetricsHook(StepHook):
                 self._writer.write(record)
             if self._display is not None:
                 self._display.update(record)
+            if self._records is not None:
+                keys = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu")
+                self._records.add_values(
+                    p.step, {**{k: record[k] for k in keys}, "tokens": self.tokens_per_step, **p.rank_values}
+                )
+        if wait and self._records is not None:
+            self._records.flush()
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank in MiB: allocated on CUDA (a host-side counter: no sync), peak RSS on
+    the CPU."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

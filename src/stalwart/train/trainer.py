@@ -30,13 +30,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import stalwart
-from stalwart import chaos
+from stalwart import chaos, runtime
 from stalwart._compat import set_deterministic_algorithms
 from stalwart.config import Config
 from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
 from stalwart.models import build_model, count_params
+from stalwart.observe.flight import start_for_worker
 from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
 from stalwart.train.guard import Verdict
@@ -44,6 +45,7 @@ from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepH
 from stalwart.train.metrics import MetricsHook
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallel import build_mesh, parallelize
+from stalwart.train.parallel.mesh import Coords
 from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.resolve import rank0_plan, resolve
 from stalwart.utils import state_dict_hash
@@ -61,6 +63,11 @@ def configure_determinism(cfg: Config, env: DistEnv) -> None:
         if env.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
+
+
+def mesh_coords(c: Coords) -> dict[str, int]:
+    """The rank's coordinates for its records and its track in the merged timeline."""
+    return {"dp": c.dp_rank, "pp": c.pp_rank, "tp": c.tp_rank}
 
 
 class Trainer:
@@ -105,6 +112,7 @@ class Trainer:
         )
         self.step = 0
         self.timer = SectionTimer(env.device)
+        self._forward_fault: Any = None  # chaos at point "forward" for the step under way
         self.flops_per_token = flops_per_token(
             self.n_params, self.model_args.n_layers, self.model_args.dim, cfg.data.seq_len
         )
@@ -135,7 +143,13 @@ class Trainer:
             t.peak_flops,
             env.is_main,
             moe=self.pm.has_moe,
+            rank=env.rank if t.rank_records else None,
+            coords=mesh_coords(self.pm.coords),
         )
+        runtime.set_section_timer(self.timer)  # stalwart.timer("name") sections join this rank's records
+        # Under `stalwart run`: answers the agent's Flight Recorder requests on a hang (observe.flight).
+        groups = {dim: self.pm.mesh[dim].get_group() for dim in ("dp", "pp", "tp")}
+        self.flight = start_for_worker(groups, mesh_coords(self.pm.coords)) if t.flight_dumps else None
         self.hooks: list[StepHook] = [ChaosLossHook(env.rank)]
         if self.guard is not None:
             self.hooks.append(GuardHook(self.guard, env.world_size))
@@ -183,12 +197,14 @@ class Trainer:
         pm.begin_step(n)
         if pm.pipeline is not None:  # forward, backward and P2P waits interleave: one compute section
             with self.timer.section("pipeline"), self._autocast():
+                self._stall()
                 return pm.mean_over_dp(pm.pipeline.step(inputs, targets, n, self._on_loss))
         total = torch.zeros((), dtype=torch.float32, device=pm.device)
         mb = pm.options.micro_batch
         for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
             with pm.micro_batch(last=i == n - 1):
                 with self.timer.section("forward"), self._autocast():
+                    self._stall()
                     loss = self._on_loss(lm_loss(pm.parts[0](x), y) / n)
                 with self.timer.section("backward", compute=False):  # waits on gradient reduction
                     loss.backward()
@@ -202,11 +218,13 @@ class Trainer:
         step = self.step + 1
         for hook in self.hooks:
             hook.before_step(self, step)
+        self._forward_fault = chaos.due("forward", step=step, rank=self.env.rank)
         self.pm.train()
         with self.timer.section("data"):
             inputs, targets = self.dataset.batch(self.sampler.next_batch(self.pm.dp_rank, self.pm.dp_size))
         loss = self.forward_backward(inputs, targets)
-        grad_norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
+        with self.timer.section("grad_clip", compute=False):  # the norm's all-reduce
+            grad_norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
         stats = StepStats(step, loss, grad_norm, self._aux_loss(), self.scheduler.get_last_lr()[0])
         for hook in self.hooks:
             verdict = hook.after_backward(self, stats)
@@ -221,6 +239,13 @@ class Trainer:
         for hook in self.hooks:
             hook.after_step(self, stats)
         return stats
+
+    def _stall(self) -> None:
+        """STALWART_CHAOS ``delay:at=forward`` fires inside this step's first forward (or pipeline)
+        section: a slow computation at exactly (step, rank)."""
+        fault, self._forward_fault = self._forward_fault, None
+        if fault is not None:
+            fault.fire()
 
     def _on_loss(self, loss: torch.Tensor) -> torch.Tensor:
         for hook in self.hooks:

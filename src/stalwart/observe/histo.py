@@ -1,0 +1,100 @@
+"""Per-rank step/section histograms (ms buckets) for the master's ``/metrics``.
+
+Each rank folds its step records into cumulative histograms and replaces ``rank{R}.hist.json`` in
+its records directory and, under `stalwart run`, in ``PROGRESS_DIR`` at most every ``PUBLISH_S``
+(local files, no network call). A restarted rank resumes from the records directory's copy (the
+agent wipes PROGRESS_DIR on a restart), so the counts stay cumulative over restarts; the node
+agent's heartbeat carries its ranks' PROGRESS_DIR files to the master, which exports them as Prometheus
+histograms per node and rank. Buckets are in milliseconds: Prometheus' 15-60 s scrapes still see a
+single 200 ms stall, in its bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)  # plus +Inf
+PUBLISH_S = 2.0
+
+
+def hist_path(directory: str | Path, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.hist.json"
+
+
+class SectionHistograms:
+    """Cumulative per-section histograms of one rank: ``counts[i]`` = samples ≤ ``BUCKETS_MS[i]``'s
+    bucket (non-cumulative per bucket; the last is +Inf), plus sum and count."""
+
+    def __init__(self, rank: int, directories: list[str | Path] | None = None, resume: bool = False) -> None:
+        self.rank, self.directories = rank, [Path(d) for d in directories or []]
+        for d in self.directories:
+            d.mkdir(parents=True, exist_ok=True)
+        self.sections: dict[str, dict[str, Any]] = {}
+        self.offset = 0  # bytes of the rank's records file these counts cover (set by RankRecords)
+        self.last: dict[str, Any] = {}  # the newest record's step, loss, tokens/s, MFU (the dashboard's curves)
+        self._published = 0.0
+        if resume and self.directories:
+            self._load(hist_path(self.directories[0], rank))
+
+    def _load(self, path: Path) -> None:
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        if body.get("buckets_ms") == list(BUCKETS_MS):
+            self.sections, self.offset = body["sections"], int(body.get("offset", 0))
+
+    def add(self, record: dict[str, Any], publish: bool = True) -> None:
+        self.last = {k: record[k] for k in ("step", "time", "loss", "tokens_per_s", "mfu") if k in record}
+        for name, ms in (record.get("ms") or {}).items():
+            h = self.sections.setdefault(name, {"counts": [0] * (len(BUCKETS_MS) + 1), "sum": 0.0, "count": 0})
+            h["counts"][next((i for i, b in enumerate(BUCKETS_MS) if ms <= b), len(BUCKETS_MS))] += 1
+            h["sum"] += ms
+            h["count"] += 1
+        if publish and self.directories and time.monotonic() - self._published >= PUBLISH_S:
+            self.publish()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "buckets_ms": list(BUCKETS_MS),
+            "sections": self.sections,
+            "offset": self.offset,
+            "last": self.last,
+            "time": time.time(),
+        }
+
+    def publish(self) -> None:
+        """Replace the rank's histogram files (atomic: the agent never reads half of one)."""
+        text = json.dumps(self.to_dict())
+        for directory in self.directories:
+            path = hist_path(directory, self.rank)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        self._published = time.monotonic()
+
+
+def read_node(directory: str | Path) -> dict[str, dict[str, Any]]:
+    """The agent side: rank (as a string, JSON keys) → its latest histograms."""
+    out = {}
+    for path in sorted(Path(directory).glob("rank*.hist.json")):
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        out[str(body["rank"])] = body
+    return out
+
+
+def cumulative(counts: list[int]) -> list[tuple[str, int]]:
+    """Prometheus buckets: (le, cumulative count), +Inf last."""
+    out, total = [], 0
+    for le, n in zip([*map(str, BUCKETS_MS), "+Inf"], counts):
+        total += n
+        out.append((le, total))
+    return out

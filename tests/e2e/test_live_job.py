@@ -1,0 +1,139 @@
+"""A running `stalwart run` job with an injected fault, seen from outside as an operator would: the
+master's dashboard in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by
+selenium) renders the incident and the curves; a real Prometheus (Debian's `prometheus`, bearer-token
+scrape config) scrapes the per-rank section histograms. Screenshots go to $STALWART_TEST_ARTIFACTS
+(default: the test's tmp dir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.fixture(scope="module")
+def job(stdlib_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(run dir, master address, token) of a job that loses rank 1 at step 6 and recovers."""
+    tmp = tmp_path_factory.mktemp("live")
+    run = tmp / "run"
+    cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
+    cmd += ["--run-dir", str(run), "--chaos", "kill:rank=1:step=6", "-m", "stalwart", "train"]
+    cmd += ["--config", "configs/debug.toml", f"--data.dir={stdlib_data}", "--data.seq_len=32", "--train.steps=2000"]
+    cmd += [f"--train.out_dir={run}/train", "--checkpoint.enabled=true", f"--checkpoint.dir={tmp / 'ckpt'}"]
+    env = dict(os.environ, STALWART_CHAOS_DIR=str(tmp / "chaos"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / "master.json").exists() or not (run / "token").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not start its master"
+            time.sleep(0.2)
+        yield run, json.loads((run / "master.json").read_text())["address"], (run / "token").read_text().strip()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def _artifacts(tmp_path: Path) -> Path:
+    path = Path(os.environ.get("STALWART_TEST_ARTIFACTS") or tmp_path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.mark.skipif(CHROMIUM is None or DRIVER is None, reason="needs Debian's chromium and chromium-driver")
+def test_dashboard_shows_the_incident_and_curves(job, tmp_path: Path):
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, address, token = job
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1300,1000"):
+        options.add_argument(flag)
+    options.binary_location = CHROMIUM
+    browser = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
+    try:
+        browser.get(address + "/dashboard")  # no token in the URL: the page asks for it
+        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "token").is_displayed())
+        browser.find_element(By.ID, "token").send_keys(token)
+        browser.find_element(By.CSS_SELECTOR, "#login button").click()
+
+        def rendered(b) -> bool:  # read in one script: the page re-renders every 2 s (stale elements)
+            seen = b.execute_script(
+                "return {rows: [...document.querySelectorAll('#incidents tr.incident')].map(r => r.innerText),"
+                " points: Object.fromEntries([...document.querySelectorAll('#curves svg')].map("
+                "c => [c.dataset.curve, Number(c.dataset.points)]))}"
+            )
+            recovered = any("sigkill" in r and "open" not in r for r in seen["rows"])
+            points = seen["points"]
+            return recovered and points.get("loss", 0) >= 3 and points.get("ms_forward", 0) >= 2
+
+        try:
+            WebDriverWait(browser, 150, poll_frequency=1).until(rendered)
+        finally:
+            browser.save_screenshot(str(_artifacts(tmp_path) / "dashboard.png"))
+        text = browser.execute_script("return document.body.innerText")
+        assert "sigkill" in text and "alive" in text
+    finally:
+        browser.quit()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # Prometheus cannot report a port it picked itself
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus")
+def test_prometheus_scrapes_the_section_histograms(job, tmp_path: Path):
+    _, address, token = job
+    target = urllib.parse.urlparse(address).netloc
+    (tmp_path / "token").write_text(token)
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: stalwart\n"
+        f"    authorization: {{type: Bearer, credentials_file: {tmp_path / 'token'}}}\n"
+        f"    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = _free_port()
+    cmd = [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}"]
+    cmd += [f"--web.listen-address=127.0.0.1:{port}"]
+    prom = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    query = 'sum by (rank) (stalwart_rank_section_ms_count{section="forward"})'
+    try:
+        deadline = time.monotonic() + 90
+        result: list = []
+        while time.monotonic() < deadline and len(result) < 2:
+            time.sleep(1)
+            try:
+                url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+                result = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
+            except OSError:
+                continue
+        assert sorted(r["metric"]["rank"] for r in result) == ["0", "1"], "both ranks' histograms scraped"
+        assert all(float(r["value"][1]) >= 1 for r in result)
+        up = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query=up", timeout=5).read()
+        assert json.loads(up)["data"]["result"][0]["value"][1] == "1", "scraped with the bearer token"
+    finally:
+        prom.terminate()
+        prom.wait(30)

@@ -1,0 +1,59 @@
+"""Step/section histograms: ms buckets, cumulative over a rank's restarts, exported by the master."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stalwart.launch.master_histograms import RANK_FAMILY, SectionHistogramCollector
+from stalwart.observe import histo
+from stalwart.observe.records import RankRecords
+
+
+def _write(rec: RankRecords, step: int, forward_ms: float) -> None:
+    rec.add_values(step, {"time": float(step), "ms": {"step": forward_ms + 5.0}})
+    rec.add_sections({"step": step, "forward": forward_ms / 1e3, "compute_s": forward_ms / 1e3, "wait_s": 0.0})
+
+
+def test_counts_survive_a_restart_including_steps_after_the_last_publish(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(histo, "PUBLISH_S", 1e9)  # publish once (the first record), never again
+    rec = RankRecords(tmp_path, 1, {}, hist_dir=tmp_path / "progress0")
+    for step, ms in enumerate([3.0, 250.0, 4.0], 1):  # the 250 ms stall lands after the only publish
+        _write(rec, step, ms)
+    # killed: no close(); the agent wipes its progress dir on a restart
+    again = RankRecords(tmp_path, 1, {}, append=True, hist_dir=tmp_path / "progress1")
+    _write(again, 4, 6.0)
+    again.close()
+    body = json.loads(histo.hist_path(tmp_path / "progress1", 1).read_text())
+    forward = body["sections"]["forward"]
+    assert forward["count"] == 4 and sum(forward["counts"]) == 4
+    le = dict(zip([*histo.BUCKETS_MS, "inf"], forward["counts"]))
+    assert le[5] == 2 and le[10] == 1 and le[500] == 1, "the stall is in the (200, 500] ms bucket"
+
+
+def test_the_master_exports_per_rank_and_per_node_histograms():
+    h = histo.SectionHistograms(3)
+    for ms in (3.0, 250.0):
+        h.add({"ms": {"forward": ms}})
+    nodes = [{"node_id": "n0", "progress": {"hist": {"3": h.to_dict()}}}]
+    registry = CollectorRegistry(auto_describe=False)
+    incidents = [{"fault": 10.0, "detected": 10.5, "first_step": 16.0}, {"fault": 20.0, "detected": 21.5}]
+    registry.register(SectionHistogramCollector(lambda: nodes, lambda: incidents))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    buckets = {
+        s.labels["le"]: s.value
+        for s in families[RANK_FAMILY].samples
+        if s.name.endswith("_bucket") and s.labels["rank"] == "3" and s.labels["section"] == "forward"
+    }
+    assert buckets["5"] == 1 and buckets["200"] == 1 and buckets["500"] == 2 and buckets["+Inf"] == 2
+    node = [s for s in families["stalwart_node_section_ms"].samples if s.name.endswith("_sum")]
+    assert node[0].labels == {"node": "n0", "section": "forward"} and node[0].value == 253.0
+    recovery = {
+        s.labels["le"]: s.value for s in families["stalwart_incident_recovery_seconds"].samples if "le" in s.labels
+    }
+    assert recovery["5"] == 0 and recovery["10"] == 1 and recovery["+Inf"] == 1, "the open incident is not counted"
+    detection = [s.value for s in families["stalwart_incident_detection_seconds"].samples if s.name.endswith("_sum")]
+    assert detection == [2.0]
