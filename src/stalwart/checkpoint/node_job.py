@@ -126,6 +126,12 @@ class NodeJob:
         policy = job.get("policy") or {}
         return bool(job.get("keeper", True) and (policy.get("persist_every_steps") or policy.get("persist_every_s")))
 
+    def spans_nodes(self) -> bool:
+        """True when other nodes hold some of the job's ranks (``job.json`` lists this node's only)."""
+        job = self.job()
+        ranks, world = job.get("ranks"), job.get("world_size")
+        return bool(ranks and world and len(ranks) < int(world))
+
     # -- the steps held ---------------------------------------------------------------------------------
     def world(self) -> int | None:
         """The world size of the newest attached workers (from any rank's owner record)."""
