@@ -5,11 +5,13 @@ the load generator itself can do on this machine.
 
     python benchmarks/control_plane.py [--json] [--agents 1000 2000] [--seconds 20]
 
-Each agent is a coroutine of one asyncio load generator (its own process): it joins, then sends a
-heartbeat every second (first one at a random offset in the first second), each on a new connection,
-as the agent's urllib client does; a request counts as an error on a connection error, a status other
-than 200, or no answer in 5 s. Reported per N: heartbeats answered per second (offered: N/s), errors, p50/p99
-latency of answered heartbeats (ms), and the master's peak RSS (MiB, sampled every 0.5 s).
+Each agent is a coroutine of one asyncio load generator (its own process): agents start spread over
+``--ramp-s``, join (retrying with backoff, as the agent's client does; failed attempts are reported as
+join errors), then send a heartbeat every second (the first at a random offset in the first second),
+each on a new connection, as the agent's urllib client does; a heartbeat counts as an error on a
+connection error, a status other than 200, or no answer in 5 s. Reported per N: heartbeats answered
+per second (offered: N/s), errors, p50/p99 latency of answered heartbeats (ms), and the master's peak
+RSS (MiB, sampled every 0.5 s).
 Measurement only: issue #16 item 3 (an event-loop master) is not built; acceptance there is
 2,000 agents with p99 < 100 ms, 0 errors and RSS < 1 GiB.
 """
@@ -40,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--agents", type=int, nargs="+", default=[1000, 2000], help="agent counts (default 1000 2000)")
     p.add_argument("--seconds", type=float, default=20.0, help="heartbeat phase per count (default 20)")
+    p.add_argument("--ramp-s", type=float, default=10.0, help="agents start spread over this (default 10)")
     p.add_argument("--target", choices=("master", "baseline", "both"), default="both")
     return p.parse_args(argv)
 
@@ -100,13 +103,26 @@ async def post(port: int, path: str, body: dict[str, Any]) -> int:
         writer.close()
 
 
-async def agent(port: int, i: int, seconds: float, lat: list[float], errors: list[str]) -> None:
-    """Join, then heartbeat at 1 Hz for ``seconds`` (the window starts after this agent's join)."""
+async def join(port: int, node: str, errors: list[str]) -> bool:
+    """Join with retries and backoff, as the agent's client does; failed attempts count as join errors."""
+    deadline, delay = time.monotonic() + 120, 0.5
+    while time.monotonic() < deadline:
+        try:
+            body = {"node_id": node, "host": "sim", "nproc": 8}
+            if await asyncio.wait_for(post(port, "/v1/nodes/join", body), TIMEOUT_S) == 200:
+                return True
+        except Exception as err:
+            errors.append(f"join {type(err).__name__}")
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, 8.0)
+    return False
+
+
+async def agent(port: int, i: int, n: int, ramp_s: float, seconds: float, lat: list[float], errors: list[str]) -> None:
+    """Start at ``i/n`` of the ramp, join, then heartbeat at 1 Hz for ``seconds`` (from its own join)."""
     node = f"sim{i:05d}"
-    try:
-        await asyncio.wait_for(post(port, "/v1/nodes/join", {"node_id": node, "host": "sim", "nproc": 8}), 60)
-    except Exception as err:
-        errors.append(f"join: {type(err).__name__}")
+    await asyncio.sleep(ramp_s * i / n)
+    if not await join(port, node, errors):
         return
     until = time.monotonic() + seconds
     await asyncio.sleep(random.random())
@@ -129,7 +145,7 @@ def rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
 
 
-async def load(address: str, n: int, seconds: float, pid: int) -> dict[str, Any]:
+async def load(address: str, n: int, seconds: float, ramp_s: float, pid: int) -> dict[str, Any]:
     port = int(address.rsplit(":", 1)[1])
     lat: list[float] = []
     errors: list[str] = []
@@ -141,7 +157,7 @@ async def load(address: str, n: int, seconds: float, pid: int) -> dict[str, Any]
             await asyncio.sleep(0.5)
 
     sampler = asyncio.create_task(sample())
-    await asyncio.gather(*(agent(port, i, seconds, lat, errors) for i in range(n)))
+    await asyncio.gather(*(agent(port, i, n, ramp_s, seconds, lat, errors) for i in range(n)))
     sampler.cancel()
     lat.sort()
     kinds: dict[str, int] = {}
@@ -151,7 +167,8 @@ async def load(address: str, n: int, seconds: float, pid: int) -> dict[str, Any]
         "agents": n,
         "heartbeats_per_s": len(lat) / seconds,
         "offered_per_s": n,
-        "errors": len(errors),
+        "errors": sum(1 for e in errors if not e.startswith("join")),
+        "join_errors": sum(1 for e in errors if e.startswith("join")),
         "error_kinds": kinds,
         "p50_ms": 1000 * statistics.median(lat) if lat else None,
         "p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))] if lat else None,
@@ -159,11 +176,11 @@ async def load(address: str, n: int, seconds: float, pid: int) -> dict[str, Any]
     }
 
 
-def measure(target: str, n: int, seconds: float) -> dict[str, Any]:
+def measure(target: str, n: int, seconds: float, ramp_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="stalwart-cp-") as tmp:
         proc, address = start_master(Path(tmp)) if target == "master" else start_baseline()
         try:
-            return {"target": target, **asyncio.run(load(address, n, seconds, proc.pid))}
+            return {"target": target, **asyncio.run(load(address, n, seconds, ramp_s, proc.pid))}
         finally:
             proc.terminate()
             proc.wait(30)
@@ -173,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     random.seed(0)
     targets = ["master", "baseline"] if args.target == "both" else [args.target]
-    rows = [measure(t, n, args.seconds) for n in args.agents for t in targets]
+    rows = [measure(t, n, args.seconds, args.ramp_s) for n in args.agents for t in targets]
     result = {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "seconds": args.seconds, "rows": rows}
     if args.json:
         print(json.dumps(result))
@@ -181,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(
                 f"{r['target']:9s} N={r['agents']:6d} {r['heartbeats_per_s']:7.0f}/s answered "
-                f"(offered {r['offered_per_s']}/s)  errors {r['errors']:6d}  p50 {r['p50_ms'] or 0:7.1f} ms  "
+                f"(offered {r['offered_per_s']}/s)  errors {r['errors']:6d} (joins {r['join_errors']})  "
+                f"p50 {r['p50_ms'] or 0:7.1f} ms  "
                 f"p99 {r['p99_ms'] or 0:7.1f} ms  RSS {r['rss_mib_peak']:6.0f} MiB  {r['error_kinds']}"
             )
     return 0
