@@ -25,7 +25,9 @@ def shm_root() -> Path:
     root = Path("/dev/shm") / f"stalwart-test-{uuid.uuid4().hex[:8]}"
     root.mkdir()
     yield root
-    for status in root.glob("stalwart/*/keeper.json"):
+    from stalwart.checkpoint.shm import user_dir
+
+    for status in user_dir(root).glob("*/keeper.json"):
         try:
             os.kill(int(json.loads(status.read_text())["pid"]), signal.SIGKILL)
         except (ProcessLookupError, KeyError, TypeError, ValueError):

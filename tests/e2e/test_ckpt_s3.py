@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.checkpoint.shm import user_dir
+
 pytestmark = pytest.mark.e2e
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -113,7 +115,7 @@ def test_s3_persist_verify_and_restore(s3_env, stdlib_data, tmp_path, capsys):
         assert second["samples_consumed"] == 8 * 16 and first["steps"] == 6
         assert fs.cat(f"{url}/latest").decode() == "step-00000008"
     finally:
-        for status in shm.glob("stalwart/*/keeper.json"):
+        for status in user_dir(shm).glob("*/keeper.json"):
             try:
                 os.kill(int(json.loads(status.read_text())["pid"]), signal.SIGKILL)
             except (ProcessLookupError, KeyError, ValueError):

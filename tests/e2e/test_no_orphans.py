@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from stalwart.checkpoint import Storage
+from stalwart.checkpoint.shm import user_dir
 
 pytestmark = pytest.mark.e2e
 GONE_WITHIN_S = 15.0  # the keeper may first save on failure (a debug model: well under a second)
@@ -174,12 +175,12 @@ def test_nothing_outlives_the_agent(stdlib_data, tmp_path, ending, warm):
         assert watch.alive() == {}, f"left running {GONE_WITHIN_S} s after the agent: {watch.alive()}"
         if ending == "success":  # the keeper committed the last step and removed the snapshots
             assert Storage(str(tmp_path / "ckpt")).latest() == 4, text[-2000:]
-            assert not list(Path("/dev/shm/stalwart").glob(f"*-{node_id}"))
+            assert not list(user_dir("/dev/shm").glob(f"*-{node_id}"))
     finally:
         for pid in watch.alive():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for left in Path("/dev/shm/stalwart").glob(f"*-{node_id}"):
+        for left in user_dir("/dev/shm").glob(f"*-{node_id}"):
             shutil.rmtree(left, ignore_errors=True)

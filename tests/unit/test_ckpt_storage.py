@@ -21,7 +21,7 @@ from torch import nn
 
 from stalwart.checkpoint import Checkpointer, NodeJob, Storage, job_dir_for, save_on_failure
 from stalwart.checkpoint.persist import retention
-from stalwart.checkpoint.shm import JobPaths, complete_slots, read_json
+from stalwart.checkpoint.shm import JobPaths, complete_slots, read_json, user_dir
 from stalwart.utils import state_dict_hash
 
 WORKER = r"""
@@ -79,7 +79,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("STALWART_CHAOS_DIR", str(tmp_path / "chaos"))
     monkeypatch.delenv("STALWART_CHAOS", raising=False)
     yield {"script": script, "shm": shm, "ck": tmp_path / "ck", "out": tmp_path}
-    for status in shm.glob("stalwart/*/keeper.json"):
+    for status in user_dir(shm).glob("*/keeper.json"):
         _kill(read_json(status))
     shutil.rmtree(shm, ignore_errors=True)
 

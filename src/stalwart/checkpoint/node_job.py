@@ -32,7 +32,7 @@ from typing import Any
 
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.persist import write_checkpoint
-from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json
+from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.runtime import worker_env
@@ -60,13 +60,13 @@ def job_dir_for(
 ) -> Path:
     """The shared-memory directory of a job on this node: one per storage location (or explicit job
     id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
-    keep apart what separate hosts would."""
+    keep apart what separate hosts would. Under the user's own ``stalwart-<uid>`` directory (0700)."""
     env = worker_env()
     key = job_id or env.job_id or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
     node = node_id or env.node_id
     if node:
         key += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", node)
-    return Path(shm_root) / "stalwart" / key
+    return user_dir(shm_root) / key
 
 
 def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:
@@ -126,6 +126,12 @@ class NodeJob:
         policy = job.get("policy") or {}
         return bool(job.get("keeper", True) and (policy.get("persist_every_steps") or policy.get("persist_every_s")))
 
+    def spans_nodes(self) -> bool:
+        """True when other nodes hold some of the job's ranks (``job.json`` lists this node's only)."""
+        job = self.job()
+        ranks, world = job.get("ranks"), job.get("world_size")
+        return bool(ranks and world and len(ranks) < int(world))
+
     # -- the steps held ---------------------------------------------------------------------------------
     def world(self) -> int | None:
         """The world size of the newest attached workers (from any rank's owner record)."""
@@ -169,7 +175,7 @@ class NodeJob:
         """Hold the job lock shared for the life of a worker (returns the fd). Retries if the keeper
         removed the directory between our open and our lock, so the lock is always on the live file."""
         while True:
-            self.root.mkdir(parents=True, exist_ok=True)
+            secure_job_dir(self.root)
             fd = os.open(self.paths.job_lock, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)
             try:
@@ -326,7 +332,7 @@ class NodeJob:
         """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
         it). With ``parent`` it serves the directory for as long as that process (the agent) lives;
         ``status_copy``: also keep its status there (it outlives the directory, for the job report)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        secure_job_dir(self.root)
         env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "stalwart.checkpoint", str(self.root)]

@@ -3,7 +3,7 @@ reads or writes it uses (workers, the keeper, the agent's save-on-failure, ``sta
 
 Stdlib only (psutil lazily): it is imported by the snapshot writer in every worker and by the agent.
 
-    <shm_root>/stalwart/<job key>/
+    <shm_root>/stalwart-<uid>/<job key>/          (0700, owned by the user: snapshots hold the weights)
         job.json  job.lock  keeper.lock  keeper.json  persist.lock  keeper.log
         rank<r>/  owner.json  closed.json  slot<i>.bin  slot<i>.obj  slot<i>.json
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,91 @@ FORMAT = 1  # slot header format
 SLOTS = (0, 1)  # double-buffered: a snapshot is written into the slot not holding the newest one
 
 
+class ShmPermissionError(RuntimeError):
+    """A shared-memory directory that is not safely ours (another user's, a symlink, open to others)."""
+
+
+def user_dir(shm_root: str | Path) -> Path:
+    """This user's directory under the shm root: per user, so nobody reads another's weights and the
+    first user on a host does not lock everyone else out."""
+    return Path(shm_root) / f"stalwart-{os.geteuid()}"
+
+
+def _check_shm_root(shm_root: Path) -> None:
+    """The tmpfs itself may be a symlink (``/dev/shm`` → ``/run/shm``), but must belong to root or to
+    us, or be sticky: otherwise its owner (or anyone, if it is world-writable) could swap our directory."""
+    try:
+        st = os.stat(shm_root)
+    except FileNotFoundError:
+        raise ShmPermissionError(f"shm root {shm_root} does not exist; use a tmpfs such as /dev/shm") from None
+    me = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ShmPermissionError(f"shm root {shm_root} is not a directory; use a tmpfs such as /dev/shm")
+    if st.st_uid not in (0, me) and not st.st_mode & stat.S_ISVTX:
+        raise ShmPermissionError(
+            f"shm root {shm_root} belongs to uid {st.st_uid} (you are uid {me}) and is not sticky: its owner "
+            "could replace your snapshots; set checkpoint.shm_dir to a tmpfs directory you own"
+        )
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise ShmPermissionError(
+            f"shm root {shm_root} is world-writable without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): "
+            "anyone could rename your snapshot directory; chmod +t it or choose another checkpoint.shm_dir"
+        )
+
+
+def secure_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700) or check the existing one: a real directory (never a symlink),
+    owned by us; a mode open to others is narrowed to 0700. Raises :class:`ShmPermissionError`."""
+    me = os.geteuid()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except PermissionError as err:
+        raise ShmPermissionError(
+            f"cannot create {path}: {err.strerror}; set checkpoint.shm_dir to a tmpfs you can write"
+        ) from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as err:  # ELOOP: a symlink; ENOTDIR: a file planted in its place
+        kind = "a symlink" if os.path.islink(path) else "not a directory"
+        raise ShmPermissionError(
+            f"{path} is {kind}; refusing to follow it (snapshots hold the model's weights): remove it ({err.strerror})"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != me:
+            raise ShmPermissionError(
+                f"{path} belongs to uid {st.st_uid}, not to you (uid {me}); it may hold another user's "
+                "snapshots: ask them (or root) to remove it, or set checkpoint.shm_dir elsewhere"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def secure_job_dir(root: str | Path) -> Path:
+    """Create or check a job directory and the user directory holding it (both 0700 and ours).
+    A directory not under a ``stalwart-<uid>`` parent (a test's or a tool's own) is checked alone."""
+    root = Path(root)
+    parent = root.parent
+    if parent.name == f"stalwart-{os.geteuid()}":
+        _check_shm_root(parent.parent)
+        secure_dir(parent)
+    else:
+        parent.mkdir(parents=True, exist_ok=True)
+    secure_dir(root)
+    return root
+
+
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` by rename, so a reader sees the old or the new content, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
+    """Replace ``path`` by rename, so a reader sees the old or the new content, never half. The file
+    is private (0600, whatever the umask) and a symlink planted at the temporary name is not followed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a dead process whose pid came back
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -15,7 +16,7 @@ examples:
   stalwart ckpt show runs/debug/checkpoints --step 120
   stalwart ckpt verify runs/debug/checkpoints            # exit 1 naming each bad shard
   stalwart ckpt export runs/debug/checkpoints --format safetensors --out model.safetensors
-  stalwart ckpt persist-from-memory /dev/shm/stalwart/JOB-NODE  # a job's state that storage failed
+  stalwart ckpt persist-from-memory /dev/shm/stalwart-UID/JOB-NODE  # a job's state that storage failed
 """
 
 
@@ -57,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stopped because its checkpoint store failed (its error names SHM_DIR). Writes to the job's own "
         "storage unless --to names another. Exit 0 when the state is committed (or already was).",
     )
-    a.add_argument("shm_dir", metavar="SHM_DIR", help="the job's directory, e.g. /dev/shm/stalwart/<job>-<node>")
+    a.add_argument("shm_dir", metavar="SHM_DIR", help="the job's directory, e.g. /dev/shm/stalwart-<uid>/<job>-<node>")
     a.add_argument("--to", metavar="URL", help="storage to write to (default: the job's checkpoint.dir)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(handler=run)
@@ -95,7 +96,8 @@ def _persist(args: argparse.Namespace) -> int:
 
     job = NodeJob(Path(args.shm_dir))
     if not job.paths.job.is_file():
-        raise ValueError(f"{args.shm_dir} holds no job's snapshots (no {job.paths.job.name}); `ls /dev/shm/stalwart`")
+        listing = f"ls /dev/shm/stalwart-{os.geteuid()}"
+        raise ValueError(f"{args.shm_dir} holds no job's snapshots (no {job.paths.job.name}); `{listing}`")
     if args.to is None and not job.job().get("storage"):
         raise ValueError(f"{job.paths.job} names no storage; pass --to URL")
     result = job.save_on_failure(args.to, None if args.to else job.job().get("storage_options"), quiet=True)

@@ -114,9 +114,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "section",
         nargs="?",
-        choices=SECTIONS,
+        choices=(*SECTIONS, "simulate"),
         default="summary",
-        help="what to show (default summary: everything; `--json` then prints the whole plan)",
+        help="what to show (default summary: everything; `--json` then prints the whole plan); "
+        "simulate: a discrete-event simulation of ETTR under failures per recovery policy",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -325,6 +326,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=20.0,
         help="GPU→host copy bandwidth per GPU, GB/s (default 20)",
     )
+    from stalwart.commands.plan_simulate import add_arguments
+
+    add_arguments(p)
     p.set_defaults(handler=run)
 
 
@@ -336,6 +340,10 @@ def inputs_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace, overrides: dict[str, Any], raw_argv: list[str]) -> int:
+    if args.section == "simulate":
+        from stalwart.commands.plan_simulate import run_simulate
+
+        return run_simulate(args)
     if args.section == "gpus":
         from stalwart.commands.plan_render import render_gpus
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
+from stalwart.checkpoint.shm import user_dir
 from stalwart.launch.master import Master
 from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR
 
@@ -202,5 +203,5 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
                 os.killpg(p.pid, 9)
                 p.wait()
         master.stop()
-        for shm in Path(opts.shm_root, "stalwart").glob(f"{job_id}*"):  # left behind by a failed job
+        for shm in user_dir(opts.shm_root).glob(f"{job_id}*"):  # left behind by a failed job
             shutil.rmtree(shm, ignore_errors=True)

@@ -322,9 +322,12 @@ def _save_on_failure(job: NodeJob) -> Callable[[Incident | None], dict[str, Any]
             # Memory-only (no keeper on any node; multi-node waits would time out): nothing to persist,
             # the restarted workers restore from memory.
             return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
-        if incident is not None and job.keeper_alive():
+        if incident is not None and job.keeper_alive() and not job.spans_nodes():
             # It saw the worker die and saves on failure itself, in parallel with the restart (which
-            # restores from memory); waiting for it here would only delay the restart.
+            # restores from memory); waiting for it here would only delay the restart. Not across nodes:
+            # a keeper busy persisting when the worker died looks only after the restarted worker has
+            # replaced its owner record, and misses the death (the restarted job may also overwrite the
+            # step first); the rendezvous waits for this agent, so no rank trains before the save.
             return {"persisted": False, "detail": "the node's keeper saves on failure"}
         return job.save_on_failure(quiet=True)
 
