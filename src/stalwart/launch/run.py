@@ -297,7 +297,10 @@ def run(argv: list[str]) -> int:
             spec.rdzv_handler.shutdown()
         if warm is not None:
             warm.stop()
-        keeper.stop()  # after the workers: it saves on failure for those that did not finish
+        if preempted is None:
+            keeper.stop()  # after the workers: it saves on failure for those that did not finish
+        elif keeper.proc is not None:  # the step is committed: let it tidy up while this agent exits
+            keeper.proc.terminate()
         summary = {**_summary(client, node_id, exit_code, agent), "evicted": evicted, "prechecks": agent.prechecks}
         if preempted is not None:
             if args.requeue_on_preempt and (step is None or step.hosts_master):
@@ -307,6 +310,8 @@ def run(argv: list[str]) -> int:
             args.summary_json.write_text(json.dumps(summary, indent=1))
         if master is not None:
             master.stop()
+    if preempted is not None:  # the allocation is ending: no interpreter finalization (seconds with torch)
+        runtime.exit_process(exit_code)
     return exit_code
 
 
