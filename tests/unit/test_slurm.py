@@ -97,3 +97,17 @@ def test_preempt_signals():
 
 def test_requeue_outside_slurm_says_why():
     assert preempt.requeue({}) == {"requeued": False, "detail": "not a Slurm job"}
+
+
+def test_the_notice_raises_once_in_the_agent():
+    notice = preempt.Preemption((signal.SIGUSR1,))
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        notice.arm()
+        with pytest.raises(preempt.Preempted) as err:
+            signal.raise_signal(signal.SIGUSR1)
+        assert err.value.signum == signal.SIGUSR1 and err.value.sigval == signal.SIGTERM, "workers get SIGTERM"
+        assert notice.received == err.value.received
+        signal.raise_signal(signal.SIGUSR1)  # a second notice during the persist is ignored
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
