@@ -84,10 +84,10 @@ class Preemption:
     timeline: dict[str, Any] = field(default_factory=dict)
 
     def shield(self) -> None:
-        """Ignore the notice in the processes started from now on (the keeper, the zygote and the
-        workers it forks): Slurm signals every process of the step, and a keeper killed by SIGUSR1
-        could not take part in the persist. An ignored signal stays ignored across exec. SIGTERM is left
-        alone: it is how the agent stops them."""
+        """Ignore the notice in the processes started from now on (the keeper, the zygote): Slurm
+        signals every process of the step, and a keeper killed by SIGUSR1 could not take part in the
+        persist. An ignored signal stays ignored across exec. SIGTERM is left alone: it is how the agent
+        stops them. Until ``arm`` the agent ignores the notice too."""
         for sig in self.signals:
             if sig != signal.SIGTERM:
                 signal.signal(sig, signal.SIG_IGN)
