@@ -296,7 +296,7 @@ def run(argv: list[str]) -> int:
         if evicted is None:
             spec.rdzv_handler.shutdown()
         if warm is not None:
-            warm.stop()
+            warm.stop(wait=preempted is None)
         if preempted is None:
             keeper.stop()  # after the workers: it saves on failure for those that did not finish
         elif keeper.proc is not None:  # the step is committed: let it tidy up while this agent exits
