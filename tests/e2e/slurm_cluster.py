@@ -46,7 +46,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={dir}/munge/munge.socket,cred_expire=10
+AuthInfo=socket={dir}/munge/munge.socket,cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={dir}/ctld
