@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
-from stalwart.launch import die_with_agent, eviction, stragglers, zygote
+from stalwart.launch import die_with_agent, eviction, preempt, slurm, stragglers, zygote
 from stalwart.launch.agent import Incident, NodeEvicted, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.hang import HangPolicy
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     stragglers.add_arguments(g)
     eviction.add_arguments(g)
     zygote.add_arguments(g)
+    preempt.add_arguments(g)
     g.add_argument(
         "--summary-json",
         type=Path,
@@ -154,9 +156,17 @@ def _master_store(args: argparse.Namespace, client: MasterClient) -> None:
 
 
 def run(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     policy = _hang_policy(args)
+    notice = preempt.Preemption(preempt.parse_signals(args.preempt_signals))
+    notice.shield()  # before the zygote and the keeper start
     token = args.job_token or os.environ.get(runtime.ENV_JOB_TOKEN)
+    master: Master | None = None
+    step = slurm.from_env(os.environ)
+    if step is not None:  # inside `srun`: the allocation names the nodes and the master's host
+        slurm.apply(args, parser, step, os.environ)
+        master, token = _slurm_master(args, step, token)
     if args.master:
         if not token:
             raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
@@ -192,7 +202,6 @@ def run(argv: list[str]) -> int:
     os.environ.setdefault(runtime.ENV_CHAOS_DIR, str((run_dir / "chaos" / "fired").absolute()))
     slow = faults.due("node")  # chaos slow:at=node: this whole node computes F× slower (a straggler)
 
-    master: Master | None = None
     if args.master:
         address = args.master
     else:
@@ -220,7 +229,7 @@ def run(argv: list[str]) -> int:
         **config.rdzv_configs,
     )
     master_addr, master_port = _compat.rendezvous_addr_and_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = preempt.torch_signals(config.signals_to_handle, notice.signals)
     # A fresh worker store every round. torch shares the rendezvous TCP store with the workers
     # across rounds without a per-round prefix, so restarted workers read their predecessors' gloo
     # addresses and fail with "connectFullMesh ... Connection refused", burning a restart. The agent
@@ -257,8 +266,9 @@ def run(argv: list[str]) -> int:
         zygote=warm,
         storage_watch=storage_watch,
     )
-    exit_code, evicted = 0, None
+    exit_code, evicted, preempted = 0, None, None
     try:
+        notice.arm()
         result = agent.run()
         if result is None:  # TorchElastic's graceful exit: the job closed the rendezvous while we waited
             print(f"stalwart run: node {node_id} waited as a spare and the job finished without it", file=sys.stderr)
@@ -279,12 +289,21 @@ def run(argv: list[str]) -> int:
         print(f"stalwart run: node {node_id} waited for a place and the job finished without it", file=sys.stderr)
     except ChildFailedError:
         exit_code = 1
+    except preempt.Preempted as err:  # TorchElastic stopped the workers: persist what they left in memory
+        exit_code = preempt.EXIT_PREEMPTED
+        preempted = preempt.persist_on_preempt(err, node_job, _save_on_failure(node_job), time.time())
+        preempt.journal(client, node_id, preempted)
+        print(f"stalwart run: node {node_id} preempted ({preempted['signal']}): {preempted['save']}", file=sys.stderr)
     finally:
+        notice.disarm()
         if evicted is None:
             spec.rdzv_handler.shutdown()
         if warm is not None:
-            warm.stop()
-        keeper.stop()  # after the workers: it saves on failure for those that did not finish
+            warm.stop(wait=preempted is None)
+        if preempted is None:
+            keeper.stop()  # after the workers: it saves on failure for those that did not finish
+        elif keeper.proc is not None:  # the step is committed: let it tidy up while this agent exits
+            keeper.proc.terminate()
         agent.journal.worker_reports(storage_watch()[0])  # what the keeper's final pass reported
         summary = {
             **_summary(client, node_id, exit_code, agent),
@@ -292,11 +311,43 @@ def run(argv: list[str]) -> int:
             "prechecks": agent.prechecks,
             "storage": storage_watch.status,
         }
+        if preempted is not None:
+            if args.requeue_on_preempt and (step is None or step.hosts_master):
+                preempted["requeue"] = preempt.requeue(os.environ)
+            summary["preempted"] = {**preempted, "exit": time.time()}
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=1))
         if master is not None:
             master.stop()
+    if preempted is not None:  # the allocation is ending: no interpreter finalization (seconds with torch)
+        runtime.exit_process(exit_code)
     return exit_code
+
+
+def _slurm_master(
+    args: argparse.Namespace, step: slurm.SlurmStep, token: str | None
+) -> tuple[Master | None, str | None]:
+    """Task 0 of a multi-task step starts the job master on the first host, serving the rendezvous
+    store on the next port; the token is shared through the run directory (or $STALWART_JOB_TOKEN)."""
+    if not args.master or args.master != slurm.master_address(step, os.environ):
+        return None, token  # a single task, or the user named a master
+    token_file = (args.run_dir or Path("runs") / args.rdzv_id) / "token"
+    if not step.hosts_master:
+        return None, token or slurm.wait_for_token(token_file)
+    token = load_or_create_token(token_file, token)
+    port = int(args.master.rsplit(":", 1)[1])
+    master = Master(
+        token_file.parent / "journal.sqlite",
+        token,
+        host=step.first_host,
+        port=port,
+        job_id=args.rdzv_id,
+        restart_budget=args.max_restarts,
+        stragglers=stragglers.from_args(args),
+        rdzv_port=port + 1,
+        policy=eviction.from_args(args),
+    ).start()
+    return master, token
 
 
 def _start_keeper(job_id: str, node_id: str, run_dir: Path) -> tuple[NodeJob, KeeperProcess]:

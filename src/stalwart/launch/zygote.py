@@ -344,13 +344,16 @@ class Zygote:
         except (OSError, ValueError):
             return pid
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """SIGTERM, then SIGKILL after 5 s; ``wait=False`` (a preempted agent in a hurry) leaves its exit
+        to it: it also dies with the agent."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(5)
+                self.proc.wait(5 if wait else 0)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                if wait:
+                    self.proc.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -1,0 +1,84 @@
+"""Preemption without Slurm: SIGUSR1 to `stalwart run` persists the agreed in-memory snapshot, journals a
+``preempted`` incident and exits 75; the same command then resumes to weights bitwise equal to an
+uninterrupted run (model and optimizer)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stalwart.launch.journal import Journal
+from stalwart.launch.preempt import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.e2e
+STEPS = 16
+
+
+def command(tmp_path: Path, data: Path, run: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        str(tmp_path / run),
+        "--summary-json",
+        str(tmp_path / f"{run}.json"),
+        "-m",
+        "stalwart",
+        "train",
+        "--config",
+        "configs/debug.toml",
+        f"--data.dir={data}",
+        "--data.seq_len=64",
+        f"--train.steps={STEPS}",
+        "--train.warmup_steps=2",
+        f"--train.out_dir={tmp_path / 'out'}",
+        "--checkpoint.enabled=true",
+        f"--checkpoint.dir={tmp_path / 'ckpt'}",
+        "--checkpoint.persist_every_steps=1000",  # only the preemption persists
+    ]
+
+
+def steps_logged(out: Path) -> int:
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, tmp_path):
+    ref = subprocess.run(command(tmp_path / "ref", stdlib_data, "run"), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    reference = json.loads((tmp_path / "ref" / "out" / "summary.json").read_text())
+
+    proc = subprocess.Popen(command(tmp_path, stdlib_data, "run1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while steps_logged(tmp_path / "out") < 6 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before the notice"
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err.decode()[-4000:]
+
+    notice = json.loads((tmp_path / "run1.json").read_text())["preempted"]
+    step = notice["save"]["step"]
+    assert notice["signal"] == "SIGUSR1" and 6 <= step < STEPS, notice
+    assert (tmp_path / "ckpt" / f"step-{step:08d}").is_dir(), "the agreed snapshot was committed"
+    [row] = Journal(tmp_path / "run1" / "journal.sqlite").incidents()
+    assert row["kind"] == "preempted" and row["details"]["save"]["step"] == step
+
+    again = subprocess.run(command(tmp_path, stdlib_data, "run2"), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["checkpoint"]["restored_from"] == "storage" and summary["checkpoint"]["restore_step"] == step
+    assert summary["final_hash"] == reference["final_hash"]
+    assert summary["optim_hash"] == reference["optim_hash"]
+    assert summary["samples_consumed"] == reference["samples_consumed"]

@@ -1,0 +1,113 @@
+"""Slurm awareness (launch/slurm.py) and the preemption flags (launch/preempt.py): pure parsing."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from stalwart.launch import preempt, slurm
+from stalwart.launch.run import build_parser
+
+
+@pytest.mark.parametrize(
+    "hostlist, hosts",
+    [
+        ("node1", ["node1"]),
+        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+        ("a[1-2],b3,c[9-10]", ["a1", "a2", "b3", "c9", "c10"]),
+        ("gpu-[1-2]-ib", ["gpu-1-ib", "gpu-2-ib"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("host.example.com,other", ["host.example.com", "other"]),
+    ],
+)
+def test_expand_hostlist_like_scontrol_show_hostnames(hostlist, hosts):
+    assert slurm.expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[1-3", "node1-3]", "node[a-b]"])
+def test_malformed_hostlist_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="Slurm host list"):
+        slurm.expand_hostlist(bad)
+
+
+STEP_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_PROCID": "1",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_NTASKS": "8",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_RESTART_COUNT": "2",
+}
+
+
+def test_step_from_environment():
+    step = slurm.from_env(STEP_ENV)
+    assert step == slurm.SlurmStep(job_id="4242", ntasks=4, task=1, first_host="gpu07", restart_count=2)
+    assert not step.hosts_master and slurm.SlurmStep("4242", 4, 0, "gpu07", 0).hosts_master
+    assert slurm.PORT_BASE <= step.port < slurm.PORT_BASE + slurm.PORT_SPAN
+
+
+def test_outside_a_step_nothing_applies():
+    assert slurm.from_env({}) is None
+    assert slurm.from_env({"SLURM_JOB_ID": "1"}) is None, "the batch shell is not a task of a step"
+
+
+def parse(*argv: str):
+    parser = build_parser()
+    return parser, parser.parse_args([*argv, "train.py"])
+
+
+def test_apply_fills_defaults_from_the_step():
+    parser, args = parse()
+    slurm.apply(args, parser, slurm.from_env(STEP_ENV), STEP_ENV)
+    assert (args.nnodes, args.node_rank, args.rdzv_id, args.rdzv_backend) == ("4", 1, "slurm-4242", "c10d")
+    port = slurm.from_env(STEP_ENV).port
+    assert args.master == f"http://gpu07:{port}"
+    assert slurm.master_address(slurm.from_env(STEP_ENV), {**STEP_ENV, slurm.ENV_PORT: "31000"}) == (
+        "http://gpu07:31000"
+    )
+
+
+def test_explicit_flags_win():
+    parser, args = parse(
+        "--nnodes", "2:4", "--node-rank", "3", "--rdzv-id", "mine", "--master", "http://m:1", "--rdzv-endpoint", "h:5"
+    )
+    slurm.apply(args, parser, slurm.from_env(STEP_ENV), STEP_ENV)
+    assert (args.nnodes, args.node_rank, args.rdzv_id, args.master) == ("2:4", 3, "mine", "http://m:1")
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("static", "h:5")
+
+
+def test_single_task_keeps_the_local_rendezvous_and_names_the_run_by_job():
+    env = {**STEP_ENV, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}
+    parser, args = parse("--nproc-per-node", "2")
+    slurm.apply(args, parser, slurm.from_env(env), env)
+    assert (args.nnodes, args.master, args.rdzv_id) == ("1:1", None, "slurm-4242")
+
+
+def test_preempt_signals():
+    assert preempt.parse_signals("SIGTERM, usr1") == (signal.SIGTERM, signal.SIGUSR1)
+    assert preempt.parse_signals("") == ()
+    with pytest.raises(ValueError, match="unknown signal"):
+        preempt.parse_signals("SIGNOPE")
+    with pytest.raises(ValueError, match="cannot be a preemption notice"):
+        preempt.parse_signals("KILL")
+    assert preempt.torch_signals("SIGTERM,SIGINT,SIGHUP", (signal.SIGTERM, signal.SIGUSR1)) == "SIGINT,SIGHUP"
+
+
+def test_requeue_outside_slurm_says_why():
+    assert preempt.requeue({}) == {"requeued": False, "detail": "not a Slurm job"}
+
+
+def test_the_notice_raises_once_in_the_agent():
+    notice = preempt.Preemption((signal.SIGUSR1,))
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        notice.arm()
+        with pytest.raises(preempt.Preempted) as err:
+            signal.raise_signal(signal.SIGUSR1)
+        assert err.value.signum == signal.SIGUSR1 and err.value.sigval == signal.SIGTERM, "workers get SIGTERM"
+        assert notice.received == err.value.received
+        signal.raise_signal(signal.SIGUSR1)  # a second notice during the persist is ignored
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
