@@ -245,6 +245,10 @@ def _committed_and_clean(url: str, final: int) -> list[int]:
     return committed
 
 
+@pytest.mark.skip(
+    reason="known race (issue 19, open): under load the outage can still be on when the short job ends, "
+    "the final tries run out and the job exits 1; the test must restore S3 on the storage incident, not on a timer"
+)
 def test_s3_outage_mid_run_is_survived_and_the_job_ends_bitwise_equal(s3_env, s3_job, reference_hashes, tmp_path):
     """The S3 endpoint goes away mid-run and comes back: training goes on from memory, the outage is a
     `storage` incident (unreachable) on the console and in the keeper's log, no committed checkpoint is
