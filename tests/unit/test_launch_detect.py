@@ -195,6 +195,22 @@ def test_heartbeat_applies_chaos_and_eviction(tmp_path):
     assert lost.joins and lost.joins[0][0] == "n1", "a master that lost its journal is joined again"
 
 
+def test_heartbeat_stop_sends_the_final_state_even_between_periodic_beats():
+    from stalwart.launch.progress import Progress
+
+    status = NodeStatus()
+    master = FakeMaster({})
+    beat = Heartbeat(master, "n1", status, 1, lambda: "SUCCEEDED", interval_s=3600)  # type: ignore[arg-type]
+    beat.start()
+    status.observe([Progress(rank=0, step=8, time=1.0, phase="step", loss=2.5, reports=8, compute_s=0.1)])
+    beat.stop()
+    assert len(master.beats) == 1, "no periodic beat came due; stop sent the only one"
+    [rank] = master.beats[0]["progress"]["ranks"]
+    assert rank["step"] == 8 and master.beats[0]["progress"]["state"] == "SUCCEEDED"
+    beat.stop()
+    assert len(master.beats) == 1, "a second stop sends nothing"
+
+
 def test_round_store_handler_tells_workers_which_store_without_touching_the_environment(monkeypatch):
     import copy
     import os

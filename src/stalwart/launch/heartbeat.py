@@ -150,15 +150,21 @@ class Heartbeat:
         self.interval_s = interval_s
         self.chaos = chaos
         self._stop = threading.Event()
+        self._final_sent = False
         self._thread = threading.Thread(target=self._loop, name="stalwart-heartbeat", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop beating, after one last beat: the master's view (status, /metrics) ends with the node's
+        final step and histograms, not with whatever the last periodic beat happened to catch."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._final_sent:
+            self._final_sent = True
+            self.beat()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

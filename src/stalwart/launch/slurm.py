@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_PORT = "STALWART_SLURM_PORT"  # the master's port (the rendezvous store's is the next one)
+from stalwart.runtime import ENV_SLURM_PORT as ENV_PORT  # the master's port (the store's is the next one)
+
 PORT_BASE, PORT_SPAN = 20000, 20000
 
 

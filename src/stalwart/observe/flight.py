@@ -65,6 +65,7 @@ class FlightDumper:
             return 0.0
 
     def start(self) -> FlightDumper:
+        self.directory.mkdir(parents=True, exist_ok=True)
         threading.Thread(target=self._run, name="stalwart-flight-dumper", daemon=True).start()
         ready_path(self.directory, self.rank).write_text(str(os.getpid()))
         return self

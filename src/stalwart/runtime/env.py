@@ -34,6 +34,8 @@ ENV_CHECK_FAULT = "STALWART_CHECK_FAULT"
 # Set by the agent for the zygote client (the warm-start worker command), not read by workers.
 ENV_ZYGOTE_SOCKET = "STALWART_ZYGOTE"
 ENV_ZYGOTE_PIDS = "STALWART_ZYGOTE_PIDS"  # directory: client pid → the forked worker's pid (stack dumps)
+# Set by the user inside a Slurm allocation, read by `stalwart run`: the master's port (default: from the job id).
+ENV_SLURM_PORT = "STALWART_SLURM_PORT"
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
