@@ -261,3 +261,19 @@ def test_round_store_handler_tells_workers_which_store_without_touching_the_envi
     assert copy.copy(handler).inner is handler.inner
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     assert handler.torch_shares_store, "torch's own sharing is the user's choice"
+
+
+def test_a_new_job_token_is_private_and_always_parses_as_a_flag_value(tmp_path):
+    """A URL-safe token starts with '-' one time in 64 and `--job-token -x…` is then an option: the demo
+    failed that way in CI. New tokens are hex; a created token file is private to its user."""
+    import stat
+
+    from stalwart.launch.master import load_or_create_token
+    from stalwart.launch.run import build_parser
+
+    tokens = [load_or_create_token(tmp_path / f"t{i}" / "token") for i in range(300)]
+    assert len(set(tokens)) == 300 and all(len(t) >= 32 for t in tokens)
+    for token in tokens:
+        args, _ = build_parser().parse_known_args(["--job-token", token, "train.py"])
+        assert args.job_token == token
+    assert stat.S_IMODE((tmp_path / "t0" / "token").stat().st_mode) == 0o600

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -24,8 +23,8 @@ from typing import Any
 from rich.console import Console
 
 from stalwart.checkpoint.shm import user_dir
-from stalwart.launch.master import Master
-from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR
+from stalwart.launch.master import Master, new_token
+from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR, ENV_JOB_TOKEN
 
 FAULTS = ("kill", "exception", "hang")  # injected on rank 1, at 1/4, 1/2 and 3/4 of the steps
 NODES = 2
@@ -123,13 +122,14 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
     if job_dir.exists():
         shutil.rmtree(job_dir)
     job_dir.mkdir(parents=True)
-    token, job_id, port = secrets.token_urlsafe(24), f"demo-{uuid.uuid4().hex[:8]}", _free_port()
+    token, job_id, port = new_token(), f"demo-{uuid.uuid4().hex[:8]}", _free_port()
     master = Master(
         job_dir / "journal.sqlite", token, job_id=job_id, restart_budget=len(opts.faults) + 2, node_timeout_s=60.0
     ).start()
     train_args = [f"--{k}={v}" for k, v in opts.train_overrides().items()]
     train_args += [f"--train.out_dir={job_dir / 'train'}", f"--checkpoint.dir={job_dir / 'ckpt'}"]
-    env = {**os.environ, ENV_CHAOS_DIR: str(job_dir / "chaos-fired"), "PYTHONUNBUFFERED": "1"}
+    # the token travels in the environment, not on the command line (other users can read `ps`)
+    env = {**os.environ, ENV_CHAOS_DIR: str(job_dir / "chaos-fired"), ENV_JOB_TOKEN: token, "PYTHONUNBUFFERED": "1"}
     env.pop(ENV_CHAOS, None)
     procs, logs = [], []
     start = time.time()
@@ -152,8 +152,6 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
                 job_id,
                 "--master",
                 master.address,
-                "--job-token",
-                token,
                 "--node-id",
                 f"node{n}",
                 "--max-restarts",

@@ -133,6 +133,12 @@ def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def new_token() -> str:
+    """A fresh job token: hex, so it can never start with '-' (a URL-safe token does one time in 64, and
+    `--job-token -x…` is then parsed as an option)."""
+    return secrets.token_hex(32)
+
+
 def load_or_create_token(path: Path, token: str | None = None) -> str:
     """The job token: given, or read from `path`, or created there (mode 0600) on first start."""
     if token:
@@ -140,7 +146,7 @@ def load_or_create_token(path: Path, token: str | None = None) -> str:
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
+    token = new_token()
     path.touch(mode=0o600)
     path.write_text(token)
     return token
