@@ -66,6 +66,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, FLOP/s; enables MFU in metrics (0 = unknown)
     rank_records: bool = True  # every rank writes OUT_DIR/ranks/rank{R}.jsonl (docs/observe.md)
     flight_dumps: bool = True  # under `stalwart run`: answer the agent's Flight Recorder requests on a hang
+    tensorboard: str = "auto"  # rank 0's metrics as OUT_DIR/tensorboard events: auto (if installed) | on | off
 
 
 @dataclass
@@ -217,6 +218,7 @@ class Config:
         _choice("parallel.dp_mode", p.dp_mode, ("ddp", "fsdp"))
         _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
         _choice("train.dtype", t.dtype, ("auto", "float32", "bfloat16"))
+        _choice("train.tensorboard", t.tensorboard, ("auto", "on", "off"))
         for key, value in (
             ("train.steps", t.steps),
             ("train.global_batch", t.global_batch),

@@ -23,6 +23,7 @@ import torch
 import stalwart
 from stalwart.observe.progress import MetricsWriter, ProgressDisplay
 from stalwart.observe.records import RankRecords
+from stalwart.observe.tensorboard import TensorBoardSink
 from stalwart.runtime import worker_env
 from stalwart.train.hooks import StepHook, StepStats
 
@@ -80,6 +81,7 @@ class MetricsHook(StepHook):
     moe: bool = False
     rank: int | None = None  # None: no per-rank records
     coords: dict[str, int] = field(default_factory=dict)  # the rank's mesh coordinates, for the timeline
+    tensorboard: bool = False  # rank 0 also writes TensorBoard events (observe.tensorboard)
     step_times: list[float] = field(default_factory=list)
     last_loss: float | None = None  # of the newest written record
     _pending: deque[_Pending] = field(default_factory=deque)
@@ -87,6 +89,7 @@ class MetricsHook(StepHook):
     _writer: MetricsWriter | None = None
     _display: ProgressDisplay | None = None
     _records: RankRecords | None = None
+    _tensorboard: TensorBoardSink | None = None
     _t0: float = 0.0
     _wall0: float = 0.0
 
@@ -95,6 +98,8 @@ class MetricsHook(StepHook):
         (the later record wins); ``progress``: the console display."""
         self._writer = MetricsWriter(self.out / "metrics.jsonl", append=start_step > 0) if self.main else None
         self._display = ProgressDisplay(self.total_steps, start_step, self.log_every, enabled=self.main and progress)
+        if self.tensorboard and self.main:
+            self._tensorboard = TensorBoardSink(self.out / "tensorboard", start_step)
         if self.rank is not None:
             hist_dir = worker_env().progress_dir  # under `stalwart run`: /metrics histograms
             self._records = RankRecords(self.out, self.rank, self.coords, append=start_step > 0, hist_dir=hist_dir)
@@ -106,6 +111,8 @@ class MetricsHook(StepHook):
             self._writer.close()
         if self._records is not None:
             self._records.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def note_rollback(self, entry: dict[str, Any]) -> None:
         """Attach a rollback to the next step's record (every record stays a step record)."""
@@ -143,6 +150,9 @@ class MetricsHook(StepHook):
         log_step = stats.step % self.log_every == 0 or stats.step == self.total_steps
         self.drain(wait=log_step)
         done = trainer.timer.resolved()
+        if self._tensorboard is not None:
+            for resolved in done:
+                self._tensorboard.write_sections(resolved)
         if self._records is not None:
             for resolved in done:
                 self._records.add_sections(resolved)
@@ -163,6 +173,8 @@ class MetricsHook(StepHook):
             self.last_loss = loss
             if self._writer is not None:
                 self._writer.write(record)
+            if self._tensorboard is not None:
+                self._tensorboard.write(record)
             if self._display is not None:
                 self._display.update(record)
             if self._records is not None:

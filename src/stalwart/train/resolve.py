@@ -95,9 +95,11 @@ def resolve(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunP
     model × batch split (or the planner's choice). ``vocab_size``: the data's (None: the registry's)."""
     from stalwart.data.sampler import parse_skip_ranges
     from stalwart.models import moe_args
+    from stalwart.observe import tensorboard
 
     cfg.validate()
     parse_skip_ranges(cfg.data.skip_samples)
+    tensorboard.wanted(cfg.train.tensorboard)  # `on` without the package: say so before any worker starts
     p, t = cfg.parallel, cfg.train
     args, moe = resolve_model_args(cfg, vocab_size), moe_args(cfg.model.name)
     recompute, why = p.recompute, ""

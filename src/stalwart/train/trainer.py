@@ -37,6 +37,7 @@ from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
 from stalwart.models import build_model, count_params
+from stalwart.observe import tensorboard
 from stalwart.observe.flight import start_for_worker
 from stalwart.observe.timers import SectionTimer
 from stalwart.plan.compute import flops_per_token
@@ -145,6 +146,7 @@ class Trainer:
             moe=self.pm.has_moe,
             rank=env.rank if t.rank_records else None,
             coords=mesh_coords(self.pm.coords),
+            tensorboard=tensorboard.wanted(t.tensorboard),
         )
         runtime.set_section_timer(self.timer)  # stalwart.timer("name") sections join this rank's records
         # Under `stalwart run`: answers the agent's Flight Recorder requests on a hang (observe.flight).
