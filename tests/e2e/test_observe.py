@@ -121,3 +121,20 @@ def test_metrics_histograms_put_the_stall_in_its_bucket(run_dir: Path):
     stalled_ms = {(r["step"], r["rank"]): r["ms"]["forward"] for r in read_records(run_dir)}[(STALL_STEP, STALL_RANK)]
     top = min(float(le) for le, n in forward.items() if n == forward["+Inf"])  # highest non-empty bucket's bound
     assert top >= stalled_ms > 200.0 and forward[str(int(top))] - forward.get("200", 0) >= 1
+
+
+def test_a_pipeline_run_has_an_arrow_per_micro_batch_between_its_stages(stdlib_data: Path, tmp_path: Path):
+    """dp2 × pp2, 2 steps of 2 micro-batches per pipeline: every stage rank records one forward span per
+    micro-batch (the schedule's shape inference is not one), and the trace joins them with arrows."""
+    out = tmp_path / "pp"
+    trainer = ["train", "--config", "configs/debug.toml", "--nproc", "4", "--parallel.pp=2"]
+    trainer += [f"--data.dir={stdlib_data}", "--data.seq_len=32", "--train.steps=2", "--train.warmup_steps=1"]
+    trainer += [f"--train.out_dir={out}"]
+    stalwart(*trainer)
+    for r in read_records(out):
+        stage = read_meta(out)[r["rank"]]["coords"]["pp"]
+        assert [s[0] for s in r["spans"]].count(f"pp_fwd_s{stage}") == 2, r["spans"]
+    stalwart("trace", "export", str(out), "-o", str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    flows = [e for e in events if e.get("cat") == "pp"]
+    assert sorted(e["ph"] for e in flows) == ["f"] * 8 + ["s"] * 8, "2 steps × 2 pipelines × 2 micro-batches"

@@ -81,3 +81,14 @@ def test_reading_skips_a_torn_line_and_finds_nested_runs(tmp_path: Path):
     again.add_values(2, {"loss": 2.0})
     again.close()
     assert [r["step"] for r in read_records(tmp_path)] == [1, 2]
+
+
+def test_a_nested_section_is_shown_but_not_counted_twice(timer: SectionTimer):
+    timer.begin_step(1)
+    with timer.section("pipeline"):
+        start = timer.mark()
+        time.sleep(0.01)
+        timer.nested("pp_fwd_s0", start, timer.mark())
+    (out,) = timer.resolved()
+    assert out["pp_fwd_s0"] >= 0.01 and [s[0] for s in out["spans"]] == ["pp_fwd_s0", "pipeline"]
+    assert out["compute_s"] == out["pipeline"], "inside the pipeline section: not added to it again"

@@ -71,3 +71,32 @@ def test_incidents_decisions_and_rollbacks_are_job_events():
     assert recovery["dur"] == pytest.approx(2e6)
     assert {e["name"] for e in job} >= {"decision: restart", "rollback"}
     assert min(e["ts"] for e in trace["traceEvents"] if "ts" in e) == 0.0
+
+
+def test_pipeline_forwards_are_joined_by_an_arrow_per_micro_batch_within_each_pipeline():
+    """dp2 × pp2, two micro-batches: stage 0's forward of micro-batch k → stage 1's, in each pipeline
+    (same dp coordinate), from inside the sender's span to inside the receiver's."""
+    records = []
+    for rank, m in META.items():
+        stage = m["coords"]["pp"]
+        spans = [["data", 0.0, 1.0]]
+        spans += [[f"pp_fwd_s{stage}", 2.0 + 10 * k + 5 * stage, 4.0] for k in range(2)]
+        spans += [["pipeline", 1.0, 40.0]]
+        records.append({"step": 1, "rank": rank, "time": 100.0, "spans": spans, "ms": {"step": 45.0}})
+    events = build_trace(records, META)["traceEvents"]
+    flows = [e for e in events if e.get("cat") == "pp"]
+    starts = {e["id"]: e for e in flows if e["ph"] == "s"}
+    ends = {e["id"]: e for e in flows if e["ph"] == "f"}
+    assert len(starts) == len(ends) == 4 and set(starts) == set(ends)
+    spans = {(e["pid"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("pp_fwd")}
+    pairs = set()
+    for i, s in starts.items():
+        f = ends[i]
+        src, dst = s["pid"] - 1, f["pid"] - 1
+        assert META[src]["coords"]["pp"] == 0 and META[dst]["coords"]["pp"] == 1
+        assert META[src]["coords"]["dp"] == META[dst]["coords"]["dp"], "an arrow stays within its pipeline"
+        assert any(p == s["pid"] and a < s["ts"] < b for p, a, b in spans), "starts inside the sender's span"
+        assert any(p == f["pid"] and a < f["ts"] < b for p, a, b in spans), "ends inside the receiver's span"
+        assert f["bp"] == "e" and s["ts"] < f["ts"]
+        pairs.add((src, dst, s["args"]["microbatch"]))
+    assert pairs == {(0, 2, 0), (0, 2, 1), (1, 3, 0), (1, 3, 1)}

@@ -316,12 +316,23 @@ class Checkpointer:
         if not self.persisting:
             return
         status = read_json(self.paths.keeper_status) or {}
-        if int(status.get("last_committed", -1)) >= step or (self.storage.latest() or -1) >= step:
+        if int(status.get("last_committed", -1)) >= step or self._storage_has(step):
             return  # (restored from storage at the final step: the keeper may not have looked yet)
         if all(s.step != step for s in complete_slots(self.paths, self.rank)):
             raise not_durable(step, self.paths.root, self.storage_status(), "the final step is not in memory")
         self.pending_persist = step  # e.g. restored from memory at the final step: ask again
         self._wait_persisted(step, final=True)
+
+    def _storage_has(self, step: int) -> bool:
+        """Storage's own ``latest`` is at ``step`` or later; False when storage cannot be read (an
+        outage at the end of a job: the keeper's retries then decide, not this read)."""
+        try:
+            return (self.storage.latest() or -1) >= step
+        except Exception as err:  # any store's client error (botocore's are not OSErrors)
+            log.warning(
+                "could not read the latest committed step from %s: %s: %s", self.storage.url, type(err).__name__, err
+            )
+            return False
 
     def wait(self, persist: bool = False) -> None:
         """Wait for the in-flight snapshot; with ``persist=True`` also until the keeper committed the

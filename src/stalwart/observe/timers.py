@@ -25,13 +25,17 @@ from typing import Any
 
 import torch
 
-Section = tuple[str, bool, Any, Any]  # name, counts as compute, start, end (ns on the CPU, events on CUDA)
+# name, counts as compute (None: nested in another section, in ms and spans but in neither sum), start,
+# end (ns on the CPU, events on CUDA)
+Section = tuple[str, bool | None, Any, Any]
+STAGE_FORWARD = "pp_fwd_s{}"  # a pipeline stage's forward of one micro-batch, nested in "pipeline"
 
 
-def summarize(totals: dict[str, float], wait: set[str]) -> dict[str, float]:
-    """Seconds per section plus ``compute_s`` (the step's own work) and ``wait_s`` (communication)."""
+def summarize(totals: dict[str, float], wait: set[str], nested: set[str] | None = None) -> dict[str, float]:
+    """Seconds per section plus ``compute_s`` (the step's own work) and ``wait_s`` (communication);
+    ``nested`` sections lie inside another one and count in neither."""
     out = dict(totals)
-    out["compute_s"] = sum(v for k, v in totals.items() if k not in wait)
+    out["compute_s"] = sum(v for k, v in totals.items() if k not in wait and k not in (nested or ()))
     out["wait_s"] = sum(v for k, v in totals.items() if k in wait)
     return out
 
@@ -65,6 +69,18 @@ class SectionTimer:
         finally:
             self._open.append((name, compute, t0, time.perf_counter_ns()))
 
+    def mark(self) -> Any:
+        """A time for ``nested`` (where a context manager does not fit: module hooks)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter_ns()
+
+    def nested(self, name: str, start: Any, end: Any) -> None:
+        """Add a section timed with ``mark()`` that lies inside another section of this step."""
+        self._open.append((name, None, start, end))
+
     def discard(self) -> None:
         """Forget the current step's sections (a step that was not applied belongs to no step)."""
         self._open.clear()
@@ -72,6 +88,7 @@ class SectionTimer:
     def _resolve(self, step: int | None, sections: list[Section]) -> dict[str, Any]:
         totals: dict[str, float] = {}
         wait: set[str] = set()
+        nested: set[str] = set()
         spans: list[list[Any]] = []
         first = sections[0][2] if sections else None
         for name, compute, start, end in sections:
@@ -81,9 +98,11 @@ class SectionTimer:
                 begin_ms, dur_ms = (start - first) / 1e6, (end - start) / 1e6
             totals[name] = totals.get(name, 0.0) + dur_ms / 1e3
             spans.append([name, round(begin_ms, 3), round(dur_ms, 3)])
-            if not compute:
+            if compute is None:
+                nested.add(name)
+            elif not compute:
                 wait.add(name)
-        out: dict[str, Any] = summarize(totals, wait)
+        out: dict[str, Any] = summarize(totals, wait, nested)
         if step is not None:
             out["step"], out["spans"] = step, spans
         return out
@@ -106,3 +125,28 @@ class SectionTimer:
         the newest earlier step the GPU has finished, or None (never waits)."""
         done = self.resolved()
         return done[-1] if done else None
+
+
+class StageForwards:
+    """Times each pipeline stage's forward of each micro-batch (``STAGE_FORWARD``, nested in the step's
+    "pipeline" section) through module hooks, so the model stays plain; the merged timeline draws the
+    activation send → receive arrows from them. ``flush(n)`` after the schedule's step keeps the last
+    ``n`` forwards per stage — micro-batches 0..n-1, which every schedule runs in order — and drops the
+    shape-inference forward that a new schedule runs first."""
+
+    def __init__(self, timer: SectionTimer, modules: list[torch.nn.Module], stage_ids: list[int]) -> None:
+        self.timer = timer
+        self.done: dict[str, list[tuple[Any, Any]]] = {}
+        for module, stage in zip(modules, stage_ids):
+            name, starts = STAGE_FORWARD.format(stage), []
+            module.register_forward_pre_hook(lambda _m, _a, starts=starts: starts.append(timer.mark()))
+            module.register_forward_hook(lambda _m, _a, _o, name=name, starts=starts: self._end(name, starts.pop()))
+
+    def _end(self, name: str, start: Any) -> None:
+        self.done.setdefault(name, []).append((start, self.timer.mark()))
+
+    def flush(self, n_microbatches: int) -> None:
+        for name, spans in self.done.items():
+            for start, end in spans[-n_microbatches:]:
+                self.timer.nested(name, start, end)
+        self.done.clear()

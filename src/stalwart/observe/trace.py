@@ -5,6 +5,8 @@ a view (``dp``, ``pp`` or ``tp`` first); each step is a complete event with its 
 inside (from the records' ``spans``, plus the checkpoint call at the step's end); the job's incidents
 (fault, detected, stopped, restarted, first step), the master's decisions (evictions, restarts) and
 rollbacks are instant events on a "job" track, each incident's recovery a complete event there.
+Under pipeline parallelism each stage's forward of each micro-batch is a span (``pp_fwd_s<stage>``),
+and flow arrows join stage S's forward of micro-batch k to stage S+1's (the activation send → recv).
 
 Clocks: ranks on one host share a clock; between hosts ``clock_offsets`` estimates each host's offset
 from rank 0's host as the median difference of the end of the step's gradient-norm all-reduce
@@ -14,13 +16,17 @@ export subtracts it. The estimates are in ``otherData.clock_offsets_ms``.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from stalwart.observe.timers import STAGE_FORWARD
 
 VIEWS = {"pp": ("pp", "dp", "tp"), "dp": ("dp", "pp", "tp"), "tp": ("tp", "pp", "dp")}
 JOB_PID = 0  # the job's own track; rank R is pid R + 1
+STAGE_SPAN = re.compile(STAGE_FORWARD.replace("{}", r"(\d+)"))  # a stage's forward of one micro-batch
 SYNC_SECTION = "grad_clip"  # a collective over all ranks in every layout (the global gradient norm)
 
 
@@ -94,6 +100,40 @@ def _rank_events(record: dict[str, Any], pid: int, us: Any) -> list[dict[str, An
     return events
 
 
+def _stage_of(span_name: str) -> int | None:
+    m = STAGE_SPAN.fullmatch(span_name)
+    return int(m.group(1)) if m else None
+
+
+def _flow_events(
+    records: list[dict[str, Any]], meta: dict[int, dict[str, Any]], us_of: Callable[[int], Any]
+) -> list[dict[str, Any]]:
+    """Pipeline activation send → receive arrows: for each step and pipeline (same dp/tp coordinates),
+    from the end of stage S's forward of micro-batch k to the start of stage S+1's."""
+    forwards: dict[tuple[int, Any, Any, int], tuple[int, list[tuple[float, float]]]] = {}
+    for r in records:
+        coords = meta.get(r["rank"], {}).get("coords", {})
+        for name, offset, dur in r.get("spans", []) if "time" in r else ():
+            stage = _stage_of(name)
+            if stage is not None:
+                key = (r["step"], coords.get("dp"), coords.get("tp"), stage)
+                start = us_of(r["rank"])(r["time"]) + offset * 1e3
+                forwards.setdefault(key, (r["rank"], []))[1].append((start, dur * 1e3))
+    events: list[dict[str, Any]] = []
+    for (step, dp, tp, stage), (src, spans) in sorted(forwards.items(), key=lambda kv: kv[0][:1] + kv[0][3:]):
+        dst_entry = forwards.get((step, dp, tp, stage + 1))
+        if dst_entry is None:
+            continue
+        dst, dst_spans = dst_entry
+        n = min(len(spans), len(dst_spans))  # from the end: a first step's shape inference adds a forward
+        for mb, ((s_start, s_dur), (d_start, d_dur)) in enumerate(zip(spans[-n:], dst_spans[-n:])):
+            flow = {"name": "activation", "cat": "pp", "id": len(events) // 2 + 1, "tid": 0}
+            args = {"step": step, "microbatch": mb, "stage": f"{stage}→{stage + 1}"}
+            events.append(flow | {"ph": "s", "pid": src + 1, "ts": s_start + s_dur - min(1.0, s_dur / 2), "args": args})
+            events.append(flow | {"ph": "f", "bp": "e", "pid": dst + 1, "ts": d_start + min(1.0, d_dur / 2)})
+    return events
+
+
 def _instant(name: str, cat: str, t: float, us: Any, args: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "cat": cat, "ph": "i", "s": "g", "pid": JOB_PID, "tid": 0, "ts": us(t), "args": args}
 
@@ -164,9 +204,14 @@ def build_trace(
         events.append(
             {"name": "process_sort_index", "ph": "M", "pid": rank + 1, "tid": 0, "args": {"sort_index": index}}
         )
+
+    def us_of(rank: int) -> Any:
+        return us_for(offsets.get(host_of.get(rank, ""), 0.0))
+
     for r in records:
         if "time" in r:
-            events += _rank_events(r, r["rank"] + 1, us_for(offsets.get(host_of.get(r["rank"], ""), 0.0)))
+            events += _rank_events(r, r["rank"] + 1, us_of(r["rank"]))
+    events += _flow_events(records, meta, us_of)
     events += _job_events(incidents, phases, decisions, rollbacks, us_for(0.0))
     other = {"t0_unix_s": t0, "view": view, "clock_offsets_ms": {h: round(o * 1e3, 3) for h, o in offsets.items()}}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}

@@ -39,7 +39,7 @@ from stalwart.dist import DistEnv
 from stalwart.models import build_model, count_params
 from stalwart.observe import tensorboard
 from stalwart.observe.flight import start_for_worker
-from stalwart.observe.timers import SectionTimer
+from stalwart.observe.timers import SectionTimer, StageForwards
 from stalwart.plan.compute import flops_per_token
 from stalwart.train.guard import Verdict
 from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepHook, StepStats
@@ -113,6 +113,8 @@ class Trainer:
         )
         self.step = 0
         self.timer = SectionTimer(env.device)
+        pipe = self.pm.pipeline  # per-micro-batch stage forwards: the timeline's send → recv arrows
+        self.stage_forwards = StageForwards(self.timer, pipe.modules, pipe.ids) if pipe is not None else None
         self._forward_fault: Any = None  # chaos at point "forward" for the step under way
         self.flops_per_token = flops_per_token(
             self.n_params, self.model_args.n_layers, self.model_args.dim, cfg.data.seq_len
@@ -200,7 +202,9 @@ class Trainer:
         if pm.pipeline is not None:  # forward, backward and P2P waits interleave: one compute section
             with self.timer.section("pipeline"), self._autocast():
                 self._stall()
-                return pm.mean_over_dp(pm.pipeline.step(inputs, targets, n, self._on_loss))
+                loss = pm.pipeline.step(inputs, targets, n, self._on_loss)
+            self.stage_forwards.flush(n)
+            return pm.mean_over_dp(loss)
         total = torch.zeros((), dtype=torch.float32, device=pm.device)
         mb = pm.options.micro_batch
         for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
