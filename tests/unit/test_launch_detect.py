@@ -277,3 +277,16 @@ def test_a_new_job_token_is_private_and_always_parses_as_a_flag_value(tmp_path):
         args, _ = build_parser().parse_known_args(["--job-token", token, "train.py"])
         assert args.job_token == token
     assert stat.S_IMODE((tmp_path / "t0" / "token").stat().st_mode) == 0o600
+
+
+def test_a_master_bound_to_every_interface_advertises_a_dialable_address(tmp_path):
+    import socket
+
+    from stalwart.launch.master import Master
+
+    master = Master(tmp_path / "journal.sqlite", "token", host="0.0.0.0", port=0, rdzv_port=0)
+    try:
+        assert master.address.startswith(f"http://{socket.gethostname()}:")
+        assert master.state.rdzv_endpoint.startswith(f"{socket.gethostname()}:")
+    finally:
+        master.stop()

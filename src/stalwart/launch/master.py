@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import secrets
+import socket
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -152,6 +153,12 @@ def load_or_create_token(path: Path, token: str | None = None) -> str:
     return token
 
 
+def advertised_host(host: str) -> str:
+    """The name others reach a bound address by: a wildcard bind (0.0.0.0, ::) is not an address
+    another node can dial, so this host's name is advertised instead."""
+    return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+
+
 class Master:
     """Owns the server thread and the lost-node sweeper; `serve_forever` for the CLI."""
 
@@ -177,27 +184,30 @@ class Master:
             from stalwart.launch.store import serve_store
 
             self.store = serve_store(host, rdzv_port)
-            self.state.rdzv_endpoint = f"{host}:{self.store.port}"
+            self.state.rdzv_endpoint = f"{advertised_host(host)}:{self.store.port}"
         self.server = ThreadingHTTPServer((host, port), _handler(self.state, token))
         self.server.daemon_threads = True
         self._stop = threading.Event()
+        self._serving: threading.Thread | None = None
 
     @property
     def address(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{advertised_host(host)}:{port}"
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(1.0):
             self.state.sweep()
 
     def start(self) -> Master:
-        threading.Thread(target=self.server.serve_forever, name="master-http", daemon=True).start()
+        self._serving = threading.Thread(target=self.server.serve_forever, name="master-http", daemon=True)
+        self._serving.start()
         threading.Thread(target=self._sweep_loop, name="master-sweep", daemon=True).start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self.server.shutdown()
+        if self._serving is not None:  # shutdown() waits for serve_forever: forever if it never ran
+            self.server.shutdown()
         self.server.server_close()
         self.journal.close()
