@@ -81,11 +81,14 @@ def test_dashboard_shows_the_incident_and_curves(job, tmp_path: Path):
             seen = b.execute_script(
                 "return {rows: [...document.querySelectorAll('#incidents tr.incident')].map(r => r.innerText),"
                 " points: Object.fromEntries([...document.querySelectorAll('#curves svg')].map("
-                "c => [c.dataset.curve, Number(c.dataset.points)]))}"
+                "c => [c.dataset.curve, Number(c.dataset.points)])),"
+                " committed: [...document.querySelectorAll('#checkpoints tr.checkpoint')].map("
+                "r => Number(r.dataset.committed))}"
             )
             recovered = any("sigkill" in r and "open" not in r for r in seen["rows"])
-            points = seen["points"]
-            return recovered and points.get("loss", 0) >= 3 and points.get("ms_forward", 0) >= 2
+            points, committed = seen["points"], seen["committed"]
+            persisted = bool(committed) and min(committed) >= 50  # checkpoint.persist_every_steps' default
+            return recovered and points.get("loss", 0) >= 3 and points.get("ms_forward", 0) >= 2 and persisted
 
         try:
             WebDriverWait(browser, 150, poll_frequency=1).until(rendered)

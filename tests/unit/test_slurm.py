@@ -111,3 +111,60 @@ def test_the_notice_raises_once_in_the_agent():
         signal.raise_signal(signal.SIGUSR1)  # a second notice during the persist is ignored
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_worker_killed_by_the_notice_is_the_preemption_and_a_swallowed_notice_is_not_lost():
+    """Slurm signals every process of the step: a cold-started worker may die of SIGUSR1 before the
+    agent's handler runs (CI saw it: the job spent its restart budget instead of persisting), and the
+    handler's exception can be raised inside a library's ``except Exception`` and lost."""
+    notice = preempt.Preemption((signal.SIGTERM, signal.SIGUSR1))
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        notice.arm()
+        notice.check_workers([1, -int(signal.SIGTERM)])  # a fault, and the agent's own stop signal: not a notice
+        assert notice.missed() is None
+        with pytest.raises(preempt.Preempted) as err:
+            notice.check_workers([0, -int(signal.SIGUSR1)])
+        assert err.value.signum == signal.SIGUSR1 and notice.received == err.value.received
+        notice.check_workers([-int(signal.SIGUSR1)])  # once
+        signal.raise_signal(signal.SIGUSR1)  # disarmed: ignored
+        missed = notice.missed()
+        assert isinstance(missed, preempt.Preempted) and missed.signum == signal.SIGUSR1
+
+        swallowed = preempt.Preemption((signal.SIGUSR1,))
+        swallowed.arm()
+        try:
+            signal.raise_signal(signal.SIGUSR1)
+        except Exception:  # as TorchElastic's log tailer does
+            pass
+        assert swallowed.missed() is not None and swallowed.missed().signum == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_the_master_host_waits_for_every_live_node_to_journal_its_preemption():
+    answers = iter(
+        [
+            {
+                "nodes": [{"node_id": "a", "state": "alive", "heartbeat_age_s": 0.5}] * 1
+                + [
+                    {"node_id": "b", "state": "alive", "heartbeat_age_s": 0.5},
+                    {"node_id": "gone", "state": "alive", "heartbeat_age_s": 60.0},
+                ],
+                "incidents": [{"kind": "preempted", "node_id": "a"}],
+            },
+        ]
+        * 3
+        + [
+            {
+                "nodes": [
+                    {"node_id": "a", "state": "alive", "heartbeat_age_s": 0.5},
+                    {"node_id": "b", "state": "alive", "heartbeat_age_s": 0.5},
+                ],
+                "incidents": [{"kind": "preempted", "node_id": "a"}, {"kind": "preempted", "node_id": "b"}],
+            },
+        ]
+    )
+    assert preempt.wait_for_peers(lambda: next(answers), timeout_s=30)
+    lonely = {"nodes": [{"node_id": "b", "state": "alive", "heartbeat_age_s": 0.1}], "incidents": []}
+    assert not preempt.wait_for_peers(lambda: lonely, timeout_s=0.3), "bounded: gives up and says so"

@@ -47,6 +47,7 @@ from stalwart.launch.detect import Incident
 from stalwart.launch.evidence import IncidentTail, fault_time, log_tail, stack_dump
 from stalwart.launch.hang import HangDetector, HangPolicy
 from stalwart.launch.heartbeat import ChaosInbox, Heartbeat, NodeStatus
+from stalwart.launch.preempt import Preemption
 from stalwart.launch.progress import Progress, ProgressReader
 from stalwart.launch.rendezvous import RoundStoreHandler, serve_worker_store
 from stalwart.launch.zygote import Zygote
@@ -108,6 +109,7 @@ class StalwartAgent(LocalElasticAgent):
         self.join_info = join_info or {}
         self.zygote = zygote  # warm start: workers are forked by it, TorchElastic sees stand-ins
         self.worker_pid = zygote.worker_pid if zygote else (lambda pid: pid)  # the real worker behind a pid
+        self.notice: Preemption | None = None  # set by `stalwart run` once armed (launch.preempt)
         # chaos slow:at=node: a straggler on demand (stops and continues the workers, see health.throttle)
         self.throttle = Throttle(self._worker_pids, slowdown) if slowdown else None
         self._worker_store: TCPStore | None = None  # this round's worker store, on group rank 0's node
@@ -202,6 +204,8 @@ class StalwartAgent(LocalElasticAgent):
                 self._kill_hung(group, incident)
                 result = RunResult(state=WorkerState.FAILED)
         elif result.state == WorkerState.FAILED:
+            if self.notice is not None:  # a worker killed by the preemption notice: Preempted, not a fault
+                self.notice.check_workers([f.exitcode for f in result.failures.values()])
             incident = detect.worker_exit(
                 result.failures, self._failure_logs(group, result), progress, self._progressed, now, fault_of
             )

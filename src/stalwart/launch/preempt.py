@@ -81,6 +81,7 @@ class Preemption:
 
     signals: tuple[signal.Signals, ...]
     received: float | None = None
+    signum: int = 0  # the notice received
     timeline: dict[str, Any] = field(default_factory=dict)
 
     def shield(self) -> None:
@@ -103,9 +104,24 @@ class Preemption:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.received is not None:
             return
-        self.received = time.time()
+        self.received, self.signum = time.time(), signum
         self.disarm()
         raise Preempted(signum, self.received)
+
+    def check_workers(self, exit_codes: list[int]) -> None:
+        """Raise ``Preempted`` when a worker died of the notice itself: Slurm signals every process of
+        the step, and a worker whose disposition is the default (a cold-started script) may die before
+        the agent's own handler runs — that death is the preemption, not a fault to restart from."""
+        died_of = [-code for code in exit_codes if -code in self.signals and -code != signal.SIGTERM]
+        if died_of and self.received is None:
+            self.received, self.signum = time.time(), died_of[0]
+            self.disarm()
+            raise Preempted(died_of[0], self.received)
+
+    def missed(self) -> Preempted | None:
+        """The notice, if it arrived but its exception was swallowed (raised inside a library's
+        ``except Exception``, e.g. TorchElastic's log tailer while stopping workers)."""
+        return Preempted(self.signum, self.received) if self.received is not None else None
 
 
 def requeue(env: Mapping[str, str], timeout_s: float = 30.0) -> dict[str, Any]:
@@ -166,6 +182,20 @@ def persist_on_preempt(
         "persist_s": round(done - t0, 3),
         "save": saved,
     }
+
+
+def wait_for_peers(status: Callable[[], dict[str, Any]], timeout_s: float = 10.0, fresh_s: float = 5.0) -> bool:
+    """On the node that hosts the master, before stopping it: wait (bounded) until every live node has
+    journaled its own ``preempted`` incident — Slurm signals them all at once, and a master gone first
+    loses theirs. True when all did."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = status()
+        live = {n["node_id"] for n in state["nodes"] if n["state"] == "alive" and n["heartbeat_age_s"] < fresh_s}
+        journaled = {i.get("node_id") for i in state["incidents"] if i["kind"] == "preempted"}
+        if live <= journaled or time.monotonic() > deadline:
+            return live <= journaled
+        time.sleep(0.1)
 
 
 def journal(client: MasterClient, node_id: str, record: dict[str, Any]) -> None:

@@ -269,7 +269,10 @@ def run(argv: list[str]) -> int:
     exit_code, evicted, preempted = 0, None, None
     try:
         notice.arm()
+        agent.notice = notice
         result = agent.run()
+        if (missed := notice.missed()) is not None:
+            raise missed
         if result is None:  # TorchElastic's graceful exit: the job closed the rendezvous while we waited
             print(f"stalwart run: node {node_id} waited as a spare and the job finished without it", file=sys.stderr)
         elif result.is_failed():
@@ -318,6 +321,8 @@ def run(argv: list[str]) -> int:
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=1))
         if master is not None:
+            if preempted is not None and not preempt.wait_for_peers(master.state.status):
+                print("stalwart run: a node's preemption may be missing from the journal", file=sys.stderr)
             master.stop()
     if preempted is not None:  # the allocation is ending: no interpreter finalization (seconds with torch)
         runtime.exit_process(exit_code)
