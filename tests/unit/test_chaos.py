@@ -55,3 +55,14 @@ def test_a_fired_fault_stamps_its_time_for_the_agent(chaos_env, tmp_path):
     with pytest.raises(RuntimeError, match="chaos fault"):
         chaos.due("step", step=3, rank=1).fire()
     assert float(runtime.fault_path(tmp_path / "progress", 1).read_text()) > 0
+
+
+def test_a_slow_factor_stretches_the_section_it_is_in():
+    import time
+
+    [slow] = faults.parse("slow:at=forward:rank=1:factor=1.5")
+    [stall] = faults.parse("delay:at=forward:seconds=0.01")
+    assert slow.stretches and not stall.stretches
+    t0 = time.perf_counter()
+    slow.stretch(0.04)
+    assert time.perf_counter() - t0 >= 0.02, "a 40 ms section made 1.5× as long sleeps ≥ 20 ms"

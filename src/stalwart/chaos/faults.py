@@ -13,6 +13,8 @@ actions  ``kill`` (SIGKILL the calling process), ``segv`` (SIGSEGV), ``exit`` (`
          burn-in computes a wrong result), ``slow:at=precheck:factor=F`` (the burn-in runs F× slower)
          and ``slow:at=node:factor=F`` (the agent duty-cycles its workers with SIGSTOP/SIGCONT so the
          whole node computes F× slower: a straggler); F defaults to 3 for these.
+         ``slow:at=forward:factor=F`` makes every forward section of the matching steps F× as long
+         (one rank's slow compute, the per-section straggler).
 keys     ``at`` point name (default ``step``; ``loss`` for nan/spike; ``precheck`` for node-fail;
          ``forward``: inside the step's first forward section, e.g. a stall at an exact step),
          ``rank`` and ``step`` (omitted = any), ``code`` exit code (default 1), ``seconds`` for delay,
@@ -99,6 +101,15 @@ class Fault:
         with os.fdopen(fd, "w") as f:
             f.write(f"{self.text}\npid={os.getpid()} time={time.time():.3f}\n")
         return True
+
+    @property
+    def stretches(self) -> bool:
+        """``delay``/``slow`` with a ``factor``: stretch the section it is in by that factor."""
+        return self.action == "delay" and ":factor=" in f":{self.text}"
+
+    def stretch(self, elapsed_s: float) -> None:
+        """Make a section that took ``elapsed_s`` take ``factor`` × as long (host time)."""
+        time.sleep(max(self.factor - 1.0, 0.0) * elapsed_s)
 
     def fire(self) -> None:
         assert self.action not in NUMERIC + NODE, "numeric and node faults are applied by the caller"

@@ -200,8 +200,7 @@ class Trainer:
         n = pm.micro_batches(inputs.shape[0])
         pm.begin_step(n)
         if pm.pipeline is not None:  # forward, backward and P2P waits interleave: one compute section
-            with self.timer.section("pipeline"), self._autocast():
-                self._stall()
+            with self.timer.section("pipeline"), self._autocast(), self._chaos_at_forward():
                 loss = pm.pipeline.step(inputs, targets, n, self._on_loss)
             self.stage_forwards.flush(n)
             return pm.mean_over_dp(loss)
@@ -209,8 +208,7 @@ class Trainer:
         mb = pm.options.micro_batch
         for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
             with pm.micro_batch(last=i == n - 1):
-                with self.timer.section("forward"), self._autocast():
-                    self._stall()
+                with self.timer.section("forward"), self._autocast(), self._chaos_at_forward():
                     loss = self._on_loss(lm_loss(pm.parts[0](x), y) / n)
                 with self.timer.section("backward", compute=False):  # waits on gradient reduction
                     loss.backward()
@@ -246,12 +244,21 @@ class Trainer:
             hook.after_step(self, stats)
         return stats
 
-    def _stall(self) -> None:
-        """STALWART_CHAOS ``delay:at=forward`` fires inside this step's first forward (or pipeline)
-        section: a slow computation at exactly (step, rank)."""
-        fault, self._forward_fault = self._forward_fault, None
-        if fault is not None:
-            fault.fire()
+    @contextlib.contextmanager
+    def _chaos_at_forward(self) -> Any:
+        """STALWART_CHAOS ``at=forward``, inside the forward (or pipeline) section, at exactly (step,
+        rank): ``delay:seconds=S`` stalls the step's first forward; ``slow:factor=F`` makes every
+        forward of the step F× as long (a slow-compute straggler); other faults fire before it."""
+        fault = self._forward_fault
+        if fault is None or not fault.stretches:
+            self._forward_fault = None
+            if fault is not None:
+                fault.fire()
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        fault.stretch(time.perf_counter() - t0)
 
     def _on_loss(self, loss: torch.Tensor) -> torch.Tensor:
         for hook in self.hooks:
