@@ -41,10 +41,18 @@ EVICTED = 3  # stalwart run's exit code for a node that left the job
 
 
 def node(
-    tmp_path: Path, data: Path, address: str, job: str, n: int, chaos: str = "", script: tuple[str, ...] = ()
+    tmp_path: Path,
+    data: Path,
+    address: str,
+    job: str,
+    n: int,
+    chaos: str = "",
+    script: tuple[str, ...] = (),
+    pace: float = 0.05,
 ) -> subprocess.Popen:
-    """test_elastic's node (debug trainer, `--nnodes 1:2`), with a precheck; or running `script`."""
-    base = "slow:seconds=0.05"  # a pace that leaves time to kill a node mid-run
+    """test_elastic's node (debug trainer, `--nnodes 1:2`), with a precheck; or running `script`.
+    `pace`: seconds each step sleeps, so a test has time to act mid-run."""
+    base = f"slow:seconds={pace}"
     flags = (
         "--precheck",
         "--straggler-window",
@@ -104,13 +112,13 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
     nodes: dict[int, subprocess.Popen] = {}
     reference = reference_run(tmp_path, stdlib_data)  # the fault-free run, meanwhile
     try:
+        # 60 steps at ≥ 0.1 s: the round trains for ≥ 6 s, time to see it and kill a member mid-run
         for n in range(3):
-            nodes[n] = node(tmp_path, stdlib_data, address, job, n)
-        nodes[3] = node(tmp_path, stdlib_data, address, job, 3, "nan:at=precheck")
-        # The bad node fails its precheck, is evicted and never joins.
-        assert nodes[3].wait(timeout=90) == EVICTED, (tmp_path / "node3.log").read_text()[-3000:]
-        assert "precheck failed" in (tmp_path / "node3.log").read_text()
+            nodes[n] = node(tmp_path, stdlib_data, address, job, n, pace=0.1)
+        nodes[3] = node(tmp_path, stdlib_data, address, job, 3, "nan:at=precheck", pace=0.1)
         # Two nodes form the round; the third waits beyond --nnodes MAX (TorchElastic keeps it out).
+        # (Watched while the bad node is still in its precheck: on a loaded host that may outlast the
+        # round's training, CI saw the job end first when the test waited for the bad node.)
         wait_for(
             "a round and a spare",
             lambda: (len(client.status()["members"]), len(client.status()["spares"])) == (2, 1),
@@ -125,6 +133,9 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
         lose_node(nodes[lost], job, lost)
         for n in (survivor, int(spare[-1])):
             assert nodes[n].wait(timeout=180) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
+        # The bad node failed its precheck, was evicted and never joined.
+        assert nodes[3].wait(timeout=90) == EVICTED, (tmp_path / "node3.log").read_text()[-3000:]
+        assert "precheck failed" in (tmp_path / "node3.log").read_text()
         assert reference.wait(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
     finally:
         for n, p in nodes.items():

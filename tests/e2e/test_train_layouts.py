@@ -46,6 +46,15 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def first_error(stderr: str, size: int = 4000) -> str:
+    """A failed run's stderr for an assertion: the first traceback's end (the cause; later ones are
+    its echoes in other ranks) and the last lines."""
+    lines = stderr.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith(("Traceback", "[rank"))), None)
+    head = "\n".join(lines[first : first + 60]) if first is not None else ""
+    return f"{head[-size:]}\n...\n{stderr[-size:]}"
+
+
 def train(out: Path, data: Path, *extra: str, nproc: int = 2, steps: int = STEPS) -> dict:
     """`stalwart train --nproc N`; returns summary.json plus the logged losses and stderr."""
     cmd = [
@@ -62,7 +71,7 @@ def train(out: Path, data: Path, *extra: str, nproc: int = 2, steps: int = STEPS
         *extra,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, first_error(result.stderr)
     summary = json.loads((out / "summary.json").read_text())
     return dict(summary, losses=losses(out), stderr=result.stderr)
 
@@ -113,7 +122,7 @@ def run_job(
     ]  # outlives the restart
     env = dict(os.environ, STALWART_CHAOS_DIR=str(tmp / "chaos"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, first_error(proc.stderr)
     summary = json.loads((tmp / "summary.json").read_text())
     return json.loads((tmp / "run.json").read_text()), dict(summary, losses=losses(tmp))
 

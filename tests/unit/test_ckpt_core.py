@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import random
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -311,3 +313,33 @@ def test_capture_reuses_dcp_state_dicts_but_always_shows_current_values():
     assert all(torch.equal(after.tensors[k], snapshot[k]) for k in snapshot)
     step(model, opt, sched)
     assert same_as_fresh()
+
+
+def test_ranks_of_a_job_directory_that_another_process_removes_meanwhile(tmp_path):
+    """The last rank out of a memory-only job removes the job directory while another rank may be
+    listing it (CI: FileNotFoundError from a listing of a vanishing directory killed a finished rank)."""
+    paths = JobPaths(tmp_path / "job")
+    assert paths.ranks() == []
+    (tmp_path / "job").write_text("not a directory")
+    assert paths.ranks() == []
+    (tmp_path / "job").unlink()
+    stop = threading.Event()
+
+    def churn() -> None:  # the other rank: create and remove the directory as fast as it can
+        while not stop.is_set():
+            for r in range(50):
+                (tmp_path / "job" / f"rank{r}").mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp_path / "job", ignore_errors=True)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    seen: list[list[int]] = []
+    deadline = time.monotonic() + 30
+    try:  # until the listing saw the directory both present and gone, many times over
+        while (len(seen) < 2000 or all(seen) or not any(seen)) and time.monotonic() < deadline:
+            seen.append(paths.ranks())
+    finally:
+        stop.set()
+        thread.join()
+    assert all(r == sorted(r) and set(r) <= set(range(50)) for r in seen)
+    assert any(seen) and not all(seen), "the listing saw the directory both present and gone"

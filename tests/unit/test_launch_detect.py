@@ -131,7 +131,10 @@ def test_node_status_windows_and_eviction():
     status.observe([p(0, 1, 1.0, compute_s=0.2), p(1, 1, 1.0, compute_s=0.4)])
     status.observe([p(0, 1, 1.0, compute_s=0.2), p(1, 2, 2.0, compute_s=0.6)])  # rank 0: no new step
     body = status.report(3.0)
-    assert "window" not in body and [r["step"] for r in body["ranks"]] == [1, 2] and body["member"] is False
+    assert "window" not in body and [r["step"] for r in body["ranks"]] == [1, 2]
+    assert body["member"] is None, "not at the rendezvous yet: neither member nor spare"
+    status.set_member(False)
+    assert status.report(3.0)["member"] is False
     clock[0] = 6.0
     assert status.report(3.0)["window"] == {"compute_s": 0.5, "steps": 3}
     assert "window" not in status.report(3.0), "the window restarts"

@@ -167,9 +167,13 @@ class JobPaths:
         return self.root / "persist.lock"
 
     def ranks(self) -> list[int]:
-        if not self.root.is_dir():
+        """Ranks with a directory here; none once the job directory is gone — also while another
+        process removes it (the last rank out of a memory-only job does, perhaps while we look)."""
+        try:
+            names = os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(int(p.name[4:]) for p in self.root.glob("rank*") if p.name[4:].isdigit())
+        return sorted(int(n[4:]) for n in names if n.startswith("rank") and n[4:].isdigit())
 
 
 @dataclass(frozen=True)

@@ -262,11 +262,13 @@ class StalwartAgent(LocalElasticAgent):
 
     # -- TorchElastic hooks (named in _compat.AGENT_OVERRIDES) -----------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
-        """Before every rendezvous (first start and restarts): leave if evicted, else precheck."""
-        self.status.set_member(False)
+        """Before every rendezvous (first start and restarts): leave if evicted, else precheck. A node
+        in its precheck is no spare yet (it may fail it): only one waiting at the rendezvous is."""
+        self.status.set_member(None)
         self._check_evicted()
         if self.precheck is not None:
             self._run_precheck()
+        self.status.set_member(False)
         super()._initialize_workers(worker_group)
         self.status.set_member(True)
 

@@ -37,7 +37,9 @@ class NodeStatus:
         self._window: dict[int, list[float]] = {}  # rank → compute seconds of steps in this window
         self._window_start = clock()
         self._seen_reports: dict[int, int] = {}
-        self._member = False  # this node's workers are in the current rendezvous round (else: a spare)
+        # True: this node's workers are in the current rendezvous round; False: it waits at the
+        # rendezvous (a spare while a round runs); None: not at the rendezvous yet (starting, prechecking)
+        self._member: bool | None = None
         self._leave: str | None = None
         self._storage: dict[str, Any] | None = None  # the keeper's checkpoint-store status
 
@@ -59,7 +61,7 @@ class NodeStatus:
         with self._lock:
             self._storage = storage
 
-    def set_member(self, member: bool) -> None:
+    def set_member(self, member: bool | None) -> None:
         with self._lock:
             self._member = member
 
