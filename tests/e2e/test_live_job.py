@@ -1,7 +1,7 @@
 """A running `stalwart run` job with an injected fault, seen from outside as an operator would: the
 master's dashboard in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by
-selenium) renders the incident and the curves; a real Prometheus (Debian's `prometheus`, bearer-token
-scrape config) scrapes the per-rank section histograms. Screenshots go to $STALWART_TEST_ARTIFACTS
+selenium) renders the incident, the curves and a 0.5 s stall at its (step, rank); a real Prometheus
+(Debian's `prometheus`, bearer-token scrape config) scrapes the per-rank section histograms. Screenshots go to $STALWART_TEST_ARTIFACTS
 (default: the test's tmp dir)."""
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 PROMETHEUS = shutil.which("prometheus")
+STALL_STEP, STALL_RANK = 12, 1
+STALL = f"delay:at=forward:step={STALL_STEP}:rank={STALL_RANK}:seconds=0.5"  # after the restart
 
 
 @pytest.fixture(scope="module")
 def job(stdlib_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    """(run dir, master address, token) of a job that loses rank 1 at step 6 and recovers."""
+    """(run dir, master address, token) of a job that loses rank 1 at step 6 and recovers, and whose
+    rank 1 stalls 0.5 s in the forward of step 12."""
     tmp = tmp_path_factory.mktemp("live")
     run = tmp / "run"
     cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
-    cmd += ["--run-dir", str(run), "--chaos", "kill:rank=1:step=6", "-m", "stalwart", "train"]
+    cmd += ["--run-dir", str(run), "--chaos", f"kill:rank=1:step=6;{STALL}", "-m", "stalwart", "train"]
     cmd += ["--config", "configs/debug.toml", f"--data.dir={stdlib_data}", "--data.seq_len=32", "--train.steps=2000"]
     cmd += [f"--train.out_dir={run}/train", "--checkpoint.enabled=true", f"--checkpoint.dir={tmp / 'ckpt'}"]
     env = dict(os.environ, STALWART_CHAOS_DIR=str(tmp / "chaos"))
@@ -60,7 +63,7 @@ def _artifacts(tmp_path: Path) -> Path:
 
 
 @pytest.mark.skipif(CHROMIUM is None or DRIVER is None, reason="needs Debian's chromium and chromium-driver")
-def test_dashboard_shows_the_incident_and_curves(job, tmp_path: Path):
+def test_dashboard_shows_the_incident_the_curves_and_the_stall(job, tmp_path: Path):
     webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -83,12 +86,16 @@ def test_dashboard_shows_the_incident_and_curves(job, tmp_path: Path):
                 " points: Object.fromEntries([...document.querySelectorAll('#curves svg')].map("
                 "c => [c.dataset.curve, Number(c.dataset.points)])),"
                 " committed: [...document.querySelectorAll('#checkpoints tr.checkpoint')].map("
-                "r => Number(r.dataset.committed))}"
+                "r => Number(r.dataset.committed)),"
+                " slow: [...document.querySelectorAll('#slowest tr.slow')].map("
+                "r => [Number(r.dataset.step), Number(r.dataset.rank), Number(r.dataset.sectionMs)])}"
             )
+            stalled = any(s[:2] == [STALL_STEP, STALL_RANK] and s[2] >= 500 for s in seen["slow"])
             recovered = any("sigkill" in r and "open" not in r for r in seen["rows"])
             points, committed = seen["points"], seen["committed"]
             persisted = bool(committed) and min(committed) >= 50  # checkpoint.persist_every_steps' default
-            return recovered and points.get("loss", 0) >= 3 and points.get("ms_forward", 0) >= 2 and persisted
+            curves = points.get("loss", 0) >= 3 and points.get("ms_forward", 0) >= 2
+            return recovered and curves and persisted and stalled
 
         try:
             WebDriverWait(browser, 150, poll_frequency=1).until(rendered)

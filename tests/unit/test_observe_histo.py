@@ -32,6 +32,20 @@ def test_counts_survive_a_restart_including_steps_after_the_last_publish(tmp_pat
     assert forward["count"] == 4 and sum(forward["counts"]) == 4
     le = dict(zip([*histo.BUCKETS_MS, "inf"], forward["counts"]))
     assert le[5] == 2 and le[10] == 1 and le[500] == 1, "the stall is in the (200, 500] ms bucket"
+    assert body["slowest"][0]["step"] == 2 and body["slowest"][0]["section"] == "forward", "named across the restart"
+
+
+def test_the_slowest_steps_are_kept_once_each_slowest_first():
+    h = histo.SectionHistograms(0)
+    times = {step: 10.0 + step for step in range(1, 21)} | {7: 400.0}
+    for step, ms in times.items():
+        h.add({"step": step, "ms": {"step": ms, "forward": ms - 8.0, "optimizer": 2.0}})
+    h.add({"step": 20, "ms": {"step": 25.0, "forward": 20.0}})  # step 20 redone after a restart, faster
+    assert [r["step"] for r in h.slowest] == [7, 20, 19, 18, 17] and len(h.slowest) == histo.SLOWEST
+    assert h.slowest[0] == {"step": 7, "ms": 400.0, "section": "forward", "section_ms": 392.0}
+    assert h.slowest[1]["ms"] == 30.0, "a redone step keeps its slower time, once"
+    h.add({"step": 21, "ms": {"forward": 999.0}})  # no whole-step time: not ranked
+    assert [r["step"] for r in h.slowest][:1] == [7]
 
 
 def test_the_master_exports_per_rank_and_per_node_histograms():

@@ -70,7 +70,7 @@ def _summary(roots: list[Path]) -> dict[str, Any] | None:
 
 def run(args: argparse.Namespace, *_: Any) -> int:
     from stalwart.observe.jobstatus import build_status
-    from stalwart.observe.records import read_records
+    from stalwart.observe.records import read_meta, read_records
 
     if args.run_dir is None and args.master is None:
         raise ValueError("name the job: stalwart status RUN_DIR, or --master URL --job-token TOKEN")
@@ -81,7 +81,9 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     records = [r for root in roots for r in read_records(root)]
     if master is None and not records:
         raise ValueError(f"nothing to report under {args.run_dir}: no journal.sqlite, no master, no rank records")
-    status = build_status(master, live, records, _summary(roots), args.incidents)
+    # pipeline stages do different work by design: a rank's straggler peers are those of its stage
+    stages = {rank: (m.get("coords") or {}).get("pp", 0) for root in roots for rank, m in read_meta(root).items()}
+    status = build_status(master, live, records, _summary(roots), args.incidents, stages)
     if args.json:
         print(json.dumps(status, default=str))
     else:

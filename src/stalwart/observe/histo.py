@@ -6,7 +6,8 @@ its records directory and, under `stalwart run`, in ``PROGRESS_DIR`` at most eve
 agent wipes PROGRESS_DIR on a restart), so the counts stay cumulative over restarts; the node
 agent's heartbeat carries its ranks' PROGRESS_DIR files to the master, which exports them as Prometheus
 histograms per node and rank. Buckets are in milliseconds: Prometheus' 15-60 s scrapes still see a
-single 200 ms stall, in its bucket.
+single 200 ms stall, in its bucket. The rank's ``SLOWEST`` slowest steps ride along (step, whole-step
+ms, longest section), so the dashboard names a stall's exact (step, rank).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)  # plus +Inf
 PUBLISH_S = 2.0
+SLOWEST = 5  # slowest steps kept per rank
 
 
 def hist_path(directory: str | Path, rank: int) -> Path:
@@ -36,6 +38,7 @@ class SectionHistograms:
         self.sections: dict[str, dict[str, Any]] = {}
         self.offset = 0  # bytes of the rank's records file these counts cover (set by RankRecords)
         self.last: dict[str, Any] = {}  # the newest record's step, loss, tokens/s, MFU (the dashboard's curves)
+        self.slowest: list[dict[str, Any]] = []  # {step, ms, section, section_ms}, slowest first
         self._published = 0.0
         if resume and self.directories:
             self._load(hist_path(self.directories[0], rank))
@@ -47,6 +50,7 @@ class SectionHistograms:
             return
         if body.get("buckets_ms") == list(BUCKETS_MS):
             self.sections, self.offset = body["sections"], int(body.get("offset", 0))
+            self.slowest = list(body.get("slowest", []))
 
     def add(self, record: dict[str, Any], publish: bool = True) -> None:
         self.last = {k: record[k] for k in ("step", "time", "loss", "tokens_per_s", "mfu") if k in record}
@@ -55,8 +59,23 @@ class SectionHistograms:
             h["counts"][next((i for i, b in enumerate(BUCKETS_MS) if ms <= b), len(BUCKETS_MS))] += 1
             h["sum"] += ms
             h["count"] += 1
+        self._note_slow(record)
         if publish and self.directories and time.monotonic() - self._published >= PUBLISH_S:
             self.publish()
+
+    def _note_slow(self, record: dict[str, Any]) -> None:
+        ms = record.get("ms") or {}
+        if "step" not in ms or "step" not in record:
+            return
+        if len(self.slowest) >= SLOWEST and ms["step"] <= self.slowest[-1]["ms"]:
+            return
+        sections = {k: v for k, v in ms.items() if k != "step"}
+        longest = max(sections, key=sections.get, default=None)
+        row = {"step": record["step"], "ms": ms["step"], "section": longest, "section_ms": sections.get(longest)}
+        kept = [r for r in self.slowest if r["step"] != record["step"] or r["ms"] > row["ms"]]  # a redone step: once
+        if all(r["step"] != record["step"] for r in kept):
+            kept.append(row)
+        self.slowest = sorted(kept, key=lambda r: -r["ms"])[:SLOWEST]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +84,7 @@ class SectionHistograms:
             "sections": self.sections,
             "offset": self.offset,
             "last": self.last,
+            "slowest": self.slowest,
             "time": time.time(),
         }
 

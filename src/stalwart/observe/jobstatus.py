@@ -53,8 +53,10 @@ def build_status(
     records: list[dict[str, Any]],
     summary: dict[str, Any] | None = None,
     last_incidents: int = 5,
+    stages: dict[int, int] | None = None,
 ) -> dict[str, Any]:
-    """The status as one JSON-able dict (``stalwart status --json``)."""
+    """The status as one JSON-able dict (``stalwart status --json``). ``stages``: rank → pipeline
+    stage, whose ranks are each other's straggler peers."""
     latest: dict[int, dict[str, Any]] = {}
     for r in records:
         if "time" in r and (r["rank"] not in latest or r["time"] >= latest[r["rank"]]["time"]):
@@ -79,7 +81,7 @@ def build_status(
         },
     }
     if records:
-        out["section_stragglers"] = scores(records)["flagged"]  # rank → its slow compute sections
+        out["section_stragglers"] = scores(records, groups=stages)["flagged"]  # rank → its slow compute sections
     if master is not None:
         out["job_id"] = master.get("job_id")
         out["restarts_used"] = master.get("restarts_used")
