@@ -1,8 +1,9 @@
 """A running `stalwart run` job with an injected fault, seen from outside as an operator would: the
 master's dashboard in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by
-selenium) renders the incident, the curves and a 0.5 s stall at its (step, rank); a real Prometheus
-(Debian's `prometheus`, bearer-token scrape config) scrapes the per-rank section histograms. Screenshots go to $STALWART_TEST_ARTIFACTS
-(default: the test's tmp dir)."""
+selenium) renders the incident, the curves, a 0.5 s stall at its (step, rank) and the rank whose forward
+is slow; a real Prometheus
+(Debian's `prometheus`, bearer-token scrape config) scrapes the per-rank section histograms.
+Screenshots go to $STALWART_TEST_ARTIFACTS (default: the test's tmp dir)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,17 @@ DRIVER = shutil.which("chromedriver")
 PROMETHEUS = shutil.which("prometheus")
 STALL_STEP, STALL_RANK = 12, 1
 STALL = f"delay:at=forward:step={STALL_STEP}:rank={STALL_RANK}:seconds=0.5"  # after the restart
+SLOW = "slow:at=forward:rank=1:factor=2"  # every forward of rank 1 twice as long: a straggler
 
 
 @pytest.fixture(scope="module")
 def job(stdlib_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    """(run dir, master address, token) of a job that loses rank 1 at step 6 and recovers, and whose
-    rank 1 stalls 0.5 s in the forward of step 12."""
+    """(run dir, master address, token) of a job that loses rank 1 at step 6 and recovers, whose rank 1
+    stalls 0.5 s in the forward of step 12 and computes every forward 2× as long."""
     tmp = tmp_path_factory.mktemp("live")
     run = tmp / "run"
     cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
-    cmd += ["--run-dir", str(run), "--chaos", f"kill:rank=1:step=6;{STALL}", "-m", "stalwart", "train"]
+    cmd += ["--run-dir", str(run), "--chaos", f"kill:rank=1:step=6;{STALL};{SLOW}", "-m", "stalwart", "train"]
     cmd += ["--config", "configs/debug.toml", f"--data.dir={stdlib_data}", "--data.seq_len=32", "--train.steps=2000"]
     cmd += [f"--train.out_dir={run}/train", "--checkpoint.enabled=true", f"--checkpoint.dir={tmp / 'ckpt'}"]
     env = dict(os.environ, STALWART_CHAOS_DIR=str(tmp / "chaos"))
@@ -88,14 +90,16 @@ def test_dashboard_shows_the_incident_the_curves_and_the_stall(job, tmp_path: Pa
                 " committed: [...document.querySelectorAll('#checkpoints tr.checkpoint')].map("
                 "r => Number(r.dataset.committed)),"
                 " slow: [...document.querySelectorAll('#slowest tr.slow')].map("
-                "r => [Number(r.dataset.step), Number(r.dataset.rank), Number(r.dataset.sectionMs)])}"
+                "r => [Number(r.dataset.step), Number(r.dataset.rank), Number(r.dataset.sectionMs)]),"
+                " sections: document.getElementById('slow-sections')?.innerText}"
             )
+            straggler = seen["sections"] == "rank 1: forward"
             stalled = any(s[:2] == [STALL_STEP, STALL_RANK] and s[2] >= 500 for s in seen["slow"])
             recovered = any("sigkill" in r and "open" not in r for r in seen["rows"])
             points, committed = seen["points"], seen["committed"]
             persisted = bool(committed) and min(committed) >= 50  # checkpoint.persist_every_steps' default
             curves = points.get("loss", 0) >= 3 and points.get("ms_forward", 0) >= 2
-            return recovered and curves and persisted and stalled
+            return recovered and curves and persisted and stalled and straggler
 
         try:
             WebDriverWait(browser, 150, poll_frequency=1).until(rendered)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from stalwart.launch import master_state
+from stalwart.launch.journal import Journal
 from stalwart.launch.master_histograms import RANK_FAMILY, SectionHistogramCollector
+from stalwart.launch.master_state import MasterState
 from stalwart.observe import histo
 from stalwart.observe.records import RankRecords
 
@@ -71,3 +75,27 @@ def test_the_master_exports_per_rank_and_per_node_histograms():
     assert recovery["5"] == 0 and recovery["10"] == 1 and recovery["+Inf"] == 1, "the open incident is not counted"
     detection = [s.value for s in families["stalwart_incident_detection_seconds"].samples if s.name.endswith("_sum")]
     assert detection == [2.0]
+
+
+def test_the_master_flags_a_slow_section_live_from_the_heartbeats_histograms(tmp_path: Path, monkeypatch):
+    """Two nodes × one rank write real records; their heartbeats carry the histogram files; rank 1's
+    forward turns 1.3× slower at step 31 and the master's status names it by step 50, not before."""
+    monkeypatch.setattr(master_state, "SECTION_SCORES_S", 0.0)  # the test steps faster than the 2 s refresh
+    state = MasterState(Journal(tmp_path / "journal.sqlite"), "job", restart_budget=1, node_timeout_s=30)
+    writers = {r: RankRecords(tmp_path / f"run{r}", r, {"pp": 0}, hist_dir=tmp_path / f"progress{r}") for r in (0, 1)}
+    for r in writers:
+        state.join({"node_id": f"n{r}", "host": "h", "nproc": 1})
+    rng = random.Random(0)
+    flagged_at = []
+    for step in range(1, 51):
+        for r, rec in writers.items():
+            forward = 80.0 * (1.3 if r == 1 and step > 30 else 1.0) * rng.uniform(0.95, 1.05)
+            rec.add_values(step, {"time": float(step), "ms": {"step": forward + 40.0}})
+            rec.add_sections({"step": step, "forward": forward / 1e3, "backward": 0.03, "compute_s": 0.1, "wait_s": 0})
+            rec.hist.publish()
+            body = {"node_id": f"n{r}", "progress": {"hist": histo.read_node(tmp_path / f"progress{r}")}}
+            state.heartbeat(body)
+        if state.status()["section_stragglers"]:
+            flagged_at.append(step)
+    assert flagged_at and flagged_at[0] <= 50 and flagged_at[0] > 40, flagged_at
+    assert state.status()["section_stragglers"] == {1: ["forward"]}

@@ -113,7 +113,8 @@ def render(status: dict[str, Any]) -> None:
         recover = f"recovered in {inc['recover_s']:.1f} s" if inc["recover_s"] is not None else "not recovered"
         console.print(f"  incident {inc['id']} {inc['kind']} (node {inc['node']}): {detect}, {recover}")
     for rank, sections in (status.get("section_stragglers") or {}).items():
-        console.print(f"  straggler: rank {rank} slow in {', '.join(sections)} (≥ 1.2 × its peers' median)")
+        why = "≥ 1.2 × its peers for 2 windows of 10 steps"
+        console.print(f"  straggler: rank {rank} slow in {', '.join(sections)} ({why})")
     if status.get("checkpoint"):
         console.print(f"  checkpoint: {status['checkpoint']}")
     if status.get("diagnosis"):

@@ -5,7 +5,8 @@ job token once (kept in the tab's ``sessionStorage``, never in a URL that a prox
 and polls ``GET /v1/status`` with it as a bearer header every 2 s: job state, nodes (health,
 straggler and eviction flags), the incident timeline with detection and recovery times, curves of
 loss, tokens/s and mean step-section times (from the ranks' histograms the heartbeats carry), the
-job's slowest steps with their rank and longest section (a stall at its exact step and rank),
+job's slowest steps with their rank and longest section (a stall at its exact step and rank), the
+ranks whose compute sections straggle (``observe.stragglers`` over the heartbeats' newest steps),
 the checkpoint store as each node's keeper sees it (last committed step, its age, failing cause and
 failed attempts), the checkpoint restore figures of recoveries, and the open hang's diagnosis.
 """

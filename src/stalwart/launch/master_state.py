@@ -16,6 +16,9 @@ from stalwart.launch import eviction
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
 from stalwart.launch.stragglers import StragglerDetector
+from stalwart.observe import stragglers as section_scores
+
+SECTION_SCORES_S = 2.0  # the ranks publish their histogram files every 2 s (observe.histo.PUBLISH_S)
 
 log = logging.getLogger("stalwart.master")
 
@@ -62,6 +65,7 @@ class MasterState:
         self.policy = policy or EvictionPolicy()
         self.started = time.time()  # this master process; heartbeats older than this are not counted
         self.compute_s: dict[str, float] = {}  # node → median compute seconds per step, last window
+        self._section_cache: tuple[float, dict[int, list[str]]] = (-SECTION_SCORES_S, {})
         journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -279,11 +283,20 @@ class MasterState:
             "restart_budget": self.journal.get("restart_budget"),
             "restarts_used": self.journal.get("restarts_used", 0),
             "stragglers": sorted(self.stragglers.flagged),
+            "section_stragglers": self._section_stragglers(nodes, now),
             "rdzv_endpoint": self.rdzv_endpoint,
             "nodes": nodes,
             "incidents": self.journal.incidents(),
             "decisions": self.journal.decisions(),
         }
+
+    def _section_stragglers(self, nodes: list[dict[str, Any]], now: float) -> dict[int, list[str]]:
+        """rank → its slow compute sections, from the newest steps of the alive nodes' ranks (the
+        heartbeats' histogram files); recomputed at most every SECTION_SCORES_S."""
+        if now - self._section_cache[0] >= SECTION_SCORES_S:
+            alive = [(n["progress"] or {}).get("hist") or {} for n in nodes if n["state"] == "alive"]
+            self._section_cache = (now, section_scores.live([h for hists in alive for h in hists.values()])["flagged"])
+        return self._section_cache[1]
 
     def sweep(self) -> list[str]:
         """Mark nodes without a heartbeat for node_timeout_s as lost (after this master has been up

@@ -15,12 +15,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
+
+from stalwart.observe import stragglers
 
 BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)  # plus +Inf
 PUBLISH_S = 2.0
 SLOWEST = 5  # slowest steps kept per rank
+RECENT = 20  # newest steps' compute and wait sections, for the master's live straggler scores
 
 
 def hist_path(directory: str | Path, rank: int) -> Path:
@@ -31,14 +35,17 @@ class SectionHistograms:
     """Cumulative per-section histograms of one rank: ``counts[i]`` = samples ≤ ``BUCKETS_MS[i]``'s
     bucket (non-cumulative per bucket; the last is +Inf), plus sum and count."""
 
-    def __init__(self, rank: int, directories: list[str | Path] | None = None, resume: bool = False) -> None:
-        self.rank, self.directories = rank, [Path(d) for d in directories or []]
+    def __init__(
+        self, rank: int, directories: list[str | Path] | None = None, resume: bool = False, stage: int = 0
+    ) -> None:
+        self.rank, self.directories, self.stage = rank, [Path(d) for d in directories or []], stage
         for d in self.directories:
             d.mkdir(parents=True, exist_ok=True)
         self.sections: dict[str, dict[str, Any]] = {}
         self.offset = 0  # bytes of the rank's records file these counts cover (set by RankRecords)
         self.last: dict[str, Any] = {}  # the newest record's step, loss, tokens/s, MFU (the dashboard's curves)
         self.slowest: list[dict[str, Any]] = []  # {step, ms, section, section_ms}, slowest first
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)  # {step, ms: {section: ms}}, oldest first
         self._published = 0.0
         if resume and self.directories:
             self._load(hist_path(self.directories[0], rank))
@@ -60,6 +67,9 @@ class SectionHistograms:
             h["sum"] += ms
             h["count"] += 1
         self._note_slow(record)
+        scored = {k: round(v, 2) for k, v in (record.get("ms") or {}).items() if k in stragglers.SECTIONS}
+        if scored and "step" in record:
+            self.recent.append({"step": record["step"], "ms": scored})
         if publish and self.directories and time.monotonic() - self._published >= PUBLISH_S:
             self.publish()
 
@@ -85,6 +95,8 @@ class SectionHistograms:
             "offset": self.offset,
             "last": self.last,
             "slowest": self.slowest,
+            "recent": list(self.recent),
+            "stage": self.stage,
             "time": time.time(),
         }
 

@@ -80,8 +80,10 @@ def build_status(
             for rank, r in sorted(latest.items())
         },
     }
-    if records:
-        out["section_stragglers"] = scores(records, groups=stages)["flagged"]  # rank → its slow compute sections
+    if records:  # rank → its slow compute sections; else the master's live view of the newest steps
+        out["section_stragglers"] = scores(records, groups=stages)["flagged"]
+    elif master is not None and master.get("section_stragglers"):
+        out["section_stragglers"] = {int(r): s for r, s in master["section_stragglers"].items()}
     if master is not None:
         out["job_id"] = master.get("job_id")
         out["restarts_used"] = master.get("restarts_used")

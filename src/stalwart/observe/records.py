@@ -66,7 +66,7 @@ class RankRecords:
         self.path = records_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         dirs = [self.path.parent, *([hist_dir] if hist_dir else [])]  # hist_dir: the agent's progress dir
-        self.hist = SectionHistograms(rank, dirs, resume=append)
+        self.hist = SectionHistograms(rank, dirs, resume=append, stage=coords.get("pp", 0))
         if append:
             self._catch_up()
         self.rank = rank

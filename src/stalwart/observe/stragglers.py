@@ -28,6 +28,7 @@ from typing import Any
 
 COMPUTE = ("data", "forward", "optimizer", "pipeline")
 WAIT = ("backward", "grad_clip")
+SECTIONS = COMPUTE + WAIT
 
 
 def scores(
@@ -59,12 +60,19 @@ def scores(
     return {"ranks": out, "flagged": flagged, "window": window, "threshold": threshold, "persist": persist}
 
 
+def live(hists: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    """``scores`` over the newest steps each rank's histogram file carries (``observe.histo``: the
+    heartbeats bring them to the master), each rank judged against its pipeline stage."""
+    records = [{"rank": h["rank"], **r} for h in hists for r in h.get("recent") or []]
+    return scores(records, groups={h["rank"]: h.get("stage", 0) for h in hists}, **kw)
+
+
 def _by_step(records: list[dict[str, Any]]) -> dict[int, dict[int, dict[str, float]]]:
     """step → rank → section ms (compute and wait sections); a step redone after a restart keeps
     its newest record."""
     out: dict[int, dict[int, dict[str, float]]] = defaultdict(dict)
     for r in sorted(records, key=lambda r: (r.get("time", 0.0), r["step"])):
-        ms = {s: v for s, v in (r.get("ms") or {}).items() if s in COMPUTE or s in WAIT}
+        ms = {s: v for s, v in (r.get("ms") or {}).items() if s in SECTIONS}
         if ms:
             out[r["step"]][r["rank"]] = ms
     return out
