@@ -33,3 +33,14 @@ def test_an_open_hang_is_recovering_with_its_diagnosis():
 def test_a_finished_run_without_a_master():
     status = build_status(None, False, _records(3, 0), {"checkpoint": {"dir": "/c", "snapshots": 3}})
     assert status["state"] == "finished" and status["checkpoint"]["dir"] == "/c" and "incidents" not in status
+
+
+def test_without_records_the_masters_live_section_stragglers_are_shown():
+    master = {"job_id": "j", "incidents": [], "nodes": [], "section_stragglers": {"1": ["forward"]}}
+    assert build_status(master, True, [])["section_stragglers"] == {1: ["forward"]}
+    slow = _records(30, 0) + [r | {"rank": 1, "ms": {"forward": 50.0}} for r in _records(30, 0)]
+    fast = [r | {"ms": {"forward": 20.0}} for r in slow if r["rank"] == 0]
+    ranks = fast + [r for r in slow if r["rank"] == 1]
+    master["section_stragglers"] = {"0": ["data"]}  # the master's view is older than the records
+    assert build_status(master, True, ranks)["section_stragglers"] == {1: ["forward"]}, "the records win"
+    assert build_status(master, True, ranks, stages={0: 0, 1: 1})["section_stragglers"] == {}, "no peer"
