@@ -159,6 +159,13 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
 
+class _Server(ThreadingHTTPServer):
+    # Agents beat in bursts, each beat a new connection: socketserver's listen backlog of 5 made the
+    # kernel drop SYNs beyond it under a thousand agents, and a dropped SYN is retried after 1 s, 3 s …
+    request_queue_size = socket.SOMAXCONN
+    daemon_threads = True
+
+
 class Master:
     """Owns the server thread and the lost-node sweeper; `serve_forever` for the CLI."""
 
@@ -185,8 +192,7 @@ class Master:
 
             self.store = serve_store(host, rdzv_port)
             self.state.rdzv_endpoint = f"{advertised_host(host)}:{self.store.port}"
-        self.server = ThreadingHTTPServer((host, port), _handler(self.state, token))
-        self.server.daemon_threads = True
+        self.server = _Server((host, port), _handler(self.state, token))
         self._stop = threading.Event()
         self._serving: threading.Thread | None = None
 
