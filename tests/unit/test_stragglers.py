@@ -5,10 +5,13 @@ not flagged; pipeline stages are judged against their own stage."""
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from stalwart.observe.stragglers import scores
+from stalwart.observe.stragglers import _median_without, scores
 
 
 def _steps(
@@ -76,3 +79,12 @@ def test_pipeline_stages_are_judged_against_their_own_stage():
 def test_bad_windows_are_refused():
     with pytest.raises(ValueError, match="window and persist must be ≥ 1"):
         scores([], window=0)
+
+
+@given(st.lists(st.sampled_from([1.0, 2.0, 3.0, 0.5, 7.25]), min_size=1, max_size=9), st.data())
+def test_a_ranks_peers_median_leaves_out_exactly_the_rank(values, data):
+    values.sort()
+    mine = data.draw(st.sampled_from(values))
+    rest = list(values)
+    rest.remove(mine)
+    assert _median_without(values, mine) == (statistics.median(rest) if rest else None)

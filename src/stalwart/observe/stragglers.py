@@ -21,6 +21,7 @@ Waits are not flagged: the ranks that only wait for a slow one show long waits (
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 from collections.abc import Hashable
@@ -49,8 +50,10 @@ def scores(
     flagged: dict[int, list[str]] = {}
     best = _own_best(by_step, window)
     full = len(windows[-1]) == window  # enough history for `persist` whole windows
+    groups = groups or {}
+    peers = _peer_values(by_step, [s for w in windows for s in w], groups)
     for rank in sorted({r for at in by_step.values() for r in at}):
-        judged = [_window_score(by_step, w, rank, groups or {}) for w in windows if w]
+        judged = [_window_score(by_step, peers, w, rank, groups.get(rank)) for w in windows if w]
         for section, (peer, mine, _) in (judged[0] if judged else {}).items():
             own_best = best[rank].get(section) or mine
             out.setdefault(rank, {})[section] = {"peer": round(peer, 3), "self": round(mine / own_best, 3)}
@@ -78,8 +81,36 @@ def _by_step(records: list[dict[str, Any]]) -> dict[int, dict[int, dict[str, flo
     return out
 
 
+def _peer_values(
+    by_step: dict[int, dict[int, dict[str, float]]], steps: list[int], groups: dict[int, Hashable]
+) -> dict[tuple[int, Hashable, str], list[float]]:
+    """(step, group, section) → every rank's value, sorted: each rank's peers' median is then one
+    lookup (``_median_without``), not a pass over all ranks — the master scores thousands."""
+    out: dict[tuple[int, Hashable, str], list[float]] = defaultdict(list)
+    for step in steps:
+        for rank, ms in by_step[step].items():
+            for section, value in ms.items():
+                out[(step, groups.get(rank), section)].append(value)
+    for values in out.values():
+        values.sort()
+    return out
+
+
+def _median_without(values: list[float], mine: float) -> float | None:
+    """The median of sorted ``values`` less one occurrence of ``mine`` (None if nothing is left)."""
+    k, n = bisect.bisect_left(values, mine), len(values) - 1
+    if n < 1:
+        return None
+    lo, hi = [values[i if i < k else i + 1] for i in (n // 2 - 1 + n % 2, n // 2)]  # the middle one or two
+    return (lo + hi) / 2
+
+
 def _window_score(
-    by_step: dict[int, dict[int, dict[str, float]]], steps: list[int], rank: int, groups: dict[int, Hashable]
+    by_step: dict[int, dict[int, dict[str, float]]],
+    peers: dict[tuple[int, Hashable, str], list[float]],
+    steps: list[int],
+    rank: int,
+    group: Hashable,
 ) -> dict[str, tuple[float, float, float]]:
     """section → (median step-by-step ratio to the peers' median, the rank's median ms, its excess ms
     over the peers' median) for ``rank`` over ``steps``."""
@@ -87,15 +118,9 @@ def _window_score(
     mine: dict[str, list[float]] = defaultdict(list)
     theirs: dict[str, list[float]] = defaultdict(list)
     for step in steps:
-        at = by_step[step]
-        if rank not in at:
-            continue
-        for section, ms in at[rank].items():
-            others = [
-                v[section] for p, v in at.items() if p != rank and groups.get(p) == groups.get(rank) and section in v
-            ]
-            typical = statistics.median(others) if others else 0.0
-            if typical > 0:
+        for section, ms in by_step[step].get(rank, {}).items():
+            typical = _median_without(peers[(step, group, section)], ms)
+            if typical is not None and typical > 0:
                 ratios[section].append(ms / typical)
                 mine[section].append(ms)
                 theirs[section].append(typical)
