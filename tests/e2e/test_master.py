@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +109,14 @@ def test_bad_requests_are_rejected_cleanly(master):
     assert raw(master, "POST", "/v1/nodes/join", TOKEN, b"[1, 2]") == 400
     assert raw(master, "POST", "/v1/nodes/join", TOKEN, b'{"node_id": 5, "host": "h", "nproc": 1}') == 400
     assert raw(master, "GET", "/v1/nope", TOKEN) == 404
+    assert raw(master, "DELETE", "/v1/status", TOKEN) == 404
+    # a 2 MiB body is refused from its Content-Length, before it is sent (the test sends none: a
+    # client still writing when the server answers and closes could see a reset instead)
+    conn = http.client.HTTPConnection(urllib.parse.urlparse(master).netloc, timeout=5)
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Length": str(2 << 20)}
+    conn.request("POST", "/v1/nodes/join", headers=headers)
+    assert conn.getresponse().status == 413
+    conn.close()
     client = MasterClient(master, TOKEN)
     with pytest.raises(MasterError) as err:
         client.heartbeat("ghost", {"step": 1})

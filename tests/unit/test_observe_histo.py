@@ -13,7 +13,7 @@ from stalwart.launch import master_state
 from stalwart.launch.journal import Journal
 from stalwart.launch.master_histograms import RANK_FAMILY, SectionHistogramCollector
 from stalwart.launch.master_state import MasterState
-from stalwart.observe import histo
+from stalwart.observe import histo, stragglers
 from stalwart.observe.records import RankRecords
 
 
@@ -99,3 +99,26 @@ def test_the_master_flags_a_slow_section_live_from_the_heartbeats_histograms(tmp
             flagged_at.append(step)
     assert flagged_at and flagged_at[0] <= 50 and flagged_at[0] > 40, flagged_at
     assert state.status()["section_stragglers"] == {1: ["forward"]}
+
+
+def test_the_master_merges_beats_that_catch_the_ranks_a_publish_apart(tmp_path: Path, monkeypatch):
+    """Each beat brings rank 1's newest steps one publish (10 steps) behind rank 0's: one beat's files
+    share only 10 steps, too few for two windows; merged over beats they share them all."""
+    monkeypatch.setattr(master_state, "SECTION_SCORES_S", 0.0)
+    state = MasterState(Journal(tmp_path / "journal.sqlite"), "job", restart_budget=1, node_timeout_s=30)
+    for r in (0, 1):
+        state.join({"node_id": f"n{r}", "host": "h", "nproc": 1})
+
+    def hist(rank: int, last: int) -> dict:
+        forward = 100.0 if rank == 1 else 50.0  # rank 1: twice as slow, from the start
+        recent = [{"step": s, "ms": {"forward": forward}} for s in range(last - 19, last + 1)]
+        return {str(rank): {"rank": rank, "stage": 0, "recent": recent}}
+
+    flagged = []
+    for last in range(30, 80, 10):
+        state.heartbeat({"node_id": "n0", "progress": {"hist": hist(0, last)}})
+        state.heartbeat({"node_id": "n1", "progress": {"hist": hist(1, last - 10)}})
+        flagged.append(state.status()["section_stragglers"])
+    assert flagged[0] == {} and flagged[1] == {1: ["forward"]}, flagged
+    one_beat = [{"rank": r, "stage": 0, **h} for r, h in ((0, hist(0, 70)["0"]), (1, hist(1, 60)["1"]))]
+    assert stragglers.live(one_beat)["flagged"] == {}, "a single beat's files are not enough"

@@ -1,4 +1,5 @@
-"""The job master: an authenticated HTTP+JSON API over the SQLite journal.
+"""The job master: an authenticated HTTP+JSON API over the SQLite journal, served by aiohttp on an
+event loop of its own (a thread per connection made a thousand agents' beats wait seconds).
 
 No pickle on the wire, a bearer token on every call (401 without one, 403 with a wrong one), loopback
 unless told otherwise. All state is in the journal, so `kill -9` and a restart with the same
@@ -7,6 +8,7 @@ unless told otherwise. All state is in the journal, so `kill -9` and a restart w
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -16,7 +18,6 @@ import socket
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -45,93 +46,86 @@ ROUTES: list[tuple[str, re.Pattern, Route]] = [
 
 
 METRICS = "/metrics"  # Prometheus scrapes with `authorization: {credentials: TOKEN}` (bearer)
+SLOW_ROUTES = ("GET",)  # whole-job reads (status, /metrics) run off the event loop; writes are µs
 
 
-def _handler(state: MasterState, token: str) -> type[BaseHTTPRequestHandler]:
+def _app(state: MasterState, token: str) -> Any:
+    """The aiohttp application: one handler for every path, so the token rule, the body rule and the
+    error replies are in one place."""
+    from aiohttp import web
+
     expected = f"Bearer {token}".encode()
     registry = None
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def reply(status: HTTPStatus, payload: dict[str, Any] | bytes, content_type: str = "application/json") -> Any:
+        headers = {"Content-Type": content_type}
+        if status == HTTPStatus.UNAUTHORIZED:
+            headers["WWW-Authenticate"] = 'Bearer realm="stalwart"'
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return web.Response(status=status, body=data, headers=headers)
 
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("%s " + fmt, self.client_address[0], *args)
+    async def body_of(request: Any) -> dict[str, Any]:
+        if (request.content_length or 0) > MAX_BODY:
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body, no Content-Length to check first
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes") from None
+        if not raw:
+            return {}
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+        return body
 
-        def _reply(
-            self, status: HTTPStatus, payload: dict[str, Any] | bytes, content_type: str = "application/json"
-        ) -> None:
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            if status == HTTPStatus.UNAUTHORIZED:
-                self.send_header("WWW-Authenticate", 'Bearer realm="stalwart"')
-            self.end_headers()
-            self.wfile.write(data)
+    def metrics() -> bytes:
+        nonlocal registry
+        from prometheus_client import CollectorRegistry, generate_latest
 
-        def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
-            if not length:
-                return {}
-            try:
-                body = json.loads(self.rfile.read(length))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ApiError(HTTPStatus.BAD_REQUEST, "body is not JSON") from None
-            if not isinstance(body, dict):
-                raise ApiError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
-            return body
+        from stalwart.launch.master_histograms import SectionHistogramCollector
+        from stalwart.launch.master_metrics import JournalCollector
 
-        def _dispatch(self, method: str) -> None:
-            if method == "GET" and self.path == dashboard.PATH:  # a static page, no job data: no token
-                self._reply(HTTPStatus.OK, dashboard.page(), dashboard.CONTENT_TYPE)
-                return
-            try:
-                auth = (self.headers.get("Authorization") or "").encode()
-                if not auth:
-                    raise ApiError(HTTPStatus.UNAUTHORIZED, "missing bearer token")
-                if not hmac.compare_digest(auth, expected):
-                    raise ApiError(HTTPStatus.FORBIDDEN, "wrong job token")
-                path = self.path.split("?", 1)[0]
-                if method == "GET" and path == METRICS:
-                    self._metrics()
-                    return
-                for verb, pattern, route in ROUTES:
-                    match = pattern.match(path)
-                    if match and verb == method:
-                        self._reply(HTTPStatus.OK, route(state, self._body(), match))
-                        return
-                raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
-            except ApiError as err:
-                self._reply(err.status, {"error": str(err)})
-            except Exception as err:  # never let a bad request take the master down
-                log.exception("request failed")
-                self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": type(err).__name__})
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(JournalCollector(state))
+            registry.register(SectionHistogramCollector(state.journal.nodes, state.journal.incidents))
+        return generate_latest(registry)
 
-        def _metrics(self) -> None:
-            nonlocal registry
-            from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    async def handle(request: Any) -> Any:
+        method, path = request.method, request.path
+        if method == "GET" and path == dashboard.PATH:  # a static page, no job data: no token
+            return reply(HTTPStatus.OK, dashboard.page(), dashboard.CONTENT_TYPE)
+        loop = asyncio.get_running_loop()
+        try:
+            auth = request.headers.get("Authorization", "").encode()
+            if not auth:
+                raise ApiError(HTTPStatus.UNAUTHORIZED, "missing bearer token")
+            if not hmac.compare_digest(auth, expected):
+                raise ApiError(HTTPStatus.FORBIDDEN, "wrong job token")
+            if method == "GET" and path == METRICS:
+                from prometheus_client import CONTENT_TYPE_LATEST
 
-            from stalwart.launch.master_histograms import SectionHistogramCollector
-            from stalwart.launch.master_metrics import JournalCollector
+                return reply(HTTPStatus.OK, await loop.run_in_executor(None, metrics), CONTENT_TYPE_LATEST)
+            for verb, pattern, route in ROUTES:
+                match = pattern.match(path)
+                if match and verb == method:
+                    body = await body_of(request)
+                    if method in SLOW_ROUTES:
+                        return reply(HTTPStatus.OK, await loop.run_in_executor(None, route, state, body, match))
+                    return reply(HTTPStatus.OK, route(state, body, match))
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
+        except ApiError as err:
+            return reply(err.status, {"error": str(err)})
+        except Exception as err:  # never let a bad request take the master down
+            log.exception("request failed")
+            return reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": type(err).__name__})
 
-            if registry is None:
-                registry = CollectorRegistry(auto_describe=False)
-                registry.register(JournalCollector(state))
-                registry.register(SectionHistogramCollector(state.journal.nodes, state.journal.incidents))
-            self._reply(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
-
-        def do_GET(self) -> None:
-            self._dispatch("GET")
-
-        def do_POST(self) -> None:
-            self._dispatch("POST")
-
-        def do_PATCH(self) -> None:
-            self._dispatch("PATCH")
-
-    return Handler
+    app = web.Application(client_max_size=MAX_BODY + 1)  # ours answers first, as JSON
+    app.router.add_route("*", "/{path:.*}", handle)
+    return app
 
 
 def new_token() -> str:
@@ -157,13 +151,6 @@ def advertised_host(host: str) -> str:
     """The name others reach a bound address by: a wildcard bind (0.0.0.0, ::) is not an address
     another node can dial, so this host's name is advertised instead."""
     return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
-
-
-class _Server(ThreadingHTTPServer):
-    # Agents beat in bursts, each beat a new connection: socketserver's listen backlog of 5 made the
-    # kernel drop SYNs beyond it under a thousand agents, and a dropped SYN is retried after 1 s, 3 s …
-    request_queue_size = socket.SOMAXCONN
-    daemon_threads = True
 
 
 class Master:
@@ -192,28 +179,61 @@ class Master:
 
             self.store = serve_store(host, rdzv_port)
             self.state.rdzv_endpoint = f"{advertised_host(host)}:{self.store.port}"
-        self.server = _Server((host, port), _handler(self.state, token))
+        self._app = _app(self.state, token)
+        # Bound now (a taken port fails here, and `address` is known before start); agents beat in
+        # bursts, each beat a new connection: a short listen backlog drops SYNs, retried only after 1 s.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
         self._stop = threading.Event()
         self._serving: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed: BaseException | None = None
 
     @property
     def address(self) -> str:
-        host, port = self.server.server_address[:2]
+        host, port = self._sock.getsockname()[:2]
         return f"http://{advertised_host(host)}:{port}"
+
+    def _serve(self, ready: threading.Event) -> None:
+        """The server thread: its own event loop (the agent's main thread is TorchElastic's)."""
+        from aiohttp import web
+
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=1.0)
+        try:
+            loop.run_until_complete(runner.setup())
+            site = web.SockSite(runner, self._sock, backlog=socket.SOMAXCONN)
+            loop.run_until_complete(site.start())
+        except BaseException as err:
+            self._failed = err
+            ready.set()
+            raise
+        self._loop = loop
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(1.0):
             self.state.sweep()
 
     def start(self) -> Master:
-        self._serving = threading.Thread(target=self.server.serve_forever, name="master-http", daemon=True)
+        ready = threading.Event()
+        self._serving = threading.Thread(target=self._serve, args=(ready,), name="master-http", daemon=True)
         self._serving.start()
+        ready.wait()
+        if self._failed is not None:
+            raise RuntimeError(f"the master's HTTP server did not start: {self._failed}") from self._failed
         threading.Thread(target=self._sweep_loop, name="master-sweep", daemon=True).start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._serving is not None:  # shutdown() waits for serve_forever: forever if it never ran
-            self.server.shutdown()
-        self.server.server_close()
+        if self._serving is not None and self._loop is not None:  # never started: nothing to wait for
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._serving.join(10)
+        self._sock.close()
         self.journal.close()

@@ -19,6 +19,7 @@ from stalwart.launch.stragglers import StragglerDetector
 from stalwart.observe import stragglers as section_scores
 
 SECTION_SCORES_S = 2.0  # the ranks publish their histogram files every 2 s (observe.histo.PUBLISH_S)
+KEEP_STEPS = 40  # newest steps per rank kept for the section scores (2 windows of 10, twice over)
 
 log = logging.getLogger("stalwart.master")
 
@@ -66,6 +67,9 @@ class MasterState:
         self.started = time.time()  # this master process; heartbeats older than this are not counted
         self.compute_s: dict[str, float] = {}  # node → median compute seconds per step, last window
         self._section_cache: tuple[float, dict[int, list[str]]] = (-SECTION_SCORES_S, {})
+        self._recent: dict[int, dict[int, dict[str, float]]] = {}  # rank → step → section ms (newest KEEP)
+        self._rank_of: dict[int, tuple[str, int]] = {}  # rank → (its node, its pipeline stage)
+        self._recent_lock = threading.Lock()  # heartbeats write, status reads (another thread)
         journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -81,11 +85,11 @@ class MasterState:
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         node_id = _field(body, "node_id", str)
-        known = self.journal.heartbeat(
-            node_id, _field(body, "progress", dict, required=False) or {}, _field(body, "info", dict, required=False)
-        )
+        progress = _field(body, "progress", dict, required=False) or {}
+        known = self.journal.heartbeat(node_id, progress, _field(body, "info", dict, required=False))
         if not known:
             raise ApiError(HTTPStatus.NOT_FOUND, f"node {node_id!r} has not joined this job")
+        self._note_recent(node_id, progress.get("hist"))
         window = (body.get("progress") or {}).get("window")
         if isinstance(window, dict) and isinstance(window.get("compute_s"), (int, float)):
             self.compute_s[node_id] = float(window["compute_s"])
@@ -290,12 +294,39 @@ class MasterState:
             "decisions": self.journal.decisions(),
         }
 
+    def _note_recent(self, node_id: str, hists: Any) -> None:
+        """Merge the newest steps a node's ranks published into what earlier beats brought: one beat
+        may catch rank 0's file a publish ahead of rank 1's; together they cover the same steps."""
+        if not isinstance(hists, dict):
+            return
+        with self._recent_lock:
+            for h in hists.values():
+                if not isinstance(h, dict) or not isinstance(h.get("rank"), int):
+                    continue
+                rank = h["rank"]
+                self._rank_of[rank] = (node_id, int(h.get("stage") or 0))
+                steps = self._recent.setdefault(rank, {})
+                for r in h.get("recent") or []:
+                    steps[int(r["step"])] = r["ms"]
+                for old in sorted(steps)[:-KEEP_STEPS]:
+                    del steps[old]
+
     def _section_stragglers(self, nodes: list[dict[str, Any]], now: float) -> dict[int, list[str]]:
         """rank → its slow compute sections, from the newest steps of the alive nodes' ranks (the
         heartbeats' histogram files); recomputed at most every SECTION_SCORES_S."""
         if now - self._section_cache[0] >= SECTION_SCORES_S:
-            alive = [(n["progress"] or {}).get("hist") or {} for n in nodes if n["state"] == "alive"]
-            self._section_cache = (now, section_scores.live([h for hists in alive for h in hists.values()])["flagged"])
+            alive = {n["node_id"] for n in nodes if n["state"] == "alive"}
+            with self._recent_lock:
+                hists = [
+                    {
+                        "rank": rank,
+                        "stage": stage,
+                        "recent": [{"step": s, "ms": v} for s, v in self._recent[rank].items()],
+                    }
+                    for rank, (node, stage) in self._rank_of.items()
+                    if node in alive
+                ]
+            self._section_cache = (now, section_scores.live(hists)["flagged"])
         return self._section_cache[1]
 
     def sweep(self) -> list[str]:

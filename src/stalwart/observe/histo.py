@@ -1,8 +1,9 @@
 """Per-rank step/section histograms (ms buckets) for the master's ``/metrics``.
 
 Each rank folds its step records into cumulative histograms and replaces ``rank{R}.hist.json`` in
-its records directory and, under `stalwart run`, in ``PROGRESS_DIR`` at most every ``PUBLISH_S``
-(local files, no network call). A restarted rank resumes from the records directory's copy (the
+its records directory and, under `stalwart run`, in ``PROGRESS_DIR`` every ``PUBLISH_S`` and at every
+``PUBLISH_STEPS``-th step (local files, no network call; the step rule keeps the ranks' newest steps,
+which the master compares across ranks, in phase). A restarted rank resumes from the records directory's copy (the
 agent wipes PROGRESS_DIR on a restart), so the counts stay cumulative over restarts; the node
 agent's heartbeat carries its ranks' PROGRESS_DIR files to the master, which exports them as Prometheus
 histograms per node and rank. Buckets are in milliseconds: Prometheus' 15-60 s scrapes still see a
@@ -23,6 +24,7 @@ from stalwart.observe import stragglers
 
 BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)  # plus +Inf
 PUBLISH_S = 2.0
+PUBLISH_STEPS = 10  # also at every 10th step: all ranks then publish the same newest steps
 SLOWEST = 5  # slowest steps kept per rank
 RECENT = 20  # newest steps' compute and wait sections, for the master's live straggler scores
 
@@ -70,7 +72,8 @@ class SectionHistograms:
         scored = {k: round(v, 2) for k, v in (record.get("ms") or {}).items() if k in stragglers.SECTIONS}
         if scored and "step" in record:
             self.recent.append({"step": record["step"], "ms": scored})
-        if publish and self.directories and time.monotonic() - self._published >= PUBLISH_S:
+        due = time.monotonic() - self._published >= PUBLISH_S or record.get("step", 1) % PUBLISH_STEPS == 0
+        if publish and self.directories and due:
             self.publish()
 
     def _note_slow(self, record: dict[str, Any]) -> None:
