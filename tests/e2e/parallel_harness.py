@@ -51,6 +51,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", help="DCP directory: save model + optimizer after the last step")
     p.add_argument("--load", help="DCP directory: restore model + optimizer (saved under any layout) first")
     p.add_argument("--start-step", type=int, default=0, help="steps already done (with --load)")
+    p.add_argument(
+        "--record-routing", action="store_true", help="MoE: tokens per expert and layer, each step (summed over ranks)"
+    )
     return p.parse_args(argv)
 
 
@@ -78,11 +81,45 @@ def make_model(args: argparse.Namespace, vocab: int, meta: bool = False) -> torc
     return model
 
 
+class RoutingCounter:
+    """Tokens each MoE layer's router sends to each expert in a step (top-k of its softmax, as the
+    model routes), from forward hooks on the routers: two runs with equal counts routed alike. Top-k
+    routing is discontinuous, so 1e-7 differences (another summation order) can flip a near-tie and
+    part the curves; this tells such a step from a wrong result. No recompute: a re-run forward
+    would count twice."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from stalwart.models.moe import moe_modules
+
+        self.steps: list[list[list[int]]] = []
+        self._counts: dict[int, torch.Tensor] = {}
+        for i, moe in enumerate(moe_modules(model)):
+            moe.router.register_forward_hook(self._hook(i, moe.num_experts, moe.top_k))
+
+    def _hook(self, layer: int, experts: int, top_k: int):
+        def hook(module, inputs, logits):
+            ids = torch.topk(F.softmax(logits.detach().float(), dim=-1), top_k, dim=-1).indices
+            counts = torch.bincount(ids.flatten(), minlength=experts)
+            self._counts[layer] = self._counts.get(layer, 0) + counts
+
+        return hook
+
+    def end_step(self, group=None) -> None:
+        counts = torch.stack([self._counts[k] for k in sorted(self._counts)]) if self._counts else torch.zeros(0)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, group=group)
+        self.steps.append(counts.tolist())
+        self._counts.clear()
+
+
 def reference(args: argparse.Namespace, data: TokenDataset) -> dict:
     """One process, plain PyTorch: gradient accumulation over micro-batches of the global batch."""
     from stalwart.models.moe import set_aux_grad_scale
 
     model = make_model(args, data.vocab_size)
+    routing = RoutingCounter(model) if args.record_routing else None
     opt = build_optimizer(list(model.parameters()), args.lr)
     sampler = GlobalSampler(len(data), args.global_batch, seed=1234)
     accum = args.global_batch // args.micro_batch
@@ -106,7 +143,10 @@ def reference(args: argparse.Namespace, data: TokenDataset) -> dict:
         losses.append(total)
         norms.append(float(norm))
         times.append(time.perf_counter() - t0)
-    return {"layout": "none", "world_size": 1, "losses": losses, "grad_norms": norms, "step_times": times}
+        if routing is not None:
+            routing.end_step()
+    result = {"layout": "none", "world_size": 1, "losses": losses, "grad_norms": norms, "step_times": times}
+    return result | ({"routing": routing.steps} if routing is not None else {})
 
 
 def save(module: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
@@ -188,6 +228,7 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
         loss_parallel=not args.no_loss_parallel,
     )
     pm = parallelize(model, layout, mesh, options, device=env.device, init_seed=args.seed)
+    routing = RoutingCounter(pm.module) if args.record_routing else None  # every rank holds other rows
     opt = build_optimizer(list(pm.module.parameters()), args.lr)
     sampler = GlobalSampler(len(data), args.global_batch, seed=1234)
     if args.load:
@@ -204,6 +245,8 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
         losses.append(float(loss))
         norms.append(float(norm))
         times.append(time.perf_counter() - t0)
+        if routing is not None:
+            routing.end_step(dist.group.WORLD)
     if args.save:
         save(pm.module, opt, args.save)
     # every rank must agree on the loss it reports
@@ -220,6 +263,8 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
         "ranks_agree": all(g == losses for g in gathered),
         "uses_ddp": layout.uses_ddp,
     }
+    if routing is not None:
+        result["routing"] = routing.steps
     # Let every rank's outstanding pipeline sends complete before gloo's threads are torn down
     # (destroying the group with unfinished P2P work aborts: "terminate called without an active exception").
     dist.barrier()

@@ -45,12 +45,12 @@ def reference(stdlib_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_moe(stdlib_data, tmp_path_factory):
-    return harness(tmp_path_factory.mktemp("refmoe") / "ref.json", stdlib_data, "--model=debug-moe")
+    return harness(tmp_path_factory.mktemp("refmoe") / "ref.json", stdlib_data, "--model=debug-moe", "--record-routing")
 
 
-def assert_matches(run: dict, ref: dict, rtol: float = RTOL, norm_rtol: float = RTOL) -> None:
+def assert_matches(run: dict, ref: dict, rtol: float = RTOL, norm_rtol: float = RTOL, steps: int = STEPS) -> None:
     assert run["ranks_agree"], "ranks reported different losses"
-    assert len(run["losses"]) == len(ref["losses"]) == STEPS
+    assert len(run["losses"]) == len(ref["losses"]) == steps
     for step, (a, b) in enumerate(zip(run["losses"], ref["losses"]), 1):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs 1-process {b}"
     for step, (a, b) in enumerate(zip(run["grad_norms"], ref["grad_norms"]), 1):
@@ -84,11 +84,21 @@ def test_layout_matches_one_process(name, stdlib_data, tmp_path, reference):
 
 
 def test_expert_parallel_moe_matches_one_process(stdlib_data, tmp_path, reference_moe):
-    run = harness(tmp_path / "ep.json", stdlib_data, "--model=debug-moe", "--layout=dp_shard=2,ep=2", nproc=2)
+    run = harness(
+        tmp_path / "ep.json", stdlib_data, "--model=debug-moe", "--layout=dp_shard=2,ep=2", "--record-routing", nproc=2
+    )
     assert run["layout"]["ep"] == 2
-    # Top-k routing is discontinuous: 1e-7 weight differences (other summation order of the
-    # all-to-all'd rows) move the step-10 gradient-norm spike of this run by ~5e-4; losses stay 1e-4.
-    assert_matches(run, reference_moe, norm_rtol=2e-3)
+    # Top-k routing is discontinuous: 1e-7 weight differences (another summation order of the
+    # all-to-all'd rows) can flip a near-tie, and from that step on the curves part (measured: routing
+    # equal through step 5, then losses within 1.1e-3). So: exact while every layer routed every
+    # token alike (tokens per expert equal to the 1-process run's), on the curve after.
+    routed_alike = [a == b for a, b in zip(run["routing"], reference_moe["routing"])]
+    exact = routed_alike.index(False) if False in routed_alike else STEPS
+    assert exact >= 2, f"the routing parted at step {exact + 1}: {run['routing'][exact]} vs 1-process"
+    head = {k: run[k][:exact] for k in ("losses", "grad_norms")}
+    assert_matches({**run, **head}, {k: reference_moe[k][:exact] for k in head}, norm_rtol=2e-3, steps=exact)
+    for step, (a, b) in enumerate(zip(run["losses"], reference_moe["losses"]), 1):
+        assert abs(a - b) <= 5e-3 * abs(b), f"step {step} (routing parted): loss {a} vs 1-process {b}"
     assert reference_moe["losses"][-1] < reference_moe["losses"][0] - 1.0
 
 

@@ -186,7 +186,9 @@ w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 12
 while state["step"] < args.steps:
     t0 = time.perf_counter()
     x = torch.ones(128, 128)
-    for _ in range(40):  # fixed work: a slower (or stopped) node takes longer for it
+    # Fixed work: a slower (or stopped) node takes longer for it. ~15 ms on a fast core, many of the
+    # throttle's 2 ms ticks: work shorter than a tick ends before its stop lands (in the sleep below).
+    for _ in range(500):
         x = torch.tanh(x @ w)
     compute_s = time.perf_counter() - t0
     value = torch.tensor([float(state["step"] + 1)])

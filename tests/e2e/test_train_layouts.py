@@ -154,12 +154,15 @@ def restore_copy(ckpt: Path, out: Path) -> Path:
     return out
 
 
-def assert_matches(run: dict, ref: list[float], expect: dict[str, int]) -> None:
+def assert_matches(run: dict, ref: list[float], expect: dict[str, int], exact_steps: int = STEPS) -> None:
+    """Losses within RTOL of the 1-process run's for ``exact_steps``, within 5e-3 after (MoE: see
+    test_expert_parallel_moe_matches_one_process)."""
     degrees = {k: v for k, v in run["layout"]["degrees"].items() if v > 1}
     assert degrees == expect, run["layout"]
     assert len(run["losses"]) == len(ref)
     for step, (a, b) in enumerate(zip(run["losses"], ref), 1):
-        assert abs(a - b) <= RTOL * abs(b), f"step {step}: loss {a} vs 1-process {b}"
+        rtol = RTOL if step <= exact_steps else 5e-3
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs 1-process {b}"
 
 
 def checkpoint_hash(ckpt: Path, step: int, model: str = "debug") -> str:
@@ -212,7 +215,10 @@ def test_expert_parallel_moe_matches_one_process(stdlib_data, tmp_path):
         partial(train, tmp_path / "ref", stdlib_data, moe, nproc=1),
         partial(train, tmp_path / "ep", stdlib_data, moe, *ep2),
     )
-    assert_matches(run, ref["losses"], {"dp_shard": 2, "ep": 2})
+    # Top-k routing parts the curves once 1e-7 differences flip a near-tie: through step 5 here
+    # (tests/e2e/test_parallel.py records the routing of this model and data and compares exactly
+    # while it is the same).
+    assert_matches(run, ref["losses"], {"dp_shard": 2, "ep": 2}, exact_steps=5)
     records = [json.loads(line) for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["aux_loss"] > 0 for r in records), "the load-balancing loss is logged"
 
