@@ -153,11 +153,11 @@ def test_checkpointer_under_an_agent_starts_no_keeper(monkeypatch, tmp_path):
     expected = NodeJob.of_agent(job_id, node_id)
     try:
         ck = Checkpointer(str(tmp_path / "ckpt"), persist_every_steps=2)
-        assert ck.keeper_by_agent and ck.paths.root == expected.root
+        assert ck.keeper.by_agent and ck.paths.root == expected.root
         model = nn.Linear(4, 4)
         ck.save(1, {"model": model})
         ck.wait()
-        assert ck._keeper_proc is None and not ck.job.keeper_alive()
+        assert ck.keeper.proc is None and not ck.job.keeper_alive()
         assert ck.job.job()["keeper"] is True and ck.job.persists()
         ck.close()
     finally:

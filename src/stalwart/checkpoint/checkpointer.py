@@ -32,12 +32,11 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.checkpoint.durability import (
-    FINAL_ATTEMPTS,
     AtRiskPolicy,
     StorageNews,
-    StorageUnavailableError,
     not_durable,
 )
+from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob, job_dir_for
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json
@@ -115,19 +114,28 @@ class Checkpointer:
         self.storage = Storage(dir, storage_options)
         self.memory_every, self.persist_every_steps = memory_every, persist_every_steps
         self.persist_every_s, self.use_keeper = persist_every_s, keeper
-        self.keeper_log, self.persist_timeout_s, self.rng = keeper_log, persist_timeout_s, rng
+        self.rng = rng
         self.at_risk = at_risk if at_risk is not None else AtRiskPolicy()
         self._started_wall, self._risk_checked = time.time(), 0.0
         self.job = NodeJob(job_dir_for(self.storage.url, shm_root, job_id))
         self.paths = self.job.paths
         # Under `stalwart run` the agent runs the keeper of its job's default directory; we start one
         # only without an agent, or for a directory it does not serve (another shm root or job id).
-        self.keeper_by_agent = (
+        by_agent = (
             bool(env.under_agent and env.job_id and keeper)
             and self.job.root.resolve() == NodeJob.of_agent(env.job_id, env.node_id).root.resolve()
         )
         # Without an agent nobody else brings the keeper's storage incidents to the console.
-        self.storage_news = StorageNews(self.storage.url, enabled=self.rank == 0 and not self.keeper_by_agent)
+        self.storage_news = StorageNews(self.storage.url, enabled=self.rank == 0 and not by_agent)
+        self.keeper = KeeperLink(
+            self.job,
+            self.rank,
+            self.local_rank,
+            by_agent=by_agent,
+            log_path=keeper_log,
+            timeout_s=persist_timeout_s,
+            storage_news=self.storage_news,
+        )
         self._job_lock = self.job.attach()  # the keeper never removes files while we hold it
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
@@ -143,8 +151,6 @@ class Checkpointer:
                 }
             ).encode(),
         )
-        self._keeper_proc: Any = None
-        self._keeper_checked = 0.0
         if self.local_rank == 0:
             self.job.write_job(
                 self.storage,
@@ -180,7 +186,7 @@ class Checkpointer:
         if self.local_rank == 0 and self.use_keeper:
             # Now, not at the first save: it needs ~1 s to import torch, and the first persist-due steps
             # of a fast job would otherwise pass before it looks. After a restart it is usually still alive.
-            self._ensure_keeper()
+            self.keeper.ensure()
 
     # -- public API ----------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> int:
@@ -205,7 +211,8 @@ class Checkpointer:
         self.writer.wait()
         if self.pending_persist is not None and self.use_keeper:
             try:  # let the keeper finish what was requested: it may be the step we need
-                self._wait_persisted(self.pending_persist)
+                self.keeper.wait_persisted(self.pending_persist)
+                self.pending_persist = None
             except RuntimeError as err:
                 log.warning("rollback: %s; choosing among committed checkpoints", err)
         memory, committed = candidates(self.paths, self.storage, self.rank, self.world, self.group)
@@ -283,7 +290,7 @@ class Checkpointer:
         self.stats["saves"] += started
         self.stats["save_s"] += time.perf_counter() - t0
         if self.local_rank == 0 and self.use_keeper:
-            self._ensure_keeper()  # restarts a keeper that died
+            self.keeper.ensure()  # restarts a keeper that died
         self._check_at_risk(step)
         return started
 
@@ -321,7 +328,8 @@ class Checkpointer:
         if all(s.step != step for s in complete_slots(self.paths, self.rank)):
             raise not_durable(step, self.paths.root, self.storage_status(), "the final step is not in memory")
         self.pending_persist = step  # e.g. restored from memory at the final step: ask again
-        self._wait_persisted(step, final=True)
+        self.keeper.wait_persisted(step, final=True)
+        self.pending_persist = None
 
     def _storage_has(self, step: int) -> bool:
         """Storage's own ``latest`` is at ``step`` or later; False when storage cannot be read (an
@@ -340,7 +348,8 @@ class Checkpointer:
         see ``ensure_durable``, which also covers a final step restored from memory)."""
         self.writer.wait()
         if persist and self.pending_persist is not None and self.use_keeper:
-            self._wait_persisted(self.pending_persist, final=True)
+            self.keeper.wait_persisted(self.pending_persist, final=True)
+            self.pending_persist = None
 
     def close(self, success: bool = True) -> None:
         """Finish the in-flight snapshot and remove the hooks. ``success=True`` tells the keeper this
@@ -376,64 +385,3 @@ class Checkpointer:
 
     def _before_optimizer_step(self, *_: Any) -> None:
         self.writer.wait_copied()
-
-    def _ensure_keeper(self) -> None:
-        now = time.monotonic()
-        if self.keeper_by_agent or now - self._keeper_checked < 1.0:
-            return
-        first, self._keeper_checked = self._keeper_checked == 0.0, now
-        if self._keeper_proc is not None and self._keeper_proc.poll() is None:
-            return  # ours is running (maybe still importing torch before it takes the lock)
-        if not self.job.keeper_alive():
-            if not first:
-                log.warning("keeper for %s is not running; starting a new one", self.paths.root)
-            self._keeper_proc = self.job.spawn_keeper(self.keeper_log)
-
-    def _wait_persisted(self, step: int, final: bool = False) -> None:
-        """``final``: storage failures are retried by the keeper (with backoff) up to ``FINAL_ATTEMPTS``
-        times before giving up; otherwise the first failure reported for ``step`` raises."""
-        t0, spawned, gone_since, keeperless_since = time.monotonic(), 0, 0.0, 0.0
-        while time.monotonic() - t0 < self.persist_timeout_s:
-            status = read_json(self.paths.keeper_status) or {}
-            if final:
-                self.storage_news.tell(status.get("storage"))
-            if int(status.get("last_committed", -1)) >= step:
-                self.pending_persist = None
-                return
-            failed = [e for e in status.get("events", []) if e.get("step") == step and e.get("kind") == "failed"]
-            if failed and (not final or len(failed) >= FINAL_ATTEMPTS):
-                why = f"the keeper could not persist step {step} in {len(failed)} attempt(s)"
-                raise not_durable(step, self.paths.root, status.get("storage"), why)
-            for e in status.get("events", []):
-                if e.get("step") == step and e.get("kind") == "skipped":
-                    raise RuntimeError(f"the keeper could not persist step {step}: {e['detail']}")
-            if all(slot.step != step for slot in complete_slots(self.paths, self.rank)):
-                # Newer snapshots overwrote it before the keeper took it (the keeper was still busy
-                # with an older step): nobody will persist it, so waiting would only run out the timeout.
-                # A grace period covers a keeper that had copied it and is committing.
-                gone_since = gone_since or time.monotonic()
-                if time.monotonic() - gone_since > 2.0:
-                    raise RuntimeError(
-                        f"step {step} is no longer held in memory (overwritten before the keeper persisted it)"
-                    )
-            if self.keeper_by_agent:
-                keeperless_since = 0.0 if self.job.keeper_alive() else keeperless_since or time.monotonic()
-                if keeperless_since and time.monotonic() - keeperless_since > 30.0:
-                    raise RuntimeError(
-                        f"no keeper serves {self.paths.root}: the agent's keeper is not running "
-                        "(see keeper.log in the run directory)"
-                    )
-            elif self.local_rank == 0:
-                before = self._keeper_proc
-                self._ensure_keeper()
-                spawned += self._keeper_proc is not before
-                if spawned > 3:
-                    raise RuntimeError(
-                        f"the keeper keeps exiting before persisting step {step}; see "
-                        f"{self.keeper_log or self.paths.root / 'keeper.log'}"
-                    )
-            time.sleep(0.02)
-        raise StorageUnavailableError(
-            f"step {step} was not persisted within {self.persist_timeout_s} s (storage too slow?); see the keeper "
-            f"log ({self.keeper_log or self.paths.root / 'keeper.log'})"
-        )

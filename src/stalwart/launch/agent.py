@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -44,7 +43,7 @@ from stalwart.launch.agent_journal import AgentJournal
 from stalwart.launch.client import MasterClient, MasterError
 from stalwart.launch.decide import Decision, decide, restarts_left
 from stalwart.launch.detect import Incident
-from stalwart.launch.evidence import IncidentTail, fault_time, log_tail, stack_dump
+from stalwart.launch.evidence import IncidentTail, dump_stacks_and_kill, fault_time, log_tail, stack_dump
 from stalwart.launch.hang import HangDetector, HangPolicy
 from stalwart.launch.heartbeat import ChaosInbox, Heartbeat, NodeStatus
 from stalwart.launch.preempt import Preemption
@@ -333,24 +332,8 @@ class StalwartAgent(LocalElasticAgent):
         log.error("hang diagnosis:\n%s", collectives["summary"])
         pcontext = _compat.worker_processes(self)
         started = pcontext.pids() if pcontext is not None else {}
-        pids = {local: self.worker_pid(pid) for local, pid in started.items()}  # the real workers (warm start)
-        dumps = {}
-        for worker in group.workers:
-            pid = pids.get(worker.local_rank)
-            if pid:
-                dumps[worker.global_rank] = stack_dump(pid)
-                print(
-                    f"--- stalwart: Python stacks of rank {worker.global_rank} (pid {pid}) ---\n"
-                    f"{dumps[worker.global_rank]}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        for pid in {*started.values(), *pids.values()}:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        incident.details["stacks"] = dumps
+        ranks = {w.local_rank: w.global_rank for w in group.workers}
+        incident.details["stacks"] = dump_stacks_and_kill(ranks, started, self.worker_pid)
 
     def _check_first_step(self, progress: list[Progress]) -> None:
         """Close the pending incident when every rank has reported a step since the restart."""

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,30 @@ def stack_dump(pid: int, timeout_s: float = 10.0) -> str:
     except subprocess.TimeoutExpired:
         return f"(py-spy dump of pid {pid} timed out)"
     return out.stdout or out.stderr
+
+
+def dump_stacks_and_kill(
+    ranks: dict[int, int], started: dict[int, int], real_pid: Callable[[int], int]
+) -> dict[int, str]:
+    """Print and return the Python stacks of hung workers (``ranks``: local → global rank; ``started``:
+    local rank → the pid TorchElastic started, ``real_pid`` the worker behind it under warm start), then
+    SIGKILL both: hung processes may ignore SIGTERM (or be stopped)."""
+    pids = {local: real_pid(pid) for local, pid in started.items()}
+    dumps = {}
+    for local, rank in ranks.items():
+        if pid := pids.get(local):
+            dumps[rank] = stack_dump(pid)
+            print(
+                f"--- stalwart: Python stacks of rank {rank} (pid {pid}) ---\n{dumps[rank]}",
+                file=sys.stderr,
+                flush=True,
+            )
+    for pid in {*started.values(), *pids.values()}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return dumps
 
 
 def log_tail(path: str | None, limit: int = LOG_TAIL_BYTES) -> str:

@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,133 +31,21 @@ from stalwart.health.precheck import PrecheckConfig
 from stalwart.launch import die_with_agent, eviction, preempt, slurm, stragglers, zygote
 from stalwart.launch.agent import Incident, NodeEvicted, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
-from stalwart.launch.hang import HangPolicy
 from stalwart.launch.master import Master, load_or_create_token
+from stalwart.launch.run_args import EXIT_EVICTED, build_parser, hang_policy, master_store, rendezvous_defaults
 from stalwart.launch.storage_watch import StorageWatch
-from stalwart.launch.store import client_rdzv_conf
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
 
 log = logging.getLogger("stalwart.run")
 UNBOUNDED = 1 << 30  # local restart counter: the master's job-wide budget decides
-EXIT_EVICTED = 3  # this node left the job (evicted, or its precheck failed); the job goes on without it
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = torchrun.get_args_parser()
-    parser.prog = "stalwart run"
-    parser.description = (
-        "Run a training script like torchrun, and keep it training through failures: heartbeats to a "
-        "job master, hang detection with stack dumps, log diagnosis (user errors fail fast), a "
-        "job-wide restart budget and an incident journal. All torchrun flags work as in torchrun; "
-        "--max-restarts is the budget for the whole job, not per node."
-    )
-    g = parser.add_argument_group("stalwart")
-    g.add_argument(
-        "--master", default=None, help="job master URL (http://HOST:PORT) for multi-node jobs; default: start one here"
-    )
-    g.add_argument(
-        "--job-token",
-        default=os.environ.get(runtime.ENV_JOB_TOKEN),
-        help="job token for the master (default $STALWART_JOB_TOKEN, else generated into RUN_DIR/token)",
-    )
-    g.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        help="where the journal, logs and progress records go (default runs/RDZV_ID)",
-    )
-    g.add_argument("--node-id", default=None, help="this agent's name in the job (default HOST-PID)")
-    g.add_argument(
-        "--hang-timeout",
-        default="auto",
-        help="seconds without step progress before a rank is declared hung, or 'auto' = "
-        "max(9 s, 2.7 × median step time), so a hang is reported within max(10 s, 3 × step "
-        "time); first steps and checkpoint/eval phases get "
-        "longer allowances (default auto)",
-    )
-    g.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=120.0,
-        help="allowance in seconds before the first steps report (default 120)",
-    )
-    g.add_argument(
-        "--chaos",
-        default=None,
-        metavar="SPEC",
-        help="fault injection for tests and demos, passed to workers as STALWART_CHAOS (e.g. kill:rank=1:step=7)",
-    )
-    g.add_argument(
-        "--precheck",
-        action="store_true",
-        help="before the first start and every restart, burn in this node's devices (a seeded "
-        "matmul per local worker, checked and timed); a node that fails, or that the "
-        "master finds slow under --straggler-policy evict, leaves the job (exit code "
-        f"{EXIT_EVICTED}) and the others go on without it, or with a waiting spare (default off)",
-    )
-    g.add_argument(
-        "--straggler-window",
-        type=float,
-        default=5.0,
-        help="seconds per window of compute times sent to the master (default 5)",
-    )
-    stragglers.add_arguments(g)
-    eviction.add_arguments(g)
-    zygote.add_arguments(g)
-    preempt.add_arguments(g)
-    g.add_argument(
-        "--summary-json",
-        type=Path,
-        default=None,
-        help="write the run's outcome (exit, incidents, restarts) here as JSON",
-    )
-    return parser
-
-
-def _hang_policy(args: argparse.Namespace) -> HangPolicy:
-    if args.hang_timeout == "auto":
-        return HangPolicy(startup_s=args.startup_timeout)
-    try:
-        timeout = float(args.hang_timeout)
-    except ValueError:
-        raise ValueError(f"--hang-timeout must be a number of seconds or 'auto', got {args.hang_timeout!r}") from None
-    return HangPolicy(timeout_s=timeout, startup_s=args.startup_timeout)
-
-
-def _rendezvous_defaults(args: argparse.Namespace) -> None:
-    """torchrun's own rule: --standalone, or a single node without an endpoint, gets a local c10d
-    rendezvous on a free port with a fresh id."""
-    _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
-    if args.standalone or (
-        args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and max_nodes == 1
-    ):
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
-        if args.standalone or args.rdzv_id == "none":
-            args.rdzv_id = str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500
-
-
-def _master_store(args: argparse.Namespace, client: MasterClient) -> None:
-    """A c10d rendezvous without an endpoint uses the store the master serves (`stalwart master
-    --rdzv-port`): no node hosts it, so losing any node leaves the rendezvous intact."""
-    if args.rdzv_backend != "c10d" or args.rdzv_endpoint:
-        return
-    endpoint = client.status().get("rdzv_endpoint")
-    if not endpoint:
-        raise ValueError(
-            "--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT, or a master started with "
-            "--rdzv-port to serve the rendezvous store"
-        )
-    args.rdzv_endpoint, args.rdzv_conf = endpoint, client_rdzv_conf(args.rdzv_conf)
 
 
 def run(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    policy = _hang_policy(args)
+    policy = hang_policy(args)
     notice = preempt.Preemption(preempt.parse_signals(args.preempt_signals))
     notice.shield()  # before the zygote and the keeper start
     token = args.job_token or os.environ.get(runtime.ENV_JOB_TOKEN)
@@ -170,8 +57,8 @@ def run(argv: list[str]) -> int:
     if args.master:
         if not token:
             raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
-        _master_store(args, MasterClient(args.master, token))
-    _rendezvous_defaults(args)
+        master_store(args, MasterClient(args.master, token))
+    rendezvous_defaults(args)
     config, cmd, cmd_args = torchrun.config_from_args(args)
     warm = zygote.from_args(args, cmd, cmd_args)  # cmd_args already have the local-rank macro
     if warm is not None:
