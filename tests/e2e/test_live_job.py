@@ -77,6 +77,8 @@ def test_dashboard_shows_the_incident_the_curves_and_the_stall(job, tmp_path: Pa
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1300,1000"):
         options.add_argument(flag)
     options.binary_location = CHROMIUM
+    downloads = tmp_path / "downloads"
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads)})
     browser = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
     try:
         browser.get(address + "/dashboard")  # no token in the URL: the page asks for it
@@ -114,6 +116,14 @@ def test_dashboard_shows_the_incident_the_curves_and_the_stall(job, tmp_path: Pa
             browser.save_screenshot(str(_artifacts(tmp_path) / "dashboard.png"))
         text = browser.execute_script("return document.body.innerText")
         assert "sigkill" in text and "alive" in text
+
+        browser.find_element(By.ID, "trace").click()  # the merged trace, fetched with the token in a header
+        WebDriverWait(browser, 60).until(lambda _: [p for p in downloads.glob("*.trace.json")])
+        trace = json.loads(next(downloads.glob("*.trace.json")).read_text())
+        names = {e["name"] for e in trace["traceEvents"]}
+        assert "sigkill: first_step" in names, sorted(names)[:40]
+        stalled = [e for e in trace["traceEvents"] if e.get("cat") == "step" and e["pid"] == STALL_RANK + 1]
+        assert any(e["name"] == f"step {STALL_STEP}" and e["dur"] >= 500e3 for e in stalled)  # µs
     finally:
         browser.quit()
 

@@ -96,6 +96,7 @@ def test_every_call_needs_the_token(master):
         ("POST", "/v1/restarts", b'{"reason":"x"}'),
         ("POST", "/v1/chaos", b'{"spec":"kill:rank=1"}'),
         ("GET", "/metrics", None),
+        ("GET", "/v1/trace", None),
     ):
         assert raw(master, method, path, None, body) == 401
         assert raw(master, method, path, "wrong", body) == 403
@@ -152,6 +153,15 @@ def test_membership_incidents_and_global_restart_budget(master):
     )
     assert inc["details"] == {"lost_steps": 1}
     assert [d["action"] for d in status["decisions"]] == ["restart", "restart", "give_up"]
+    # the dashboard's trace download: the same events as `stalwart trace export` of the journal
+    trace = client.call("GET", "/v1/trace")
+    shown = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "incident"]
+    assert shown == ["sigkill: fault", "sigkill: detected", "sigkill: restarted", "sigkill: first_step"]
+    assert [e["name"] for e in trace["traceEvents"] if e.get("cat") == "decision"] == [
+        "decision: restart",
+        "decision: restart",
+        "decision: give_up",
+    ]
 
 
 def test_killed_master_restarts_and_resumes_the_job(tmp_path):

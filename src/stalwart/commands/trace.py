@@ -34,32 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(handler=run)
 
 
-def _rollbacks(roots: list[Path]) -> list[dict[str, Any]]:
-    """Rollbacks from rank 0's metrics.jsonl (attached to the step after them)."""
-    out = []
-    for root in roots:
-        for path in sorted({*root.glob("metrics.jsonl"), *root.glob("**/metrics.jsonl")}):
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec.get("rollback"), dict) and "time" in rec:
-                    out.append({"time": rec["time"], "step": rec.get("step"), **rec["rollback"]})
-    return out
-
-
 def run(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
     from stalwart.commands.common import emit
-    from stalwart.launch.journal import INCIDENT_TIMES, Journal
-    from stalwart.observe.records import read_meta, read_records
-    from stalwart.observe.trace import build_trace
+    from stalwart.launch.job_trace import job_trace
+    from stalwart.launch.journal import Journal
 
     if not args.run_dir.is_dir():
         raise ValueError(f"{args.run_dir} is not a directory; pass the run directory of a job")
     roots = [args.run_dir, *(args.records or [])]
-    records = [r for root in roots for r in read_records(root)]
-    meta = {rank: m for root in roots for rank, m in read_meta(root).items()}
     incidents: list[dict[str, Any]] = []
     decisions: list[dict[str, Any]] = []
     journal_path = args.run_dir / "journal.sqlite"
@@ -69,22 +51,13 @@ def run(args: argparse.Namespace, overrides: dict, argv: list[str]) -> int:
             incidents, decisions = journal.incidents(), journal.decisions()
         finally:
             journal.close()
-    if not records and not incidents:
+    trace, counts = job_trace(roots, incidents, decisions, args.view)
+    if not counts["step_records"] and not incidents:
         raise ValueError(
             f"no rank records (ranks/rank*.jsonl) and no journal under {args.run_dir}; "
             "pass --records TRAIN_OUT_DIR when train.out_dir lies outside the run directory"
         )
-    trace = build_trace(records, meta, incidents, decisions, _rollbacks(roots), args.view, INCIDENT_TIMES)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(trace))
-    summary = {
-        "output": str(args.output),
-        "ranks": len({r["rank"] for r in records}),
-        "step_records": len(records),
-        "incidents": len(incidents),
-        "decisions": len(decisions),
-        "events": len(trace["traceEvents"]),
-        "clock_offsets_ms": trace["otherData"]["clock_offsets_ms"],
-    }
-    emit(summary, args.json, "trace export")
+    emit({"output": str(args.output), **counts}, args.json, "trace export")
     return 0

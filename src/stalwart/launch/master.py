@@ -23,6 +23,7 @@ from typing import Any
 
 from stalwart.launch import dashboard
 from stalwart.launch.eviction import EvictionPolicy
+from stalwart.launch.job_trace import master_trace
 from stalwart.launch.journal import Journal
 from stalwart.launch.master_state import ApiError, MasterState
 from stalwart.launch.stragglers import StragglerDetector
@@ -42,11 +43,12 @@ ROUTES: list[tuple[str, re.Pattern, Route]] = [
     ("POST", re.compile(rf"^{API}/restarts$"), lambda s, b, m: s.request_restart(b)),
     ("POST", re.compile(rf"^{API}/decisions$"), lambda s, b, m: s.decide(b)),
     ("POST", re.compile(rf"^{API}/chaos$"), lambda s, b, m: s.add_chaos(b)),
+    ("GET", re.compile(rf"^{API}/trace$"), lambda s, b, m: master_trace(s.journal)),  # the dashboard's download
 ]
 
 
 METRICS = "/metrics"  # Prometheus scrapes with `authorization: {credentials: TOKEN}` (bearer)
-SLOW_ROUTES = ("GET",)  # whole-job reads (status, /metrics) run off the event loop; writes are µs
+SLOW_ROUTES = ("GET",)  # whole-job reads (status, trace, /metrics) run off the event loop; writes are µs
 
 
 def _app(state: MasterState, token: str) -> Any:
