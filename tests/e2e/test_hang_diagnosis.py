@@ -18,16 +18,21 @@ SCRIPT = Path(__file__).parent / "scripts" / "mesh_collectives.py"
 STUCK, AT = 3, 4  # rank 3 = pp1 dp1: its dp group is [2, 3], its pp group [1, 3]
 
 
-def test_a_hang_names_the_rank_behind_and_who_waits(tmp_path: Path):
+def hang_diagnosis(tmp_path: Path, *script_args: str) -> dict:
+    """The collectives diagnosis of the one hang incident of a 4-rank mesh_collectives.py job."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "0"]
-    cmd += ["--hang-timeout", "3", "--run-dir", str(run), str(SCRIPT), "--stuck-rank", str(STUCK), "--at-step", str(AT)]
+    cmd += ["--hang-timeout", "3", "--run-dir", str(run), str(SCRIPT), "--at-step", str(AT), *script_args]
     env = dict(os.environ, STALWART_CHAOS_DIR=str(tmp_path / "chaos"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode != 0, "the hung job fails (no restarts allowed)"
     [incident] = Journal(run / "journal.sqlite").incidents()
     assert incident["kind"] == "hang"
-    diag = incident["details"]["collectives"]
+    return incident["details"]["collectives"]
+
+
+def test_a_hang_names_the_rank_behind_and_who_waits(tmp_path: Path):
+    diag = hang_diagnosis(tmp_path, "--stuck-rank", str(STUCK))
     assert diag["no_dump"] == [] and diag["desync"] == []
     by_group = {(s["group"], *s["ranks"]): s for s in diag["stuck"]}
     dp = by_group["dp", 2, 3]
@@ -42,3 +47,14 @@ def test_a_hang_names_the_rank_behind_and_who_waits(tmp_path: Path):
     assert chained["rank"] == 2 and chained["where"] == f"in dp collective #{AT} (gloo:all_reduce)"
     assert ("dp", 0, 1) not in by_group, "a group whose members all finished is not stuck"
     assert "rank 3 [dp1 pp1]" in diag["summary"] and "never entered" in diag["summary"]
+
+
+def test_a_different_op_at_the_same_collective_is_a_desync_with_both_fingerprints(tmp_path: Path):
+    diag = hang_diagnosis(tmp_path, "--desync-rank", str(STUCK))  # rank 3 broadcasts, rank 2 all-reduces
+    assert diag["no_dump"] == []
+    [desync] = [d for d in diag["desync"] if d["group"] == "dp"]
+    assert desync["seq"] == AT
+    prints = {int(r): f for r, f in desync["fingerprints"].items()}
+    assert set(prints) == {2, 3}, prints
+    assert prints[2]["op"].endswith("all_reduce") and prints[3]["op"].endswith("broadcast"), prints
+    assert f"desync in group dp at collective #{AT}" in diag["summary"]

@@ -1,6 +1,8 @@
 """Four ranks as a 2×2 mesh (pp × dp), each step one all-reduce in its dp group then one in its pp
 group, under `stalwart run` with a Flight Recorder dumper per rank. --stuck-rank R stops entering
-collectives before its dp all-reduce of --at-step (it spins in Python, as a stuck data loader would)."""
+collectives before its dp all-reduce of --at-step (it spins in Python, as a stuck data loader would);
+--desync-rank R calls a broadcast where the others all-reduce (gloo then hangs: a desync; a size
+mismatch would abort the receiving process instead)."""
 
 import argparse
 import time
@@ -15,6 +17,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--at-step", type=int, default=4)
 parser.add_argument("--stuck-rank", type=int, default=-1)
+parser.add_argument("--desync-rank", type=int, default=-1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -30,7 +33,10 @@ for step in range(1, args.steps + 1):
     if rank == args.stuck_rank and step == args.at_step:
         while True:  # never enters dp collective #at_step
             sum(range(1000))
-    dist.all_reduce(x, group=dp_group)
+    if rank == args.desync_rank and step == args.at_step:
+        dist.broadcast(x, src=dist.get_process_group_ranks(dp_group)[0], group=dp_group)
+    else:
+        dist.all_reduce(x, group=dp_group)
     dist.all_reduce(x[:4], group=pp_group)
     x /= 4
     report(step)
