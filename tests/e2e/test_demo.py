@@ -50,7 +50,14 @@ def test_short_demo_recovers_from_kill_and_hang_to_the_reference_weights(tmp_pat
         assert 0 <= incident["detected_s"] <= incident["mttr_s"] < 120
         # Faults fire after the step's memory snapshot: the restart resumes where the fault struck.
         assert incident["lost_steps"] == 0
-    assert hang["detected_s"] >= 5.0, "a hang is declared after the timeout, not before"
+    # A hang is declared once the rank was silent for the timeout, not before. The silence counts from
+    # its last progress report, a few ms before the chaos stamps the hang's start (detected_s 4.998
+    # once), so the journal's silence is checked, and detected_s only roughly.
+    assert hang["detected_s"] > 4.5
+    from stalwart.launch.journal import Journal
+
+    hangs = [i for i in Journal(tmp_path / "demo" / "job" / "journal.sqlite").incidents() if i["kind"] == "hang"]
+    assert hangs and all(min(i["details"]["silent_s"].values()) >= 5.0 for i in hangs), hangs
     assert 0 < report["goodput"] < 1 and report["stall_s"] >= 0
     assert "incident sigkill" in proc.stderr and "recovered from hang" in proc.stderr, "live console"
     cache = json.loads((tmp_path / "demo" / "reference.json").read_text())
