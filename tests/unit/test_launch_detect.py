@@ -136,7 +136,8 @@ def test_node_status_windows_and_eviction():
     status.set_member(False)
     assert status.report(3.0)["member"] is False
     clock[0] = 6.0
-    assert status.report(3.0)["window"] == {"compute_s": 0.5, "steps": 3}
+    # rank 1 reported steps 1 and 2 one second apart: the step time; rank 0 reported one step only
+    assert status.report(3.0)["window"] == {"compute_s": 0.5, "steps": 3, "step_s": 1.0}
     assert "window" not in status.report(3.0), "the window restarts"
     assert status.evict("slow") and not status.evict("again") and status.leave == "slow"
 

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stalwart.launch import eviction, stragglers
+from stalwart.launch import autoscale, eviction, stragglers
 from stalwart.runtime import ENV_JOB_TOKEN, worker_env
 
 
@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     stragglers.add_arguments(p)
     eviction.add_arguments(p)
+    autoscale.add_arguments(p)
     p.add_argument(
         "--ready-file", type=Path, help="write {address, pid} here as JSON once listening (for scripts and tests)"
     )
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace, *_: Any) -> int:
         stragglers.from_args(args),
         rdzv_port=args.rdzv_port,
         policy=eviction.from_args(args),
+        autoscaler=autoscale.from_args(args),
     )
     master.start()
     if args.ready_file:

@@ -115,6 +115,12 @@ def render(status: dict[str, Any]) -> None:
     for rank, sections in (status.get("section_stragglers") or {}).items():
         why = "≥ 1.2 × its peers for 2 windows of 10 steps"
         console.print(f"  straggler: rank {rank} slow in {', '.join(sections)} ({why})")
+    if scale := status.get("autoscale"):
+        guess = " (extrapolated)" if scale["best"] in scale.get("extrapolated", []) else ""
+        console.print(
+            f"  autoscale ({scale['mode']}): {scale['best']} nodes recommended{guess}, now {scale['current']}; "
+            f"predicted throughput {scale['gain']:+.0%}"
+        )
     if status.get("checkpoint"):
         console.print(f"  checkpoint: {status['checkpoint']}")
     if status.get("diagnosis"):

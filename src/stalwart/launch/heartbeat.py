@@ -35,6 +35,7 @@ class NodeStatus:
         self._lock = threading.Lock()
         self._latest: list[Progress] = []
         self._window: dict[int, list[float]] = {}  # rank → compute seconds of steps in this window
+        self._spans: dict[int, tuple[float, int, float, int]] = {}  # rank → first and last (time, reports)
         self._window_start = clock()
         self._seen_reports: dict[int, int] = {}
         # True: this node's workers are in the current rendezvous round; False: it waits at the
@@ -50,6 +51,8 @@ class NodeStatus:
             for p in progress:
                 if p.reports > self._seen_reports.get(p.rank, 0) and p.compute_s == p.compute_s:
                     self._window.setdefault(p.rank, []).append(p.compute_s)
+                    first = self._spans.get(p.rank, (p.time, p.reports))[:2]
+                    self._spans[p.rank] = (*first, p.time, p.reports)
                 self._seen_reports[p.rank] = p.reports
 
     def new_attempt(self) -> None:
@@ -105,8 +108,17 @@ class NodeStatus:
             return None
         self._window_start = self._clock()
         samples, self._window = self._window, {}
+        spans, self._spans = self._spans, {}
         medians = [statistics.median(v) for v in samples.values() if v]
-        return {"compute_s": max(medians), "steps": sum(len(v) for v in samples.values())} if medians else None
+        if not medians:
+            return None
+        window = {"compute_s": max(medians), "steps": sum(len(v) for v in samples.values())}
+        # Wall time per step (the autoscaler's step time): between a rank's first and last report of
+        # the window, so a restart or the start-up before the first step does not count.
+        per_step = [(t1 - t0) / (n1 - n0) for (t0, n0, t1, n1) in spans.values() if n1 > n0]
+        if per_step:
+            window["step_s"] = statistics.median(per_step)
+        return window
 
 
 class ChaosInbox:

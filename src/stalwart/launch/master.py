@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.launch import dashboard
+from stalwart.launch.autoscale import Autoscaler
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.job_trace import master_trace
 from stalwart.launch.journal import Journal
@@ -170,11 +171,12 @@ class Master:
         stragglers: StragglerDetector | None = None,
         rdzv_port: int | None = None,
         policy: EvictionPolicy | None = None,
+        autoscaler: Autoscaler | None = None,
     ) -> None:
         if not token:
             raise ValueError("the master needs a job token")
         self.journal = Journal(db)
-        self.state = MasterState(self.journal, job_id, restart_budget, node_timeout_s, stragglers, policy)
+        self.state = MasterState(self.journal, job_id, restart_budget, node_timeout_s, stragglers, policy, autoscaler)
         self.store = None
         if rdzv_port is not None:  # the agents' rendezvous store lives here, not on one of the nodes
             from stalwart.launch.store import serve_store

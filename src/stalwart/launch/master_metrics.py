@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from stalwart.launch.autoscale import Recommendation
 from stalwart.launch.master_state import MasterState
 
 
@@ -65,6 +66,7 @@ class JournalCollector:
         yield GaugeMetricFamily(
             "stalwart_stragglers", "Nodes flagged as stragglers", value=len(self.state.stragglers.flagged)
         )
+        yield from _autoscale_families(self.state.autoscaler.latest)
         yield from _storage_families(nodes, time.time())
         yield GaugeMetricFamily(
             "stalwart_master_starts",
@@ -103,3 +105,19 @@ def _storage_families(nodes: list[dict[str, Any]], now: float) -> Iterator[Any]:
         if isinstance(s, dict) and not s.get("ok", True):
             failing.add_metric([n["node_id"], str(s.get("cause"))], 1)
     yield failing
+
+
+def _autoscale_families(rec: Recommendation | None) -> Iterator[Any]:
+    """The live autoscaler's latest recommendation (absent before the first: every member needs a window)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    best = GaugeMetricFamily("stalwart_autoscale_recommended_nodes", "Node count the throughput model recommends")
+    current = GaugeMetricFamily("stalwart_autoscale_current_nodes", "Nodes training when it recommended")
+    gain = GaugeMetricFamily(
+        "stalwart_autoscale_predicted_gain", "Predicted throughput of the recommended size over the current one, − 1"
+    )
+    if rec is not None:
+        best.add_metric([], rec.best)
+        current.add_metric([], rec.current)
+        gain.add_metric([], rec.gain)
+    yield from (best, current, gain)

@@ -13,6 +13,7 @@ from http import HTTPStatus
 from typing import Any
 
 from stalwart.launch import eviction
+from stalwart.launch.autoscale import Autoscaler
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
 from stalwart.launch.stragglers import StragglerDetector
@@ -52,6 +53,7 @@ class MasterState:
         node_timeout_s: float,
         stragglers: StragglerDetector | None = None,
         policy: EvictionPolicy | None = None,
+        autoscaler: Autoscaler | None = None,
     ) -> None:
         self.journal = journal
         self.job_id = journal.get("job_id") or job_id
@@ -64,6 +66,7 @@ class MasterState:
         self._lock = threading.Lock()  # restart decisions: check-and-spend must be atomic
         self.stragglers = stragglers or StragglerDetector()
         self.policy = policy or EvictionPolicy()
+        self.autoscaler = autoscaler or Autoscaler()
         self.started = time.time()  # this master process; heartbeats older than this are not counted
         self.compute_s: dict[str, float] = {}  # node → median compute seconds per step, last window
         self._section_cache: tuple[float, dict[int, list[str]]] = (-SECTION_SCORES_S, {})
@@ -102,6 +105,9 @@ class MasterState:
                 )
             if node_id in self.stragglers.flagged and self.policy.stragglers == "evict":
                 self._evict_straggler(node_id, ratio)
+            step_s = window.get("step_s")
+            self.autoscaler.observe(node_id, float(window["compute_s"]), step_s if isinstance(step_s, float) else None)
+            self._autoscale()
         after = _field(body, "chaos_after", int, required=False)
         reply: dict[str, Any] = {"ok": True, "chaos": self.journal.chaos_after(after) if after is not None else []}
         leave = self.leave_reason(node_id)
@@ -122,9 +128,30 @@ class MasterState:
             self.journal.set(f"evicted.{node_id}", reason)
             self.journal.set_node_state(node_id, "evicted")
         self.stragglers.forget(node_id)
+        self.autoscaler.forget(node_id)
         self.journal.decide("evict", reason, {"node_id": node_id, "acted": True, **details})
         log.warning("evicted node %s: %s", node_id, reason)
         return True
+
+    def _autoscale(self) -> None:
+        """Re-size when the throughput model says so (``autoscale``): recommend, and under
+        ``--autoscale on`` take the slowest node out when fewer nodes train faster."""
+        if not self.autoscaler.due():
+            return
+        nodes = self.journal.nodes()
+        members = eviction.members(nodes, fresh_s=self.policy.fresh_s)
+        info = [n["info"] for n in nodes if n["node_id"] in members]
+        min_nodes = max((int(i.get("min_nodes") or 1) for i in info), default=1)
+        max_nodes = min((int(i.get("max_nodes") or len(members)) for i in info), default=len(members))
+        spares = len(eviction.spares(nodes, fresh_s=self.policy.fresh_s))
+        rec = self.autoscaler.recommend(members, min_nodes, max_nodes, spares)
+        if rec is None:
+            return
+        victim = self.autoscaler.shrink_victim(rec)
+        if victim is not None:
+            node_id, details = victim
+            reason = f"autoscale: {rec.best} nodes train {rec.gain:.0%} faster than {rec.current}; {node_id} is slowest"
+            self.evict(node_id, reason, details)
 
     def _waiting_spares(self, nodes: list[dict[str, Any]], leaving: str) -> list[str]:
         return [n for n in eviction.spares(nodes, fresh_s=self.policy.fresh_s) if n != leaving]
@@ -288,6 +315,10 @@ class MasterState:
             "restarts_used": self.journal.get("restarts_used", 0),
             "stragglers": sorted(self.stragglers.flagged),
             "section_stragglers": self._section_stragglers(nodes, now),
+            "autoscale": {
+                "mode": self.autoscaler.policy.mode,
+                **(self.autoscaler.latest.to_dict() if self.autoscaler.latest else {}),
+            },
             "rdzv_endpoint": self.rdzv_endpoint,
             "nodes": nodes,
             "incidents": self.journal.incidents(),

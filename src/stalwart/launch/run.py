@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
-from stalwart.launch import die_with_agent, eviction, preempt, slurm, stragglers, zygote
+from stalwart.launch import autoscale, die_with_agent, eviction, preempt, slurm, stragglers, zygote
 from stalwart.launch.agent import Incident, NodeEvicted, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.master import Master, load_or_create_token
@@ -100,6 +100,7 @@ def run(argv: list[str]) -> int:
             restart_budget=args.max_restarts,
             stragglers=stragglers.from_args(args),
             policy=eviction.from_args(args),
+            autoscaler=autoscale.from_args(args),
         ).start()
         address = master.address
     os.environ.update({runtime.ENV_MASTER: address, runtime.ENV_JOB_ID: args.rdzv_id, runtime.ENV_NODE_ID: node_id})
@@ -238,6 +239,7 @@ def _slurm_master(
         stragglers=stragglers.from_args(args),
         rdzv_port=port + 1,
         policy=eviction.from_args(args),
+        autoscaler=autoscale.from_args(args),
     ).start()
     return master, token
 

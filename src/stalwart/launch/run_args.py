@@ -11,7 +11,7 @@ from pathlib import Path
 from torch.distributed import run as torchrun
 
 from stalwart import runtime
-from stalwart.launch import eviction, preempt, stragglers, zygote
+from stalwart.launch import autoscale, eviction, preempt, stragglers, zygote
 from stalwart.launch.client import MasterClient
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.store import client_rdzv_conf
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stragglers.add_arguments(g)
     eviction.add_arguments(g)
+    autoscale.add_arguments(g)
     zygote.add_arguments(g)
     preempt.add_arguments(g)
     g.add_argument(

@@ -89,6 +89,8 @@ def build_status(
         out["restarts_used"] = master.get("restarts_used")
         out["restart_budget"] = master.get("restart_budget")
         out["stragglers"] = master.get("stragglers", [])
+        if (master.get("autoscale") or {}).get("best") is not None:
+            out["autoscale"] = master["autoscale"]
         out["nodes"] = [
             {"node": n["node_id"], "host": n.get("host"), "state": n["state"], "nproc": n.get("nproc")}
             | {"heartbeat_age_s": round(now - n["last_heartbeat"], 1), "step": _node_step(n.get("progress") or {})}

@@ -1,0 +1,100 @@
+"""The master's live autoscaler: the step-time model, the recommendation and its hysteresis, and the
+master acting on it (journal, eviction, status, /metrics)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.launch.autoscale import AutoscalePolicy, Autoscaler, predict, ring
+from stalwart.launch.journal import Journal
+from stalwart.launch.master_metrics import JournalCollector
+from stalwart.launch.master_state import MasterState
+
+
+def test_the_model_drops_a_throttled_node_and_shrinks_a_communication_bound_job():
+    # node d computes 3× slower; the others wait for it: step = 0.3 compute + 0.05 comm
+    predicted = predict({"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.3}, 0.35, [2, 3, 4])
+    assert predicted[3][1] == ["a", "b", "c"], "the best 3 are the fastest"
+    assert predicted[3][0] == pytest.approx(0.1 * 4 / 3 + 0.05 * ring(3) / ring(4))
+    assert predicted[3][0] < predicted[4][0] and predicted[3][0] < predicted[2][0]
+    # compute 0.1, communication 1.0: fewer nodes shrink the all-reduce's bandwidth term
+    comm_bound = predict({"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.1}, 1.1, [1, 2, 3, 4])
+    assert min(comm_bound, key=lambda k: comm_bound[k][0]) == 1
+    assert comm_bound[1][0] == pytest.approx(0.4), "one node: no all-reduce at all"
+
+
+def windows(scaler: Autoscaler, compute: dict[str, float], step_s: float, now: float) -> None:
+    for node, c in compute.items():
+        scaler.observe(node, c, step_s, now)
+
+
+def test_recommendation_waits_for_every_member_and_counts_windows_not_beats():
+    scaler = Autoscaler(AutoscalePolicy(mode="recommend"))
+    members = ["a", "b", "c", "d"]
+    scaler.observe("a", 0.1, 0.35, 100.0)
+    assert scaler.recommend(members, 2, 4, now=100.0) is None, "b, c, d have no window yet"
+    windows(scaler, {"b": 0.1, "c": 0.1, "d": 0.3}, 0.35, 100.0)
+    rec = scaler.recommend(members, 2, 4, now=100.0)
+    assert rec is not None and (rec.current, rec.best, rec.keep) == (4, 3, ["a", "b", "c"])
+    assert rec.gain == pytest.approx(rec.step_s[4] / rec.step_s[3] - 1) and rec.gain > 0.5
+    assert rec.extrapolated == [2, 3], "only 4 nodes were ever observed"
+    assert scaler.recommend(members, 2, 4, now=100.0) is None, "no new windows since"
+    assert scaler.shrink_victim(rec, now=100.0) is None, "mode recommend never acts"
+    balanced = Autoscaler()
+    windows(balanced, {"a": 1.0, "b": 1.0}, 1.1, 0.0)
+    assert balanced.recommend(["a", "b"], 1, 2, now=0.0).best == 2, "balanced and compute-bound: stay"
+    windows(balanced, {"a": 1.0, "b": 1.0}, 1.1, 0.0)
+    grow = balanced.recommend(["a", "b"], 1, 3, spares=1, now=0.0)
+    assert grow.best == 3 and grow.extrapolated == [1, 3], "a waiting spare below MAX: grow"
+    with pytest.raises(ValueError, match="--autoscale must be one of"):
+        AutoscalePolicy(mode="auto")
+
+
+def test_acting_needs_a_confirmed_recommendation_a_payback_and_a_cooldown():
+    policy = AutoscalePolicy(mode="on", restart_cost_s=5.0, horizon_s=60.0, cooldown_s=100.0, confirm=2)
+    scaler = Autoscaler(policy)
+    slow = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.3}
+    windows(scaler, slow, 0.35, 0.0)
+    first = scaler.recommend(list(slow), 2, 4, now=0.0)
+    assert scaler.shrink_victim(first, now=0.0) is None, "one window is not a trend"
+    windows(scaler, slow, 0.35, 1.0)
+    second = scaler.recommend(list(slow), 2, 4, now=1.0)
+    node, details = scaler.shrink_victim(second, now=1.0)
+    assert node == "d" and details["cause"] == "autoscale" and details["best"] == 3
+    assert details["saving_s"] == pytest.approx(60.0 * (1 - second.step_s[3] / second.step_s[4]))
+    for t in (2.0, 3.0):  # the same numbers again, within the cooldown
+        windows(scaler, slow, 0.35, t)
+        assert scaler.shrink_victim(scaler.recommend(list(slow), 2, 4, now=t), now=t) is None
+    costly = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=1000.0, horizon_s=60.0, confirm=1))
+    windows(costly, slow, 0.35, 0.0)
+    assert costly.shrink_victim(costly.recommend(list(slow), 2, 4, now=0.0), now=0.0) is None, "never pays back"
+
+
+def beat(state: MasterState, node: str, compute_s: float, step_s: float) -> dict:
+    return state.heartbeat(
+        {
+            "node_id": node,
+            "progress": {"member": True, "window": {"compute_s": compute_s, "steps": 5, "step_s": step_s}},
+        }
+    )
+
+
+def test_the_master_recommends_in_status_and_metrics_and_evicts_the_slowest_under_on(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    policy = AutoscalePolicy(mode="on", restart_cost_s=1.0, horizon_s=600.0, cooldown_s=0.0, confirm=2)
+    state = MasterState(Journal(tmp_path / "j.sqlite"), "job", 3, 30.0, autoscaler=Autoscaler(policy))
+    for n in ("a", "b", "c"):
+        state.join({"node_id": n, "host": "h", "nproc": 1, "info": {"min_nodes": 2, "max_nodes": 3}})
+    for _ in range(2):
+        replies = [beat(state, "a", 0.1, 0.5), beat(state, "b", 0.1, 0.5), beat(state, "c", 0.45, 0.5)]
+    assert [r.get("leave", "") for r in replies][:2] == ["", ""]
+    assert replies[2]["leave"].startswith("autoscale: 2 nodes train"), "c's own window completed the second"
+    [evict] = [d for d in state.journal.decisions() if d["action"] == "evict"]
+    assert evict["details"]["node_id"] == "c" and evict["details"]["cause"] == "autoscale"
+    scale = state.status()["autoscale"]
+    assert (scale["mode"], scale["current"], scale["best"], scale["keep"]) == ("on", 3, 2, ["a", "b"])
+    registry = CollectorRegistry()
+    registry.register(JournalCollector(state))
+    text = generate_latest(registry).decode()
+    assert "stalwart_autoscale_recommended_nodes 2.0" in text and "stalwart_autoscale_current_nodes 3.0" in text
