@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from stalwart import __version__
-from stalwart.commands import chaos, check, ckpt, data, demo, master, plan, run, status, trace, train
+from stalwart.commands import chaos, check, ckpt, data, demo, master, plan, run, sim, status, trace, train
 from stalwart.commands.common import fail
 from stalwart.errors import WorkersFailed
 
-COMMANDS = (train, data, demo, master, run, chaos, plan, ckpt, check, trace, status)
+COMMANDS = (train, data, demo, master, run, chaos, plan, sim, ckpt, check, trace, status)
 
 
 def build_parser() -> argparse.ArgumentParser:
