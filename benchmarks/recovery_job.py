@@ -1,5 +1,5 @@
 """The job that `benchmarks/recovery.py` runs under both launchers: a 4-layer GPT (d_model 256) trained
-with DDP over gloo on deterministic synthetic tokens, checkpointed one of three ways.
+with DDP (or FSDP2: ``--fsdp``) over gloo on deterministic synthetic tokens, checkpointed one of three ways.
 
     torchrun --nproc-per-node 2 benchmarks/recovery_job.py --ckpt dcp --dcp-every 20 --log-dir D
     python -m stalwart run --nproc-per-node 2 benchmarks/recovery_job.py --ckpt flash --log-dir D
@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP")
     return p.parse_args(argv)
 
 
@@ -144,7 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     margs = model_args("debug", **GPT, max_seq_len=args.seq_len)
     model = Transformer(margs)
     model.init_weights(args.seed)
-    ddp = DDP(model)
+    if args.fsdp:  # FSDP2: each block and the root sharded over every rank (a lost node's shards: only there)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers.values():
+            fully_shard(block)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
     t_built = time.time()
 
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         attempt=attempt,
         rank=rank,
         world=world,
+        pid=os.getpid(),
         t_proc=T_PROC,
         t_import=T_IMPORT,
         t_pg=t_pg,

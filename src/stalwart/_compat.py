@@ -80,6 +80,38 @@ def leave_rendezvous_round(handler: Any, timeout_s: float = 10.0) -> None:
     handler._op_executor.run(dr._RendezvousExitOp(), time.monotonic() + timeout_s)
 
 
+def rendezvous_node(handler: Any) -> list[Any] | None:
+    """This agent's identity in TorchElastic's dynamic rendezvous ([addr, pid, local_id]), told to the
+    master at join so that peers can expire it when it is lost; None for other rendezvous."""
+    node = getattr(getattr(handler, "inner", handler), "_this_node", None)
+    return None if node is None else [node.addr, node.pid, node.local_id]
+
+
+def expire_rendezvous_nodes(handler: Any, nodes: list[list[Any]], attempts: int = 5) -> int:
+    """Mark ``nodes`` ([addr, pid, local_id], from ``rendezvous_node``) dead in the shared rendezvous
+    state now, as their keep-alive would after ``keep_alive_interval × keep_alive_max_attempt``: their
+    last heartbeat is set to the epoch and written back (compare-and-set, retried when another node
+    wrote first). Every node's next sync then drops them (TorchElastic's own ``_sanitize``), so a round
+    a lost node belonged to closes without waiting. Returns how many were found and marked."""
+    import datetime
+
+    holder = getattr(handler, "inner", handler)._state_holder
+    wanted = {tuple(n) for n in nodes}
+    epoch = datetime.datetime.fromtimestamp(0, datetime.UTC)
+    for _ in range(attempts):
+        holder.sync()
+        state = holder.state
+        found = [n for n in state.last_heartbeats if (n.addr, n.pid, n.local_id) in wanted]
+        if not found:
+            return 0
+        for n in found:
+            state.last_heartbeats[n] = epoch
+        holder.mark_dirty()
+        if holder.sync():
+            return len(found)
+    return 0
+
+
 def rendezvous_addr_and_port(params: Any) -> tuple[str | None, int | None]:
     """torchrun's MASTER_ADDR/MASTER_PORT for a rendezvous: from the endpoint for the static backend,
     (None, None) otherwise (the rendezvous picks them)."""

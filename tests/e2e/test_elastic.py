@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from stalwart.checkpoint import Storage
+from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.journal import Journal
 
 from .test_master import TOKEN
@@ -154,7 +155,9 @@ def lose_node(proc: subprocess.Popen, job: str, n: int) -> None:
             v.kill()
         except psutil.NoSuchProcess:
             pass
-    shutil.rmtree(f"/dev/shm/stalwart/{job}-node{n}", ignore_errors=True)
+    shm = NodeJob.of_agent(job, f"node{n}").paths.root
+    assert shm.parent.name.startswith("stalwart-"), shm  # the per-user directory: this path is the node's
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_checkpoint(stdlib_data, tmp_path):

@@ -227,6 +227,52 @@ def test_silent_node_is_declared_lost(tmp_path):
         )
 
 
+PRESENCE = """
+import sys, time
+from stalwart.launch.presence import Presence
+p = Presence(sys.argv[1], sys.argv[2], sys.argv[3], keepalive_s=0.2).start()
+print("open", flush=True)
+if sys.argv[4] == "leave":
+    time.sleep(0.5)
+    p.close()
+else:
+    time.sleep(60)  # killed meanwhile: its process (and socket) gone
+"""
+
+
+def test_a_node_whose_agent_dies_is_lost_at_once_and_one_that_leaves_is_not(tmp_path):
+    """Presence: an agent's held-open request breaking = its process is gone (long before a heartbeat
+    timeout of 60 s here); an agent that closes it on purpose stays alive in the journal."""
+    with running_master(tmp_path / "j.sqlite", "--node-timeout", "60") as address:
+        client = MasterClient(address, TOKEN)
+        for n in ("node-0", "node-1"):
+            client.join(n, "h", 1, {"rdzv_node": ["h", 100 + int(n[-1]), 0]})
+        procs = {
+            n: subprocess.Popen([sys.executable, "-c", PRESENCE, address, TOKEN, n, how], stdout=subprocess.PIPE)
+            for n, how in (("node-0", "die"), ("node-1", "leave"))
+        }
+        for p in procs.values():
+            assert p.stdout.readline().strip() == b"open"
+        time.sleep(0.5)  # both requests are being held by the master
+        killed = time.time()
+        procs["node-0"].kill()
+        assert procs["node-1"].wait(10) == 0
+        procs["node-0"].wait(10)
+        deadline = time.monotonic() + 5
+        while client.call("GET", "/v1/nodes/lost")["lost"] == [] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [lost] = client.call("GET", "/v1/nodes/lost")["lost"]
+        assert lost["node_id"] == "node-0" and lost["rdzv_node"] == ["h", 100, 0]
+        assert killed <= lost["lost_at"] < killed + 5
+        states = {n["node_id"]: n["state"] for n in client.status()["nodes"]}
+        assert states == {"node-0": "lost", "node-1": "alive"}, "a node that left on purpose is not lost"
+        [decision] = [d for d in client.status()["decisions"] if d["action"] == "node_lost"]
+        assert "connection to the master broke" in decision["reason"]
+        client.heartbeat("node-0", {"step": 2})  # it was only cut off: a beat brings it back
+        assert {n["node_id"]: n["state"] for n in client.status()["nodes"]}["node-0"] == "alive"
+        assert raw(address, "POST", "/v1/nodes/presence?node_id=x", None, b"") == 401
+
+
 def test_master_binds_loopback_by_default(tmp_path):
     with running_master(tmp_path / "j.sqlite") as address:
         assert address.startswith("http://127.0.0.1:")

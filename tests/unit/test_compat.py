@@ -124,6 +124,44 @@ def test_leave_rendezvous_round_reaches_the_handler_internals() -> None:
     handler.shutdown()
 
 
+def test_a_lost_node_is_expired_from_the_rendezvous_at_once() -> None:
+    """Two handlers form a round; the second 'dies' (no exit, no more keep-alives); the first expires it
+    by its descriptor and sees it gone from the state at its next sync, well before keep-alive expiry."""
+    import datetime
+    import threading
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+
+    def handler() -> dr.DynamicRendezvousHandler:
+        return dr.DynamicRendezvousHandler.from_backend(
+            "expire",
+            store,
+            C10dRendezvousBackend(store, "expire"),
+            min_nodes=2,
+            max_nodes=2,
+            timeout=dr.RendezvousTimeout(join=datetime.timedelta(seconds=20), heartbeat=datetime.timedelta(seconds=60)),
+        )
+
+    survivor, lost = handler(), handler()
+    joined = threading.Thread(target=lost.next_rendezvous)
+    joined.start()
+    assert survivor.next_rendezvous().world_size == 2
+    joined.join(10)
+    lost._stop_heartbeats()  # the dead node beats no more (keep-alive expiry would take minutes here)
+    assert _compat.rendezvous_node(lost) is not None
+    assert _compat.expire_rendezvous_nodes(survivor, [_compat.rendezvous_node(lost)]) == 1
+    survivor._state_holder.sync()
+    state = survivor._state_holder.state
+    assert tuple(_compat.rendezvous_node(lost)) not in {(n.addr, n.pid, n.local_id) for n in state.participants}
+    assert len(state.participants) == 1, "only the survivor is left in the round"
+    assert _compat.expire_rendezvous_nodes(survivor, [_compat.rendezvous_node(lost)]) == 0, "already gone"
+    survivor.shutdown()
+
+
 def test_rendezvous_addr_and_port() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 

@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from stalwart import _compat, runtime
 from stalwart.health.precheck import PrecheckConfig, run_precheck
 from stalwart.health.throttle import Throttle
-from stalwart.launch import detect
+from stalwart.launch import detect, presence
 from stalwart.launch.agent_journal import AgentJournal
 from stalwart.launch.client import MasterClient, MasterError
 from stalwart.launch.decide import Decision, decide, restarts_left
@@ -122,6 +122,7 @@ class StalwartAgent(LocalElasticAgent):
             heartbeat_s,
             ChaosInbox(chaos_file) if chaos_file is not None else None,
             hist_dir=self.progress_dir,
+            presence=presence.Presence(master.address, master.token, node_id),
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class StalwartAgent(LocalElasticAgent):
             self.node_id,
             socket.gethostname(),
             self.get_worker_group().spec.local_world_size,
-            {"pid": os.getpid(), **self.join_info},
+            {"pid": os.getpid(), "rdzv_node": _compat.rendezvous_node(self._handler), **self.join_info},
         )
         self.heartbeat.start()
         if self.throttle is not None:
@@ -247,7 +248,13 @@ class StalwartAgent(LocalElasticAgent):
         self._stop_workers(group)
         stopped = time.time()
         saved: dict[str, Any] = {}
-        if self.on_failure is not None:
+        # A member node died (``presence``): out of the rendezvous now, and no save can commit (its
+        # ranks' snapshots went with it).
+        lost = presence.lost_since(self.master, self._started_at, self.node_id) if incident else []
+        if lost:
+            presence.expire(self._handler, lost)
+            saved = {"persisted": False, "detail": f"node(s) {', '.join(lost)} lost: restore from storage"}
+        elif self.on_failure is not None:
             try:
                 saved = self.on_failure(incident)
             except Exception as err:  # a failed save must not stop the recovery

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.launch.client import MasterClient, MasterError
+from stalwart.launch.presence import Presence
 from stalwart.launch.progress import Progress
 from stalwart.observe import histo
 
@@ -156,6 +157,7 @@ class Heartbeat:
         interval_s: float = 1.0,
         chaos: ChaosInbox | None = None,
         hist_dir: Path | None = None,
+        presence: Presence | None = None,
     ) -> None:
         self.master, self.node_id, self.status = master, node_id, status
         self.hist_dir = hist_dir  # the ranks' step/section histograms (observe.histo), for /metrics
@@ -166,9 +168,12 @@ class Heartbeat:
         self._stop = threading.Event()
         self._final_sent = False
         self._thread = threading.Thread(target=self._loop, name="stalwart-heartbeat", daemon=True)
+        self._presence = presence  # held open from start to stop: the master sees a dead agent at once
 
     def start(self) -> None:
         self._thread.start()
+        if self._presence is not None:
+            self._presence.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop beating, after one last beat: the master's view (status, /metrics) ends with the node's
@@ -179,6 +184,9 @@ class Heartbeat:
         if self._thread.ident is not None and not self._thread.is_alive() and not self._final_sent:
             self._final_sent = True
             self.beat()
+        if self._presence is not None:
+            self._presence.close()  # leaving on purpose: not lost
+            self._presence = None
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

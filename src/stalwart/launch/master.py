@@ -21,7 +21,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-from stalwart.launch import dashboard
+from stalwart.launch import dashboard, presence
 from stalwart.launch.autoscale import Autoscaler
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.job_trace import master_trace
@@ -45,6 +45,7 @@ ROUTES: list[tuple[str, re.Pattern, Route]] = [
     ("POST", re.compile(rf"^{API}/decisions$"), lambda s, b, m: s.decide(b)),
     ("POST", re.compile(rf"^{API}/chaos$"), lambda s, b, m: s.add_chaos(b)),
     ("GET", re.compile(rf"^{API}/trace$"), lambda s, b, m: master_trace(s.journal)),  # the dashboard's download
+    ("GET", re.compile(rf"^{API}/nodes/lost$"), lambda s, b, m: s.lost()),
 ]
 
 
@@ -97,6 +98,19 @@ def _app(state: MasterState, token: str) -> Any:
             registry.register(SectionHistogramCollector(state.journal.nodes, state.journal.incidents))
         return generate_latest(registry)
 
+    async def hold_presence(request: Any) -> Any:
+        """Read a node's presence body until it ends (the node left) or breaks (it is lost)."""
+        node_id = request.query.get("node_id", "")
+        if not node_id:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "presence needs ?node_id=")
+        try:
+            while await request.content.readany():
+                pass
+        except Exception:  # cut off without the final chunk (ConnectionResetError, aiohttp's payload errors)
+            state.presence_lost(node_id)
+            return reply(HTTPStatus.OK, {"lost": True})  # nobody reads it
+        return reply(HTTPStatus.OK, {"ok": True})
+
     async def handle(request: Any) -> Any:
         method, path = request.method, request.path
         if method == "GET" and path == dashboard.PATH:  # a static page, no job data: no token
@@ -112,6 +126,8 @@ def _app(state: MasterState, token: str) -> Any:
                 from prometheus_client import CONTENT_TYPE_LATEST
 
                 return reply(HTTPStatus.OK, await loop.run_in_executor(None, metrics), CONTENT_TYPE_LATEST)
+            if method == "POST" and path == presence.PATH:
+                return await hold_presence(request)
             for verb, pattern, route in ROUTES:
                 match = pattern.match(path)
                 if match and verb == method:

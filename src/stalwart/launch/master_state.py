@@ -360,6 +360,35 @@ class MasterState:
             self._section_cache = (now, section_scores.live(hists)["flagged"])
         return self._section_cache[1]
 
+    def presence_lost(self, node_id: str) -> None:
+        """The node's presence request broke without its final chunk (``presence``): its agent's
+        process is gone. Lost now, as a heartbeat timeout would find it later; a beat revives it."""
+        nodes = {n["node_id"]: n for n in self.journal.nodes()}
+        if nodes.get(node_id, {}).get("state") != "alive":
+            return  # unknown, evicted or already lost
+        self.journal.set_node_state(node_id, "lost")
+        self.journal.set(f"lost_at.{node_id}", time.time())
+        self.stragglers.forget(node_id)
+        self.autoscaler.forget(node_id)
+        self.journal.decide(
+            "node_lost", "its agent's connection to the master broke (process gone)", {"node_id": node_id}
+        )
+        log.warning("node %s lost: its presence connection broke", node_id)
+
+    def lost(self) -> dict[str, Any]:
+        """Nodes lost now, with when they were found lost (the survivors' question after a failure)."""
+        return {
+            "lost": [
+                {
+                    "node_id": n["node_id"],
+                    "lost_at": self.journal.get(f"lost_at.{n['node_id']}"),
+                    "rdzv_node": n["info"].get("rdzv_node"),
+                }
+                for n in self.journal.nodes()
+                if n["state"] == "lost"
+            ]
+        }
+
     def sweep(self) -> list[str]:
         """Mark nodes without a heartbeat for node_timeout_s as lost (after this master has been up
         that long, so a restarted master does not condemn nodes that were waiting for it)."""
@@ -370,6 +399,7 @@ class MasterState:
         for node in self.journal.nodes():
             if node["state"] == "alive" and now - node["last_heartbeat"] > self.node_timeout_s:
                 self.journal.set_node_state(node["node_id"], "lost")
+                self.journal.set(f"lost_at.{node['node_id']}", now)
                 self.journal.decide(
                     "node_lost", f"no heartbeat for {now - node['last_heartbeat']:.1f} s", {"node_id": node["node_id"]}
                 )
