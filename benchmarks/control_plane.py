@@ -44,13 +44,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=20.0, help="heartbeat phase per count (default 20)")
     p.add_argument("--ramp-s", type=float, default=10.0, help="agents start spread over this (default 10)")
     p.add_argument("--target", choices=("master", "baseline", "both"), default="both")
+    p.add_argument(
+        "--restart-master-at",
+        type=float,
+        help="restart the master this many seconds into the heartbeat phase, on the same journal and "
+        "port (SIGTERM, start again): does it resume the job, and how long are the agents without it?",
+    )
     return p.parse_args(argv)
 
 
 # -- servers ---------------------------------------------------------------------------------------
-def start_master(work: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_master(work: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], str]:
     ready = work / "ready.json"
-    cmd = [sys.executable, "-m", "stalwart", "master", "--db", str(work / "journal.sqlite"), "--port", "0"]
+    ready.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "stalwart", "master", "--db", str(work / "journal.sqlite"), "--port", str(port)]
     cmd += ["--job-token", TOKEN, "--ready-file", str(ready), "--node-timeout", "3600"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -103,7 +110,10 @@ async def post(port: int, path: str, body: dict[str, Any]) -> int:
         writer.close()
 
 
-async def join(port: int, node: str, errors: list[str]) -> bool:
+answered: list[float] = []  # monotonic times of answered heartbeats (the restart's gap is read from them)
+
+
+async def join(port: int, node: str, errors: list[tuple[float, str]]) -> bool:
     """Join with retries and backoff, as the agent's client does; failed attempts count as join errors."""
     deadline, delay = time.monotonic() + 120, 0.5
     while time.monotonic() < deadline:
@@ -112,13 +122,15 @@ async def join(port: int, node: str, errors: list[str]) -> bool:
             if await asyncio.wait_for(post(port, "/v1/nodes/join", body), TIMEOUT_S) == 200:
                 return True
         except Exception as err:
-            errors.append(f"join {type(err).__name__}")
+            errors.append((time.monotonic(), f"join {type(err).__name__}"))
         await asyncio.sleep(delay * (0.5 + random.random()))
         delay = min(delay * 2, 8.0)
     return False
 
 
-async def agent(port: int, i: int, n: int, ramp_s: float, seconds: float, lat: list[float], errors: list[str]) -> None:
+async def agent(
+    port: int, i: int, n: int, ramp_s: float, seconds: float, lat: list[float], errors: list[tuple[float, str]]
+) -> None:
     """Start at ``i/n`` of the ramp, join, then heartbeat at 1 Hz for ``seconds`` (from its own join)."""
     node = f"sim{i:05d}"
     await asyncio.sleep(ramp_s * i / n)
@@ -133,10 +145,11 @@ async def agent(port: int, i: int, n: int, ramp_s: float, seconds: float, lat: l
             status = await asyncio.wait_for(post(port, "/v1/nodes/heartbeat", body), TIMEOUT_S)
             if status == 200:
                 lat.append(time.monotonic() - t0)
+                answered.append(time.monotonic())
             else:
-                errors.append(f"status {status}")
+                errors.append((time.monotonic(), f"status {status}"))
         except Exception as err:
-            errors.append(type(err).__name__)
+            errors.append((time.monotonic(), type(err).__name__))
         await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
 
 
@@ -145,52 +158,98 @@ def rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
 
 
-async def load(address: str, n: int, seconds: float, ramp_s: float, pid: int) -> dict[str, Any]:
+async def load(
+    address: str, n: int, seconds: float, ramp_s: float, pid: int, restart: Any = None, restart_at: float = 0.0
+) -> dict[str, Any]:
+    """``restart``: a callable that restarts the server and returns its new pid (run ``restart_at``
+    seconds after the ramp)."""
     port = int(address.rsplit(":", 1)[1])
     lat: list[float] = []
-    errors: list[str] = []
-    peak = [rss_mib(pid)]
+    errors: list[tuple[float, str]] = []
+    answered.clear()
+    pids, peak = [pid], [rss_mib(pid)]
+    restarted: dict[str, float] = {}
 
     async def sample() -> None:
         while True:
-            peak.append(rss_mib(pid))
+            try:
+                peak.append(rss_mib(pids[-1]))
+            except psutil.NoSuchProcess:
+                pass  # between a restart's stop and start
             await asyncio.sleep(0.5)
 
+    async def restart_later() -> None:
+        await asyncio.sleep(ramp_s + restart_at)
+        restarted["stop"] = time.monotonic()
+        pids.append(await asyncio.get_running_loop().run_in_executor(None, restart))
+        restarted["up"] = time.monotonic()
+
     sampler = asyncio.create_task(sample())
+    restarter = asyncio.create_task(restart_later()) if restart is not None else None
     await asyncio.gather(*(agent(port, i, n, ramp_s, seconds, lat, errors) for i in range(n)))
     sampler.cancel()
     lat.sort()
     kinds: dict[str, int] = {}
-    for e in errors:
+    for _, e in errors:
         kinds[e] = kinds.get(e, 0) + 1
-    return {
+    out: dict[str, Any] = {
         "agents": n,
         "heartbeats_per_s": len(lat) / seconds,
         "offered_per_s": n,
-        "errors": sum(1 for e in errors if not e.startswith("join")),
-        "join_errors": sum(1 for e in errors if e.startswith("join")),
+        "errors": sum(1 for _, e in errors if not e.startswith("join")),
+        "join_errors": sum(1 for _, e in errors if e.startswith("join")),
         "error_kinds": kinds,
         "p50_ms": 1000 * statistics.median(lat) if lat else None,
         "p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))] if lat else None,
         "rss_mib_peak": max(peak),
     }
+    if restarter is not None:
+        await restarter
+        stop, up = restarted["stop"], restarted["up"]
+        back = min((t for t in answered if t > up), default=None)
+        after = [t for t in answered if up + 1 < t <= up + 3]  # every agent is still beating then
+        out["restart"] = {
+            "master_down_s": round(up - stop, 3),  # stop → the new master listening (its start-up)
+            "agents_unanswered_s": None if back is None else round(back - stop, 3),
+            "errors_during": sum(1 for t, e in errors if stop <= t <= up + TIMEOUT_S and not e.startswith("join")),
+            "errors_after": sum(1 for t, e in errors if t > up + TIMEOUT_S and not e.startswith("join")),
+            "beats_per_s_after": len(after) / 2,
+        }
+    return out
 
 
-def measure(target: str, n: int, seconds: float, ramp_s: float) -> dict[str, Any]:
+def measure(target: str, n: int, seconds: float, ramp_s: float, restart_at: float | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="stalwart-cp-") as tmp:
         proc, address = start_master(Path(tmp)) if target == "master" else start_baseline()
+        procs = [proc]
+
+        def restart() -> int:
+            procs[-1].terminate()
+            procs[-1].wait(30)
+            new, _ = start_master(Path(tmp), int(address.rsplit(":", 1)[1]))
+            procs.append(new)
+            return new.pid
+
         try:
-            return {"target": target, **asyncio.run(load(address, n, seconds, ramp_s, proc.pid))}
+            use = restart if restart_at is not None and target == "master" else None
+            row = {"target": target, **asyncio.run(load(address, n, seconds, ramp_s, proc.pid, use, restart_at or 0))}
+            if use is not None:  # the restarted master resumed the job: every agent known, alive, beating
+                from stalwart.launch.client import MasterClient
+
+                status = MasterClient(address, TOKEN, timeout_s=60).status()
+                alive = sum(1 for node in status["nodes"] if node["state"] == "alive")
+                row["restart"].update(master_starts=status["master_starts"], nodes_alive_after=alive)
+            return row
         finally:
-            proc.terminate()
-            proc.wait(30)
+            procs[-1].terminate()
+            procs[-1].wait(30)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     random.seed(0)
     targets = ["master", "baseline"] if args.target == "both" else [args.target]
-    rows = [measure(t, n, args.seconds, args.ramp_s) for n in args.agents for t in targets]
+    rows = [measure(t, n, args.seconds, args.ramp_s, args.restart_master_at) for n in args.agents for t in targets]
     result = {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "seconds": args.seconds, "rows": rows}
     if args.json:
         print(json.dumps(result))
@@ -202,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"p50 {r['p50_ms'] or 0:7.1f} ms  "
                 f"p99 {r['p99_ms'] or 0:7.1f} ms  RSS {r['rss_mib_peak']:6.0f} MiB  {r['error_kinds']}"
             )
+            if "restart" in r:
+                print(f"          restart: {r['restart']}")
     return 0
 
 

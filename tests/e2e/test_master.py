@@ -450,3 +450,11 @@ def test_a_node_that_keeps_failing_is_evicted_if_the_job_keeps_its_minimum(tmp_p
         assert status["evicted"] == ["node-1"], status["decisions"]
         [evict] = [d for d in status["decisions"] if d["action"] == "evict"]
         assert evict["details"]["cause"] == "failures" and len(evict["details"]["incidents"]) == 3
+
+
+def test_the_master_does_not_import_torch():
+    """The master is a control plane: torch would cost it ~200 MiB of RSS and ~1 s of every (re)start
+    (session 8's trace download pulled it in through observe.timers until a constant moved)."""
+    code = "import sys, stalwart.launch.master, stalwart.commands.master; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -28,6 +28,9 @@ from typing import Any
 from stalwart.observe.histo import SectionHistograms
 
 RANKS_DIR = "ranks"
+# a pipeline stage's forward of one micro-batch (timers.StageForwards records it, nested in "pipeline";
+# trace.py draws it): here, not in timers, so readers of records need not import torch
+STAGE_FORWARD = "pp_fwd_s{}"
 FLUSH_EVERY_S = 0.0  # write each record as it completes (see above)
 
 

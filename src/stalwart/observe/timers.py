@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
+from stalwart.observe.records import STAGE_FORWARD
+
 # name, counts as compute (None: nested in another section, in ms and spans but in neither sum), start,
 # end (ns on the CPU, events on CUDA)
 Section = tuple[str, bool | None, Any, Any]
-STAGE_FORWARD = "pp_fwd_s{}"  # a pipeline stage's forward of one micro-batch, nested in "pipeline"
 
 
 def summarize(totals: dict[str, float], wait: set[str], nested: set[str] | None = None) -> dict[str, float]:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from stalwart.observe.timers import STAGE_FORWARD
+from stalwart.observe.records import STAGE_FORWARD
 
 VIEWS = {"pp": ("pp", "dp", "tp"), "dp": ("dp", "pp", "tp"), "tp": ("tp", "pp", "dp")}
 JOB_PID = 0  # the job's own track; rank R is pid R + 1
