@@ -294,3 +294,19 @@ def test_a_master_bound_to_every_interface_advertises_a_dialable_address(tmp_pat
         assert master.state.rdzv_endpoint.startswith(f"{socket.gethostname()}:")
     finally:
         master.stop()
+
+
+def test_heartbeats_scale_with_the_job_jitter_and_back_off():
+    from stalwart.launch.master_state import heartbeat_interval
+
+    assert [heartbeat_interval(n) for n in (1, 1000, 2048, 10_000, 100_000)] == [1.0, 1.0, 2.048, 10.0, 10.0]
+    down = FakeMaster(OSError("connection refused"))
+    beat = Heartbeat(down, "n1", NodeStatus(), 1, lambda: "HEALTHY", interval_s=2.0)  # type: ignore[arg-type]
+    waits = [beat.next_wait() for _ in range(200)]
+    assert 1.8 <= min(waits) < max(waits) <= 2.2, "±10 % jitter around the interval"
+    for missed in range(1, 6):
+        beat.beat()
+        assert 0.9 * min(2.0 * 2**missed, 30.0) <= beat.next_wait() <= 1.1 * min(2.0 * 2**missed, 30.0)
+    beat.master = FakeMaster({})
+    beat.beat()
+    assert beat.next_wait() <= 2.2, "an answered beat ends the backoff"

@@ -128,12 +128,13 @@ class StalwartAgent(LocalElasticAgent):
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """TorchElastic's run; None when the rendezvous closed while this node waited as a spare."""
-        self.master.join(
+        joined = self.master.join(
             self.node_id,
             socket.gethostname(),
             self.get_worker_group().spec.local_world_size,
             {"pid": os.getpid(), "rdzv_node": _compat.rendezvous_node(self._handler), **self.join_info},
         )
+        self.heartbeat.interval_s = max(self.heartbeat.interval_s, float(joined.get("heartbeat_s") or 0))
         self.heartbeat.start()
         if self.throttle is not None:
             self.throttle.start()

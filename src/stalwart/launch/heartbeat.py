@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import statistics
 import threading
@@ -168,6 +169,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._final_sent = False
         self._thread = threading.Thread(target=self._loop, name="stalwart-heartbeat", daemon=True)
+        self._missed = 0  # beats in a row without an answer (backoff)
         self._presence = presence  # held open from start to stop: the master sees a dead agent at once
 
     def start(self) -> None:
@@ -189,8 +191,14 @@ class Heartbeat:
             self._presence = None
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.next_wait()):
             self.beat()
+
+    def next_wait(self) -> float:
+        """The interval (the master scales it with the job's size at join), ±10 % jitter so that
+        thousands of agents do not beat in step, doubled per unanswered beat up to 30 s (backoff)."""
+        base = self.interval_s * min(2.0**self._missed, max(1.0, 30.0 / self.interval_s))
+        return base * random.uniform(0.9, 1.1)
 
     def beat(self) -> None:
         """Send one heartbeat; apply what the reply brings (injected faults, eviction)."""
@@ -202,6 +210,7 @@ class Heartbeat:
             beat["chaos_after"] = self.chaos.seen
         try:
             reply = self.master.call("POST", "/v1/nodes/heartbeat", beat, retry_for_s=0)
+            self._missed = 0
             if self.chaos is not None:
                 self.chaos.apply(reply.get("chaos") or [])
             if reply.get("leave") and self.status.evict(str(reply["leave"])):
@@ -213,4 +222,4 @@ class Heartbeat:
                 except (MasterError, OSError) as join_err:
                     log.error("could not journal to the master: %s", join_err)
         except OSError:
-            pass  # the master may be restarting; the next beat tries again
+            self._missed += 1  # the master may be restarting: the next beat tries again, later

@@ -42,6 +42,13 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], requi
     return value
 
 
+def heartbeat_interval(nodes: int) -> float:
+    """Seconds between an agent's heartbeats in a job of ``nodes``: 1 s up to 1,000 nodes, then one
+    more second per 1,000 (≤ 1,000 beats/s at the master), at most 10 s. Liveness does not ride on it
+    (``presence``); the node timeout must stay above a few intervals."""
+    return float(min(10.0, max(1.0, nodes / 1000)))
+
+
 class MasterState:
     """Request handling separated from HTTP plumbing, so it reads as the API it is."""
 
@@ -84,7 +91,7 @@ class MasterState:
             _field(body, "info", dict, required=False) or {},
         )
         self.journal.set(f"evicted.{node_id}", None)  # a node that comes back (repaired) is welcome again
-        return {"job_id": self.job_id, "heartbeat_s": 1.0}
+        return {"job_id": self.job_id, "heartbeat_s": heartbeat_interval(len(self.journal.nodes()))}
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         node_id = _field(body, "node_id", str)
