@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stalwart.launch import master_state
+from stalwart.launch import recent_steps
 from stalwart.launch.journal import Journal
 from stalwart.launch.master_histograms import RANK_FAMILY, SectionHistogramCollector
 from stalwart.launch.master_state import MasterState
@@ -80,7 +80,7 @@ def test_the_master_exports_per_rank_and_per_node_histograms():
 def test_the_master_flags_a_slow_section_live_from_the_heartbeats_histograms(tmp_path: Path, monkeypatch):
     """Two nodes × one rank write real records; their heartbeats carry the histogram files; rank 1's
     forward turns 1.3× slower at step 31 and the master's status names it by step 50, not before."""
-    monkeypatch.setattr(master_state, "SECTION_SCORES_S", 0.0)  # the test steps faster than the 2 s refresh
+    monkeypatch.setattr(recent_steps, "SCORES_S", 0.0)  # the test steps faster than the 2 s refresh
     state = MasterState(Journal(tmp_path / "journal.sqlite"), "job", restart_budget=1, node_timeout_s=30)
     writers = {r: RankRecords(tmp_path / f"run{r}", r, {"pp": 0}, hist_dir=tmp_path / f"progress{r}") for r in (0, 1)}
     for r in writers:
@@ -104,7 +104,7 @@ def test_the_master_flags_a_slow_section_live_from_the_heartbeats_histograms(tmp
 def test_the_master_merges_beats_that_catch_the_ranks_a_publish_apart(tmp_path: Path, monkeypatch):
     """Each beat brings rank 1's newest steps one publish (10 steps) behind rank 0's: one beat's files
     share only 10 steps, too few for two windows; merged over beats they share them all."""
-    monkeypatch.setattr(master_state, "SECTION_SCORES_S", 0.0)
+    monkeypatch.setattr(recent_steps, "SCORES_S", 0.0)
     state = MasterState(Journal(tmp_path / "journal.sqlite"), "job", restart_budget=1, node_timeout_s=30)
     for r in (0, 1):
         state.join({"node_id": f"n{r}", "host": "h", "nproc": 1})

@@ -248,14 +248,9 @@ class StalwartAgent(LocalElasticAgent):
         incident = self._pending
         self._stop_workers(group)
         stopped = time.time()
-        saved: dict[str, Any] = {}
-        # A member node died (``presence``): out of the rendezvous now, and no save can commit (its
-        # ranks' snapshots went with it).
-        lost = presence.lost_since(self.master, self._started_at, self.node_id) if incident else []
-        if lost:
-            presence.expire(self._handler, lost)
-            saved = {"persisted": False, "detail": f"node(s) {', '.join(lost)} lost: restore from storage"}
-        elif self.on_failure is not None:
+        # A member node died: out of the rendezvous now, and no save can commit (``presence``)
+        saved = presence.after_loss(self.master, self._handler, self._started_at, self.node_id) if incident else {}
+        if not saved and self.on_failure is not None:
             try:
                 saved = self.on_failure(incident)
             except Exception as err:  # a failed save must not stop the recovery

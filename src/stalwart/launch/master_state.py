@@ -16,11 +16,8 @@ from stalwart.launch import eviction
 from stalwart.launch.autoscale import Autoscaler
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
+from stalwart.launch.recent_steps import RecentSteps
 from stalwart.launch.stragglers import StragglerDetector
-from stalwart.observe import stragglers as section_scores
-
-SECTION_SCORES_S = 2.0  # the ranks publish their histogram files every 2 s (observe.histo.PUBLISH_S)
-KEEP_STEPS = 40  # newest steps per rank kept for the section scores (2 windows of 10, twice over)
 
 log = logging.getLogger("stalwart.master")
 
@@ -76,10 +73,7 @@ class MasterState:
         self.autoscaler = autoscaler or Autoscaler()
         self.started = time.time()  # this master process; heartbeats older than this are not counted
         self.compute_s: dict[str, float] = {}  # node → median compute seconds per step, last window
-        self._section_cache: tuple[float, dict[int, list[str]]] = (-SECTION_SCORES_S, {})
-        self._recent: dict[int, dict[int, dict[str, float]]] = {}  # rank → step → section ms (newest KEEP)
-        self._rank_of: dict[int, tuple[str, int]] = {}  # rank → (its node, its pipeline stage)
-        self._recent_lock = threading.Lock()  # heartbeats write, status reads (another thread)
+        self.recent_steps = RecentSteps()  # the ranks' newest section times: live section stragglers
         journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +93,7 @@ class MasterState:
         known = self.journal.heartbeat(node_id, progress, _field(body, "info", dict, required=False))
         if not known:
             raise ApiError(HTTPStatus.NOT_FOUND, f"node {node_id!r} has not joined this job")
-        self._note_recent(node_id, progress.get("hist"))
+        self.recent_steps.note(node_id, progress.get("hist"))
         window = (body.get("progress") or {}).get("window")
         if isinstance(window, dict) and isinstance(window.get("compute_s"), (int, float)):
             self.compute_s[node_id] = float(window["compute_s"])
@@ -321,7 +315,9 @@ class MasterState:
             "restart_budget": self.journal.get("restart_budget"),
             "restarts_used": self.journal.get("restarts_used", 0),
             "stragglers": sorted(self.stragglers.flagged),
-            "section_stragglers": self._section_stragglers(nodes, now),
+            "section_stragglers": self.recent_steps.flagged(
+                {n["node_id"] for n in nodes if n["state"] == "alive"}, now
+            ),
             "autoscale": {
                 "mode": self.autoscaler.policy.mode,
                 **(self.autoscaler.latest.to_dict() if self.autoscaler.latest else {}),
@@ -331,41 +327,6 @@ class MasterState:
             "incidents": self.journal.incidents(),
             "decisions": self.journal.decisions(),
         }
-
-    def _note_recent(self, node_id: str, hists: Any) -> None:
-        """Merge the newest steps a node's ranks published into what earlier beats brought: one beat
-        may catch rank 0's file a publish ahead of rank 1's; together they cover the same steps."""
-        if not isinstance(hists, dict):
-            return
-        with self._recent_lock:
-            for h in hists.values():
-                if not isinstance(h, dict) or not isinstance(h.get("rank"), int):
-                    continue
-                rank = h["rank"]
-                self._rank_of[rank] = (node_id, int(h.get("stage") or 0))
-                steps = self._recent.setdefault(rank, {})
-                for r in h.get("recent") or []:
-                    steps[int(r["step"])] = r["ms"]
-                for old in sorted(steps)[:-KEEP_STEPS]:
-                    del steps[old]
-
-    def _section_stragglers(self, nodes: list[dict[str, Any]], now: float) -> dict[int, list[str]]:
-        """rank → its slow compute sections, from the newest steps of the alive nodes' ranks (the
-        heartbeats' histogram files); recomputed at most every SECTION_SCORES_S."""
-        if now - self._section_cache[0] >= SECTION_SCORES_S:
-            alive = {n["node_id"] for n in nodes if n["state"] == "alive"}
-            with self._recent_lock:
-                hists = [
-                    {
-                        "rank": rank,
-                        "stage": stage,
-                        "recent": [{"step": s, "ms": v} for s, v in self._recent[rank].items()],
-                    }
-                    for rank, (node, stage) in self._rank_of.items()
-                    if node in alive
-                ]
-            self._section_cache = (now, section_scores.live(hists)["flagged"])
-        return self._section_cache[1]
 
     def presence_lost(self, node_id: str) -> None:
         """The node's presence request broke without its final chunk (``presence``): its agent's

@@ -123,3 +123,13 @@ def expire(handler: Any, lost: dict[str, Any]) -> None:
         log.warning("could not expire lost nodes from the rendezvous (%s: %s)", type(err).__name__, err)
         return
     log.warning("lost node(s) %s: %d taken out of the rendezvous at once", ", ".join(lost), expired)
+
+
+def after_loss(client: MasterClient, handler: Any, since: float, me: str) -> dict[str, Any]:
+    """A survivor's part when its workers failed: if member nodes were lost since ``since``, expire them
+    from the rendezvous and return why save-on-failure is skipped; {} when nobody was lost."""
+    lost = lost_since(client, since, me)
+    if not lost:
+        return {}
+    expire(handler, lost)
+    return {"persisted": False, "detail": f"node(s) {', '.join(lost)} lost: restore from storage"}
