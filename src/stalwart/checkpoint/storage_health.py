@@ -2,7 +2,8 @@
 
 A failed persist (write, fsync, commit, retention, save-on-failure) is classified by its cause —
 ``full``, ``permission``, ``unreachable``, ``timeout``, ``torn`` (a write cut short without an OS
-error) or ``error`` — and becomes a ``storage`` incident when a run of failures starts or its cause
+error), ``peer`` (another node never took part: it is lost, which is its own incident) or ``error`` —
+and, except for ``peer``, becomes a ``storage`` incident when a run of failures starts or its cause
 changes (and a ``recovered`` one at the next commit), so the user hears about it once per episode,
 not once per attempt. Retries back off exponentially while training continues from memory. Log lines
 of repeated failures are rate-limited and say how many were folded into them: nothing is hidden, the
@@ -21,7 +22,10 @@ from typing import Any
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
 
-CAUSES = ("full", "permission", "unreachable", "timeout", "torn", "error")
+CAUSES = ("full", "permission", "unreachable", "timeout", "torn", "peer", "error")
+# A multi-node persist given up because another node never took part (multinode.persist's answer and
+# liveness timeouts): that node is lost — its own incident — not the storage, which is not journaled.
+_PEER = ("snapshot table (its node's keeper)", "its node is probably lost")
 INCIDENTS_FILE = "storage.incidents.jsonl"  # in the job's shm directory; the agent forwards each line
 _ERRNO = {
     errno.ENOSPC: "full",
@@ -69,6 +73,8 @@ def classify(err: BaseException) -> str:
     """The cause of a storage error (one of ``CAUSES``): an errno anywhere in the chain wins, then the
     error's type and text (object stores and torch's zip writer say it in words)."""
     chain = _chain(err)
+    if any(n in str(e) for e in chain for n in _PEER):
+        return "peer"
     for e in chain:
         if isinstance(e, OSError) and e.errno in _ERRNO:
             return _ERRNO[e.errno]
@@ -112,6 +118,7 @@ class StorageHealth:
         self.last_commit_time: float | None = None  # wall clock
         self._logged_at = 0.0
         self._folded = 0  # failures not logged since the last line
+        self._journaled = False  # this run of failures has a storage incident (its recovery gets one too)
 
     def may_try(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.retry_at
@@ -146,7 +153,8 @@ class StorageHealth:
             self._logged_at, self._folded = now, 0
         else:
             self._folded += 1
-        if new_episode:
+        if new_episode and cause != "peer":
+            self._journaled = True
             self._journal(
                 step,
                 {"cause": cause, "op": op, "error": self.last_error, "failures": self.failures, "retry_in_s": delay},
@@ -155,7 +163,7 @@ class StorageHealth:
 
     def committed(self, step: int) -> None:
         """A commit succeeded: a run of failures ends with a ``recovered`` record."""
-        if self.streak:
+        if self.streak and self._journaled:
             down = time.time() - (self.failing_since or time.time())
             log.warning(
                 "storage recovered: step %d committed to %s after %d failed attempt(s) over %.0f s (%s)",
@@ -169,7 +177,7 @@ class StorageHealth:
                 step,
                 {"recovered": True, "cause": self.cause, "failed_attempts": self.streak, "down_s": round(down, 3)},
             )
-        self.streak, self.failing_since, self.retry_at, self._folded = 0, None, 0.0, 0
+        self.streak, self.failing_since, self.retry_at, self._folded, self._journaled = 0, None, 0.0, 0, False
         self.last_committed, self.last_commit_time = max(self.last_committed, step), time.time()
 
     def status(self) -> dict[str, Any]:
