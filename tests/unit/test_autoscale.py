@@ -3,6 +3,8 @@ master acting on it (journal, eviction, status, /metrics)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stalwart.launch.autoscale import AutoscalePolicy, Autoscaler, predict, ring
@@ -39,13 +41,13 @@ def test_recommendation_waits_for_every_member_and_counts_windows_not_beats():
     assert rec.gain == pytest.approx(rec.step_s[4] / rec.step_s[3] - 1) and rec.gain > 0.5
     assert rec.extrapolated == [2, 3], "only 4 nodes were ever observed"
     assert scaler.recommend(members, 2, 4, now=100.0) is None, "no new windows since"
-    assert scaler.shrink_victim(rec, now=100.0) is None, "mode recommend never acts"
+    assert scaler.action(rec, members, now=100.0) is None, "mode recommend never acts"
     balanced = Autoscaler()
     windows(balanced, {"a": 1.0, "b": 1.0}, 1.1, 0.0)
     assert balanced.recommend(["a", "b"], 1, 2, now=0.0).best == 2, "balanced and compute-bound: stay"
     windows(balanced, {"a": 1.0, "b": 1.0}, 1.1, 0.0)
-    grow = balanced.recommend(["a", "b"], 1, 3, spares=1, now=0.0)
-    assert grow.best == 3 and grow.extrapolated == [1, 3], "a waiting spare below MAX: grow"
+    grow = balanced.recommend(["a", "b"], 1, 3, spares=["c"], now=0.0)
+    assert grow.best == 3 and grow.keep == ["a", "b", "c"] and grow.extrapolated == [1, 3], "a spare below MAX: grow"
     with pytest.raises(ValueError, match="--autoscale must be one of"):
         AutoscalePolicy(mode="auto")
 
@@ -56,45 +58,59 @@ def test_acting_needs_a_confirmed_recommendation_a_payback_and_a_cooldown():
     slow = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.3}
     windows(scaler, slow, 0.35, 0.0)
     first = scaler.recommend(list(slow), 2, 4, now=0.0)
-    assert scaler.shrink_victim(first, now=0.0) is None, "one window is not a trend"
+    assert scaler.action(first, list(slow), now=0.0) is None, "one window is not a trend"
     windows(scaler, slow, 0.35, 1.0)
     second = scaler.recommend(list(slow), 2, 4, now=1.0)
-    node, details = scaler.shrink_victim(second, now=1.0)
-    assert node == "d" and details["cause"] == "autoscale" and details["best"] == 3
+    kind, node, details = scaler.action(second, list(slow), now=1.0)
+    assert (kind, node) == ("park", "d") and details["cause"] == "autoscale" and details["best"] == 3
     assert details["saving_s"] == pytest.approx(60.0 * (1 - second.step_s[3] / second.step_s[4]))
     for t in (2.0, 3.0):  # the same numbers again, within the cooldown
         windows(scaler, slow, 0.35, t)
-        assert scaler.shrink_victim(scaler.recommend(list(slow), 2, 4, now=t), now=t) is None
+        assert scaler.action(scaler.recommend(list(slow), 2, 4, now=t), list(slow), now=t) is None
     costly = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=1000.0, horizon_s=60.0, confirm=1))
     windows(costly, slow, 0.35, 0.0)
-    assert costly.shrink_victim(costly.recommend(list(slow), 2, 4, now=0.0), now=0.0) is None, "never pays back"
+    assert costly.action(costly.recommend(list(slow), 2, 4, now=0.0), list(slow), now=0.0) is None, "never pays back"
 
 
-def beat(state: MasterState, node: str, compute_s: float, step_s: float) -> dict:
-    return state.heartbeat(
-        {
-            "node_id": node,
-            "progress": {"member": True, "window": {"compute_s": compute_s, "steps": 5, "step_s": step_s}},
-        }
-    )
-
-
-def test_the_master_recommends_in_status_and_metrics_and_evicts_the_slowest_under_on(tmp_path):
+def test_the_master_parks_the_slowest_and_unparks_it_when_it_would_help(tmp_path, monkeypatch):
     from prometheus_client import CollectorRegistry, generate_latest
+
+    clock = [1e9]  # every node beats once a second, each round of beats a second later
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+
+    def beat(state: MasterState, node: str, compute_s: float, step_s: float) -> dict:
+        clock[0] += 1.0 / 3
+        return state.heartbeat(
+            {
+                "node_id": node,
+                "progress": {"member": True, "window": {"compute_s": compute_s, "steps": 5, "step_s": step_s}},
+            }
+        )
 
     policy = AutoscalePolicy(mode="on", restart_cost_s=1.0, horizon_s=600.0, cooldown_s=0.0, confirm=2)
     state = MasterState(Journal(tmp_path / "j.sqlite"), "job", 3, 30.0, autoscaler=Autoscaler(policy))
     for n in ("a", "b", "c"):
         state.join({"node_id": n, "host": "h", "nproc": 1, "info": {"min_nodes": 2, "max_nodes": 3}})
-    for _ in range(2):
+    for _ in range(3):  # the first round has only a as a member yet (b and c had not beaten): 2 more
         replies = [beat(state, "a", 0.1, 0.5), beat(state, "b", 0.1, 0.5), beat(state, "c", 0.45, 0.5)]
-    assert [r.get("leave", "") for r in replies][:2] == ["", ""]
-    assert replies[2]["leave"].startswith("autoscale: 2 nodes train"), "c's own window completed the second"
-    [evict] = [d for d in state.journal.decisions() if d["action"] == "evict"]
-    assert evict["details"]["node_id"] == "c" and evict["details"]["cause"] == "autoscale"
+    assert [r.get("park", "") for r in replies][:2] == ["", ""] and "leave" not in replies[2]
+    assert replies[2]["park"].startswith("autoscale: 2 nodes train"), "c's own window completed the second"
+    [parked] = [d for d in state.journal.decisions() if d["action"] == "park"]
+    assert parked["details"]["node_id"] == "c" and parked["details"]["cause"] == "autoscale"
     scale = state.status()["autoscale"]
     assert (scale["mode"], scale["current"], scale["best"], scale["keep"]) == ("on", 3, 2, ["a", "b"])
     registry = CollectorRegistry()
     registry.register(JournalCollector(state))
     text = generate_latest(registry).decode()
     assert "stalwart_autoscale_recommended_nodes 2.0" in text and "stalwart_autoscale_current_nodes 3.0" in text
+    # c waits as a parked spare (member False). Judged by its last window, it stays parked ...
+    for _ in range(3):
+        beat(state, "a", 0.1, 0.2), beat(state, "b", 0.1, 0.2)
+        assert state.heartbeat({"node_id": "c", "progress": {"member": False}})["park"]
+    assert state.status()["autoscale"]["best"] == 2 and state.status()["spares"] == ["c"]
+    # ... until the two left are slow enough that three, c included, would train faster: it rejoins.
+    for _ in range(2):
+        beat(state, "a", 0.5, 0.6), beat(state, "b", 0.5, 0.6)
+    assert "park" not in state.heartbeat({"node_id": "c", "progress": {"member": False}})
+    [unparked] = [d for d in state.journal.decisions() if d["action"] == "unpark"]
+    assert unparked["details"]["node_id"] == "c" and unparked["details"]["best"] == 3

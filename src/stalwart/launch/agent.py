@@ -61,6 +61,10 @@ class NodeEvicted(RuntimeError):
     the workers and exits without closing the rendezvous, so the other nodes regroup without it."""
 
 
+class NodeParked(NodeEvicted):
+    """The master's autoscaler took this node out (``--autoscale on``): it waits as a parked spare."""
+
+
 class StalwartAgent(LocalElasticAgent):
     def __init__(
         self,
@@ -378,7 +382,7 @@ class StalwartAgent(LocalElasticAgent):
     def _check_evicted(self) -> None:
         reason = self.status.leave
         if reason is not None:
-            raise NodeEvicted(reason)
+            raise NodeParked(reason) if self.status.parked else NodeEvicted(reason)
 
     def _run_precheck(self) -> None:
         """Burn in this node's devices; the master judges (it also compares nodes) and journals. A node

@@ -70,17 +70,25 @@ def ring(k: int) -> float:
     return 2.0 * (k - 1) / k if k > 1 else 0.0
 
 
-def predict(compute_s: dict[str, float], step_s: float, sizes: list[int]) -> dict[int, tuple[float, list[str]]]:
-    """size → (predicted step time, the nodes kept: the fastest), for a job now on ``compute_s``'s nodes."""
+def predict(
+    compute_s: dict[str, float], step_s: float, sizes: list[int], spares: dict[str, float | None] | None = None
+) -> dict[int, tuple[float, list[str]]]:
+    """size → (predicted step time, the nodes kept), for a job now on ``compute_s``'s nodes: the fastest
+    members for a smaller size; for a larger one, the members and the fastest spares (a spare's compute
+    as last measured, e.g. before it was parked; never measured: the members' median)."""
     n = len(compute_s)
     assert n >= 1, "predict needs at least one measured node"
     fastest = sorted(compute_s, key=lambda node: (compute_s[node], node))
+    typical = sorted(compute_s.values())[n // 2]
+    extra = {s: typical if c is None else c for s, c in (spares or {}).items()}
+    joiners = sorted(extra, key=lambda node: (extra[node], node))
+    every = {**extra, **compute_s}
     comm = max(0.0, step_s - max(compute_s.values()))
     out = {}
     for k in sizes:
-        kept = fastest[: min(k, n)]
-        compute = max(compute_s[i] for i in kept) * n / k
-        out[k] = (compute + (comm * ring(k) / ring(n) if ring(n) else 0.0), kept)
+        kept = fastest[:k] if k <= n else fastest + joiners[: k - n]
+        compute = max(every[i] for i in kept) * n / len(kept)
+        out[k] = (compute + (comm * ring(len(kept)) / ring(n) if ring(n) else 0.0), kept)
     return out
 
 
@@ -93,11 +101,16 @@ class Autoscaler:
     _last_action: float = float("-inf")
     _new: set[str] = field(default_factory=set)  # nodes with a window since the last recommendation
     _members: int = 1  # members at the last recommendation
+    _last_rec: float = float("-inf")  # wall clock of the last recommendation
+    _period: float = 1.0  # the gap between two windows of one node (the window period), smoothed
     latest: Recommendation | None = None
 
     def observe(self, node: str, compute_s: float, step_s: float | None, now: float | None = None) -> None:
         if step_s is not None and step_s > 0 and compute_s == compute_s:
-            self._windows[node] = (compute_s, step_s, time.time() if now is None else now)
+            now = time.time() if now is None else now
+            if (prev := self._windows.get(node)) is not None and now - prev[2] > 1e-3:
+                self._period = 0.8 * self._period + 0.2 * (now - prev[2])  # smoothed: one late window is noise
+            self._windows[node] = (compute_s, step_s, now)
             self._new.add(node)
 
     def forget(self, node: str) -> None:
@@ -105,29 +118,31 @@ class Autoscaler:
         self._new.discard(node)
 
     def due(self) -> bool:
-        """Whether enough new windows arrived for the next recommendation (one per window period,
-        not one per heartbeat: hysteresis counts windows)."""
-        now = time.time()
-        fresh = sum(now - w[2] <= self.policy.stale_s for w in self._windows.values())
-        return self.policy.mode != "off" and bool(self._new) and len(self._new) >= min(self._members, fresh)
+        """A cheap gate before the master reads its node table: as many new windows as there were
+        members at the last recommendation (one recommendation per window period, not per heartbeat:
+        hysteresis counts windows), or two periods without one (a member left: parked, evicted, lost)."""
+        if self.policy.mode == "off" or not self._new:
+            return False
+        return len(self._new) >= self._members or time.time() - self._last_rec > 2 * self._period
 
     def recommend(
-        self, members: list[str], min_nodes: int, max_nodes: int, spares: int = 0, now: float | None = None
+        self, members: list[str], min_nodes: int, max_nodes: int, spares: list[str] = (), now: float | None = None
     ) -> Recommendation | None:
         """The best size in [min_nodes, min(max_nodes, members + spares)], or None until every member
-        has a fresh window."""
+        has a fresh window (spares: waiting or parked nodes, judged by their last window if any)."""
         now = time.time() if now is None else now
         fresh = {m: w for m in members if (w := self._windows.get(m)) is not None and now - w[2] <= self.policy.stale_s}
         if not members or len(fresh) < len(members) or not set(members) <= self._new:
             return None
         n = self._members = len(members)
         self._new.clear()
+        self._last_rec = now
         self._observed.add(n)
         compute = {m: w[0] for m, w in fresh.items()}
         step = max(w[1] for w in fresh.values())  # synchronous: every member waits for the slowest
-        top = max(min_nodes, min(max_nodes, n + spares))
+        top = max(min_nodes, min(max_nodes, n + len(spares)))
         sizes = sorted({n, *range(max(1, min(min_nodes, n)), top + 1)})
-        predicted = predict(compute, step, sizes)
+        predicted = predict(compute, step, sizes, {s: (self._windows.get(s) or (None,))[0] for s in spares})
         best = min(sizes, key=lambda k: (predicted[k][0], k != n, k))
         if predicted[best][0] >= predicted[n][0] * (1 - 1e-3):
             best = n  # within noise of the current size: stay
@@ -144,30 +159,41 @@ class Autoscaler:
         self.latest = rec
         return rec
 
-    def shrink_victim(self, rec: Recommendation, now: float | None = None) -> tuple[str, dict[str, Any]] | None:
-        """The node to take out now under ``--autoscale on`` (the slowest of those the best size drops,
-        one per action), with the numbers behind it; None while hysteresis holds the job as it is."""
+    def action(
+        self, rec: Recommendation, members: list[str], now: float | None = None
+    ) -> tuple[str, str, dict[str, Any]] | None:
+        """Under ``--autoscale on``: ("park", the slowest node the best size drops) to shrink, or
+        ("unpark", the fastest spare it adds) to grow — one node per action — with the numbers behind
+        it; None while hysteresis holds the job as it is."""
         now = time.time() if now is None else now
-        if self.policy.mode != "on" or rec.best >= rec.current or self._streak[0] != rec.best:
+        if self.policy.mode != "on" or rec.best == rec.current or self._streak[0] != rec.best:
             return None
         saving_s = self.policy.horizon_s * (1.0 - rec.step_s[rec.best] / rec.step_s[rec.current])
         if self._streak[1] < self.policy.confirm or now - self._last_action < self.policy.cooldown_s:
             return None
         if saving_s <= self.policy.restart_cost_s:
             return None
-        dropped = [m for m, _ in sorted(self._windows.items(), key=lambda kv: -kv[1][0]) if m not in rec.keep]
-        if not dropped:
+        if rec.best < rec.current:
+            kind = "park"
+            chosen = [m for m in sorted(members, key=lambda m: -self._windows[m][0]) if m not in rec.keep]
+        else:
+            kind, chosen = "unpark", [s for s in rec.keep if s not in members]
+        if not chosen:
             return None
         self._last_action, self._streak = now, (0, 0)
-        return dropped[0], {
-            "cause": "autoscale",
-            "current": rec.current,
-            "best": rec.best,
-            "gain": rec.gain,
-            "saving_s": saving_s,
-            "restart_cost_s": self.policy.restart_cost_s,
-            "step_s": rec.to_dict()["step_s"],
-        }
+        return (
+            kind,
+            chosen[0],
+            {
+                "cause": "autoscale",
+                "current": rec.current,
+                "best": rec.best,
+                "gain": rec.gain,
+                "saving_s": saving_s,
+                "restart_cost_s": self.policy.restart_cost_s,
+                "step_s": rec.to_dict()["step_s"],
+            },
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

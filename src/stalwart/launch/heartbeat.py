@@ -44,6 +44,7 @@ class NodeStatus:
         # rendezvous (a spare while a round runs); None: not at the rendezvous yet (starting, prechecking)
         self._member: bool | None = None
         self._leave: str | None = None
+        self._parked = False  # the leave is a park (the autoscaler's shrink): wait as a spare, not exit
         self._storage: dict[str, Any] | None = None  # the keeper's checkpoint-store status
 
     def observe(self, progress: list[Progress]) -> None:
@@ -77,6 +78,19 @@ class NodeStatus:
                 return False
             self._leave = reason
             return True
+
+    def park(self, reason: str) -> bool:
+        """Record that this node must step out and wait as a parked spare; True when it is new."""
+        with self._lock:
+            if self._leave is not None:
+                return False
+            self._leave, self._parked = reason, True
+            return True
+
+    @property
+    def parked(self) -> bool:
+        with self._lock:
+            return self._parked
 
     @property
     def leave(self) -> str | None:
@@ -215,6 +229,8 @@ class Heartbeat:
                 self.chaos.apply(reply.get("chaos") or [])
             if reply.get("leave") and self.status.evict(str(reply["leave"])):
                 log.warning("evicted by the master: %s", reply["leave"])
+            if reply.get("park") and self.status.park(str(reply["park"])):
+                log.warning("parked by the master: %s", reply["park"])
         except MasterError as err:
             if err.status == 404:  # a master that lost its journal: join again
                 try:

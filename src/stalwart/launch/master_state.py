@@ -114,6 +114,8 @@ class MasterState:
         leave = self.leave_reason(node_id)
         if leave:
             reply["leave"] = leave
+        elif parked := self.journal.get(f"parked.{node_id}"):  # step out and wait as a spare (``park``)
+            reply["park"] = parked
         return reply
 
     # -- eviction (the rules are in ``eviction``) -------------------------------------------------
@@ -136,7 +138,8 @@ class MasterState:
 
     def _autoscale(self) -> None:
         """Re-size when the throughput model says so (``autoscale``): recommend, and under
-        ``--autoscale on`` take the slowest node out when fewer nodes train faster."""
+        ``--autoscale on`` park the slowest node when fewer nodes train faster, or unpark a parked
+        node when more do."""
         if not self.autoscaler.due():
             return
         nodes = self.journal.nodes()
@@ -144,15 +147,19 @@ class MasterState:
         info = [n["info"] for n in nodes if n["node_id"] in members]
         min_nodes = max((int(i.get("min_nodes") or 1) for i in info), default=1)
         max_nodes = min((int(i.get("max_nodes") or len(members)) for i in info), default=len(members))
-        spares = len(eviction.spares(nodes, fresh_s=self.policy.fresh_s))
+        spares = eviction.spares(nodes, fresh_s=self.policy.fresh_s)
         rec = self.autoscaler.recommend(members, min_nodes, max_nodes, spares)
-        if rec is None:
+        acted = self.autoscaler.action(rec, members) if rec is not None else None
+        if acted is None:
             return
-        victim = self.autoscaler.shrink_victim(rec)
-        if victim is not None:
-            node_id, details = victim
-            reason = f"autoscale: {rec.best} nodes train {rec.gain:.0%} faster than {rec.current}; {node_id} is slowest"
-            self.evict(node_id, reason, details)
+        kind, node_id, details = acted
+        if kind == "park":
+            why = f"autoscale: {rec.best} nodes train {rec.gain:.0%} faster than {rec.current}; {node_id} is slowest"
+        else:
+            why = f"autoscale: {rec.best} nodes train {rec.gain:.0%} faster than {rec.current}; {node_id} rejoins"
+        self.journal.set(f"parked.{node_id}", why if kind == "park" else None)
+        self.journal.decide(kind, why, {"node_id": node_id, "acted": True, **details})
+        log.warning("%s node %s: %s", kind, node_id, why)
 
     def _waiting_spares(self, nodes: list[dict[str, Any]], leaving: str) -> list[str]:
         return [n for n in eviction.spares(nodes, fresh_s=self.policy.fresh_s) if n != leaving]

@@ -28,8 +28,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
-from stalwart.launch import autoscale, die_with_agent, eviction, preempt, slurm, stragglers, zygote
-from stalwart.launch.agent import Incident, NodeEvicted, StalwartAgent
+from stalwart.launch import autoscale, die_with_agent, eviction, park, preempt, slurm, stragglers, zygote
+from stalwart.launch.agent import Incident, NodeEvicted, NodeParked, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.master import Master, load_or_create_token
 from stalwart.launch.run_args import EXIT_EVICTED, build_parser, hang_policy, master_store, rendezvous_defaults
@@ -123,42 +123,59 @@ def run(argv: list[str]) -> int:
     # addresses and fail with "connectFullMesh ... Connection refused", burning a restart. The agent
     # of group rank 0 hosts each round's store itself (StalwartAgent._serve_worker_store).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        entrypoint=cmd,
-        args=tuple(cmd_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
-        max_restarts=UNBOUNDED,
-        monitor_interval=config.monitor_interval,
-        master_addr=master_addr,
-        master_port=master_port,
-        local_addr=config.local_addr,
-    )
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir)
     storage_watch = StorageWatch(node_job.root, keeper.status_copy)
-    agent = StalwartAgent(
-        spec,
-        logs_specs,
-        master=client,
-        node_id=node_id,
-        run_dir=run_dir,
-        hang_policy=policy,
-        start_method=config.start_method,
-        window_s=args.straggler_window,
-        on_failure=_save_on_failure(node_job),
-        chaos_file=chaos_file,
-        precheck=PrecheckConfig() if args.precheck else None,
-        slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
-        join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
-        zygote=warm,
-        storage_watch=storage_watch,
-    )
+
+    def new_agent() -> tuple[WorkerSpec, StalwartAgent]:
+        """A fresh rendezvous handler and agent: the first, and one per return from parking."""
+        spec = WorkerSpec(
+            role=config.role,
+            local_world_size=config.nproc_per_node,
+            entrypoint=cmd,
+            args=tuple(cmd_args),
+            rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+            max_restarts=UNBOUNDED,
+            monitor_interval=config.monitor_interval,
+            master_addr=master_addr,
+            master_port=master_port,
+            local_addr=config.local_addr,
+        )
+        agent = StalwartAgent(
+            spec,
+            logs_specs,
+            master=client,
+            node_id=node_id,
+            run_dir=run_dir,
+            hang_policy=policy,
+            start_method=config.start_method,
+            window_s=args.straggler_window,
+            on_failure=_save_on_failure(node_job),
+            chaos_file=chaos_file,
+            precheck=PrecheckConfig() if args.precheck else None,
+            slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
+            join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
+            zygote=warm,
+            storage_watch=storage_watch,
+        )
+        agent.notice = notice
+        return spec, agent
+
+    spec, agent = new_agent()
     exit_code, evicted, preempted = 0, None, None
     try:
         notice.arm()
-        agent.notice = notice
-        result = agent.run()
+        while True:
+            try:
+                result = agent.run()
+                break
+            except NodeParked as err:  # the autoscaler shrank the job: wait as a spare, out of the round
+                agent.leave_rendezvous()
+                print(f"stalwart run: node {node_id} parked as a spare: {err}", file=sys.stderr, flush=True)
+                if not park.wait_unparked(client, node_id, spec.rdzv_handler):
+                    result = None  # the job finished while this node was parked
+                    break
+                print(f"stalwart run: node {node_id} unparked: rejoining the job", file=sys.stderr, flush=True)
+                spec, agent = new_agent()
         if (missed := notice.missed()) is not None:
             raise missed
         if result is None:  # TorchElastic's graceful exit: the job closed the rendezvous while we waited
