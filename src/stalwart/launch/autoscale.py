@@ -13,11 +13,12 @@ in [MIN, MAX] the best set keeps the k fastest nodes; the recommendation is the 
 shortest predicted step (ties keep the current size). A size never observed is an extrapolation and is
 reported as one.
 
-With ``--autoscale on`` the master acts on a shrink through the eviction machinery (the slowest node
-leaves, the others regroup from the newest in-memory snapshot), with hysteresis: the same
-recommendation for ``confirm`` windows in a row, the predicted saving over ``horizon_s`` larger than
-``restart_cost_s``, and at most one action per ``cooldown_s``. Growth needs no action: TorchElastic
-admits a waiting spare at the next membership change while the job is below MAX.
+With ``--autoscale on`` the master acts, one node per action: a shrink parks the slowest node the
+best size drops (it steps out of the rendezvous and waits as a spare: ``park``; the others regroup from
+the newest snapshot), a grow unparks the fastest parked node the best size adds (judged by its last
+window). Hysteresis: the same recommendation for ``confirm`` windows in a row, the predicted saving
+over ``horizon_s`` larger than ``restart_cost_s``, and at most one action per ``cooldown_s``. Spares
+waiting at the rendezvous need no action: TorchElastic admits them at the next membership change.
 """
 
 from __future__ import annotations
@@ -203,8 +204,8 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
         choices=MODES,
         default="recommend",
         help="recommend a node count within --nnodes MIN:MAX from the nodes' measured compute and step "
-        "times (status, /metrics); `on` also shrinks the job (the slowest node leaves) when the model "
-        "says fewer nodes train faster; off: neither (default recommend)",
+        "times (status, /metrics); `on` also acts: parks the slowest node (it waits as a spare) when fewer "
+        "nodes train faster and unparks it when more do; off: neither (default recommend)",
     )
     parser.add_argument(
         "--autoscale-restart-cost",
