@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from recovery import read_log  # benchmarks/ is the script's directory: on sys.path
 
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.client import MasterClient
@@ -87,16 +88,7 @@ def env() -> dict[str, str]:
 
 
 def rank0_steps(work: Path) -> list[dict[str, Any]]:
-    path = work / "log" / "rank0.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-    return rows
+    return read_log(work / "log" / "rank0.jsonl")
 
 
 def worker_pids_by_rank(work: Path) -> dict[int, int]:

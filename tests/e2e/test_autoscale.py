@@ -24,23 +24,14 @@ from stalwart.launch.journal import Journal
 
 from .test_elastic import lose_node, start_master, start_node
 from .test_master import TOKEN
-from .test_spares import joined, wait_for
+from .test_spares import SCRIPT_HEADER, joined, wait_for
 
 pytestmark = pytest.mark.e2e
 STEPS, BATCH, LR = 120, 12, 0.05
 
-REGRESSION = """
-import argparse, json, os, time
-from pathlib import Path
-import torch, torch.distributed as dist
-from stalwart import report
-
-p = argparse.ArgumentParser()
-p.add_argument("--out", type=Path, required=True)
-p.add_argument("--steps", type=int, required=True)
-args = p.parse_args()
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
+REGRESSION = (
+    SCRIPT_HEADER
+    + """
 rank, world = dist.get_rank(), dist.get_world_size()
 g = torch.Generator().manual_seed(0)
 X = torch.randn(BATCH, 16, generator=g, dtype=torch.float64)
@@ -72,6 +63,7 @@ while state["step"] < args.steps:
     report(state["step"], loss=loss, compute_s=compute_s)
     time.sleep(0.02)
 """.replace("BATCH", str(BATCH)).replace("LR", repr(LR))
+)
 
 
 def reference_losses() -> dict[int, float]:

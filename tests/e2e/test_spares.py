@@ -172,7 +172,8 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
     assert all(p["ok"] and p["seconds"] < 2.0 for ps in prechecks.values() for p in ps), prechecks
 
 
-WORK = """
+# The start of the small gloo scripts these tests run (--out DIR --steps N, one thread, a process group).
+SCRIPT_HEADER = """
 import argparse, json, os, time
 from pathlib import Path
 import torch, torch.distributed as dist
@@ -184,6 +185,10 @@ p.add_argument("--steps", type=int, required=True)
 args = p.parse_args()
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
+"""
+WORK = (
+    SCRIPT_HEADER
+    + """
 state_file = args.out / "state.json"  # rank 0 saves every step, so a regrouped job resumes exactly
 state = json.loads(state_file.read_text()) if state_file.exists() else {"step": 0, "x": 0.0}
 w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 12
@@ -205,6 +210,7 @@ while state["step"] < args.steps:
     report(state["step"], compute_s=compute_s)
     time.sleep(0.05)
 """
+)
 
 
 def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place(tmp_path):
