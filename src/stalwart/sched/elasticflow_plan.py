@@ -5,6 +5,7 @@ hopeless jobs up front instead of letting them eat GPUs and miss anyway."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +17,21 @@ _EPS = 1e-9
 
 class Profile:
     """Free GPUs over time: segment ``i`` is ``[t[i], t[i+1])`` with ``free[i]`` GPUs; the last one is
-    open-ended (everything planned has ended by then)."""
+    open-ended (everything planned has ended by then). With ``slot`` > 0 a reservation holds its GPUs
+    until the next multiple of ``slot`` after ``now`` (ElasticFlow plans on its scheduling-slot grid,
+    so a job finishing mid-slot keeps its GPUs to the slot's end in the plan)."""
 
-    def __init__(self, now: float, gpus: int) -> None:
+    def __init__(self, now: float, gpus: int, slot: float = 0.0) -> None:
         self.t = np.array([now], dtype=np.float64)
         self.free = np.array([gpus], dtype=np.int64)
+        self.slot = slot
+
+    def hold(self, finish: float) -> float:
+        """Until when a reservation that finishes at ``finish`` keeps its GPUs."""
+        if self.slot <= 0:
+            return finish
+        now = float(self.t[0])
+        return now + math.ceil((finish - now) / self.slot - 1e-9) * self.slot
 
     def split(self, x: float) -> int:
         """Make ``x`` a breakpoint; return its index (``len`` never, since x > now)."""
@@ -35,7 +46,7 @@ class Profile:
 @dataclass
 class Plan:
     """A job's reservation: ``alloc_now`` GPUs from now, ``finish`` its planned end, ``change`` the first
-    later time its planned allocation differs (a reason to reschedule then)."""
+    later time its planned allocation differs (a reason to reschedule then; inf if none)."""
 
     feasible: bool
     alloc_now: int
@@ -94,12 +105,11 @@ def _reserve(
     before = float(done[f - 1]) if f > 0 else 0.0
     rate = float(sc.rate[seg_alloc[f]])
     finish = float(prof.t[f]) + max(0.0, iters - before) / rate
-    end = prof.split(finish) if f + 1 >= len(prof.t) or finish < prof.t[f + 1] else f + 1
-    n = min(end, len(seg_alloc))
-    prof.free[:n] -= seg_alloc[:n]
-    if end > len(seg_alloc):  # the split added a segment inside the last planned one
-        prof.free[len(seg_alloc) : end] -= seg_alloc[-1]
+    end = prof.split(prof.hold(finish))
+    prof.free[:f] -= seg_alloc[:f]
+    # the last level runs to the finish (and, on a slot grid, on to the hold time)
+    prof.free[f:end] -= np.minimum(seg_alloc[f], prof.free[f:end])
     first = int(seg_alloc[0])
-    diff = np.nonzero(seg_alloc[:n] != first)[0]
-    change = float(prof.t[diff[0]]) if len(diff) else finish
+    diff = np.nonzero(seg_alloc[: f + 1] != first)[0]
+    change = float(prof.t[diff[0]]) if len(diff) else math.inf
     return Plan(feasible, first, finish, change)

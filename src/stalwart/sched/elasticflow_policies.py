@@ -15,6 +15,7 @@ import heapq
 import math
 from pathlib import Path
 
+from stalwart.sched.elasticflow_place import GPUS_PER_NODE, Placement, switches_for
 from stalwart.sched.elasticflow_plan import Profile, plan_job, plan_late
 from stalwart.sched.elasticflow_trace import Scaling, TraceJob, elastic_cap, fixed_cap, scaling
 
@@ -38,6 +39,7 @@ class SimJob:
         "left",
         "overhead",
         "queue",
+        "real_end",
         "reallocations",
         "row",
         "sc",
@@ -49,7 +51,7 @@ class SimJob:
         self.left = row.iterations
         self.alloc = 0
         self.overhead = 0.0
-        self.eta = math.inf
+        self.eta = self.real_end = math.inf
         self.finish: float | None = None
         self.dropped = self.admitted = self.started = False
         self.gpu_seconds = self.attained = 0.0
@@ -59,12 +61,14 @@ class SimJob:
 
 
 class Policy:
-    """Base: subclasses set allocations (``job.alloc``) and overheads in ``schedule``."""
+    """Base: subclasses set allocations (``job.alloc``) and overheads in ``schedule``. ``event_ends``
+    selects ElasticFlow's completion accounting (see elasticflow_sim)."""
+
+    event_ends = False
 
     def __init__(self, gpus: int, data_root: Path, restart_cost_s: float) -> None:
         self.gpus, self.data_root, self.restart_cost_s = gpus, data_root, restart_cost_s
         self.big = gpus >= 256  # ElasticFlow's overhead model is larger on big clusters
-        self.miss_every_round = False
 
     def prepare(self, job: SimJob) -> None:
         row = job.row
@@ -86,15 +90,13 @@ class Policy:
         next time this policy wants a round even if nothing arrives or ends (inf if none)."""
         raise NotImplementedError
 
-    def ef_overhead(self, job: SimJob, changed: bool, rnd: int) -> float:
+    def ef_overhead(self, job: SimJob, miss: bool, rnd: int) -> float:
         """ElasticFlow's simulated per-round scaling overhead (utils.estimate_overhead) for a running
-        job: a fixed cost, plus 2 s * (log2(GPUs) + 1) when its communicator is not cached, plus a
-        restart every ``RESTART_EVERY`` rounds (the cache is cleared then, so the next round misses).
-        We count a miss when the job's own allocation changed (``miss_every_round`` charges it every
-        round instead: ElasticFlow keys the cache by the job's rank string in the whole-cluster layout,
-        which other jobs shift; the truth lies in between, and Fig. 8b is sensitive to it)."""
+        job: a fixed cost, plus 2 s * (log2(GPUs) + 1) when its rank range is not in the communicator
+        cache (see elasticflow_place), plus a trainer restart when that miss falls on a restart round
+        (every ``RESTART_EVERY`` rounds; the cache is emptied right after)."""
         cost = 7.0 if self.big else 2.0
-        if changed or self.miss_every_round or (rnd > 0 and rnd % RESTART_EVERY == 1):
+        if miss:
             cost += (math.log2(job.alloc) + 1) * 2
             if rnd > 0 and rnd % RESTART_EVERY == 0:
                 cost += 47.0 if self.big else 27.0
@@ -116,6 +118,12 @@ class ElasticFlow(Policy):
 
     per_job_admission = False
     margin_restarts = 0.0
+    plan_slot = 60.0  # ElasticFlow's planning grid (its scheduling slot)
+    event_ends = True
+
+    def __init__(self, gpus: int, data_root: Path, restart_cost_s: float) -> None:
+        super().__init__(gpus, data_root, restart_cost_s)
+        self.placement = Placement(gpus, switches_for(gpus)) if gpus % GPUS_PER_NODE == 0 else None
 
     def cap(self, row: TraceJob) -> int:
         return elastic_cap(row.model, row.batch_size)
@@ -144,18 +152,30 @@ class ElasticFlow(Policy):
         assert plans is not None
         allocs, free, wake = plans
         self._fill(admitted, allocs, free)
+        changed = {job.idx: self._set(job, allocs[job.idx]) for job in admitted}
+        misses = self._misses(admitted, changed, rnd)
         for job in admitted:
-            old = job.alloc
-            changed = self._set(job, allocs[job.idx])
-            job.overhead = self._overhead(job, old, changed, rnd) if job.alloc > 0 else 0.0
+            job.overhead = self._overhead(job, misses[job.idx], rnd) if job.alloc > 0 else 0.0
         return wake
+
+    def _misses(self, admitted: list[SimJob], changed: dict[int, bool], rnd: int) -> dict[int, bool]:
+        """Which running jobs miss ElasticFlow's communicator cache this round: re-place the cluster
+        (release in deadline order, place by GPU count, largest first, ties in deadline order)."""
+        if self.placement is None:  # not whole nodes: fall back to misses on reallocation
+            return changed
+        by_ddl = sorted(admitted, key=lambda j: (j.row.deadline, j.idx))
+        order = sorted((j for j in by_ddl if j.alloc > 0), key=lambda j: -j.alloc)
+        hits = self.placement.round([j.idx for j in by_ddl], [(j.idx, j.alloc) for j in order])
+        if rnd > 0 and rnd % RESTART_EVERY == 0:
+            self.placement.restart()
+        return {j.idx: not hits.get(j.idx, True) for j in admitted}
 
     def _plan(
         self, t: float, jobs: list[SimJob], *, only_feasible: bool = False
     ) -> tuple[dict[int, int], int, float] | None:
         """Plan ``jobs`` in deadline order from an empty cluster at ``t``: their GPUs now, the GPUs
         left free now, and the first time a plan changes. None if ``only_feasible`` and one is late."""
-        prof = Profile(t, self.gpus)
+        prof = Profile(t, self.gpus, self.plan_slot)
         allocs: dict[int, int] = {}
         wake = math.inf
         late: list[SimJob] = []
@@ -210,8 +230,8 @@ class ElasticFlow(Policy):
                 return int(g)
         return cur
 
-    def _overhead(self, job: SimJob, old: int, changed: bool, rnd: int) -> float:
-        return self.ef_overhead(job, changed, rnd)
+    def _overhead(self, job: SimJob, miss: bool, rnd: int) -> float:
+        return self.ef_overhead(job, miss, rnd)
 
 
 class Stalwart(ElasticFlow):
@@ -221,6 +241,8 @@ class Stalwart(ElasticFlow):
 
     per_job_admission = True
     margin_restarts = 2.0
+    plan_slot = 0.0
+    event_ends = False
 
     def _fill(self, jobs: list[SimJob], allocs: dict[int, int], free: int) -> None:
         for job in sorted(jobs, key=lambda j: (j.row.deadline, j.idx)):  # keep what it had if possible
@@ -235,8 +257,11 @@ class Stalwart(ElasticFlow):
             return math.inf
         return (self.rate(job, nxt) - self.rate(job, cur)) / (nxt - cur) / max(job.left, 1.0)
 
-    def _overhead(self, job: SimJob, old: int, changed: bool, rnd: int) -> float:
-        return self.restart_cost_s if changed else 0.0
+    def _misses(self, admitted: list[SimJob], changed: dict[int, bool], rnd: int) -> dict[int, bool]:
+        return changed  # we pay our restart cost exactly when a job's allocation changes
+
+    def _overhead(self, job: SimJob, miss: bool, rnd: int) -> float:
+        return self.restart_cost_s if miss else 0.0
 
 
 class EDF(Policy):

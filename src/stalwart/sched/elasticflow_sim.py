@@ -3,7 +3,16 @@
 Time advances in scheduling rounds: a round happens at an arrival, a completion or a time a policy
 asked to be woken at, but never sooner than ``SLOT`` seconds after the previous one (ElasticFlow's
 simulator batches events the same way, scheduling_slot=60). Within a round every job's GPU count is
-fixed; a job progresses at its profiled throughput after paying the round's overhead (restart cost)."""
+fixed; a job progresses at its profiled throughput after paying the round's overhead (restart cost).
+
+Policies with ``event_ends`` (the ElasticFlow baseline) are accounted as ElasticFlow's own simulator
+accounts them: a round's run time is capped at the job's planned end (``ceil(work left / rate)``)
+*before* the overhead is taken off, and a job leaves only when its end event fires, at that planned
+end rounded up to the slot plus the overhead, and only if no other event comes first; its recorded
+finish (for the deadline) is the planned end of the round in which it left. So a job near its end
+stalls while events keep arriving, holding its GPUs (and, if late, blocking admission). One departure:
+a stalled job also leaves when the only earlier event was a policy wake-up (a planned rescaling),
+which in ElasticFlow can postpone it indefinitely when the wake-up is itself waiting for its GPUs."""
 
 from __future__ import annotations
 
@@ -78,12 +87,18 @@ def _run(jobs: list[SimJob], sched: Policy, gpus: int, progress: Progress | None
         used = sum(j.alloc for j in active)
         if used > gpus:
             raise AssertionError(f"policy {type(sched).__name__} allocated {used} > {gpus} GPUs at t={t}")
-        horizon = min(wake, jobs[nxt].row.submit if nxt < len(jobs) else math.inf)
+        horizon = jobs[nxt].row.submit if nxt < len(jobs) else math.inf
         for j in active:
             if j.alloc > 0:
                 rate = sched.rate(j, j.alloc)
-                j.eta = t + j.overhead + j.left / rate
+                if sched.event_ends:
+                    j.real_end = t + max(0, math.ceil(j.left / rate - 1e-9))
+                    j.eta = t + math.ceil((j.real_end - t) / SLOT) * SLOT + j.overhead
+                else:
+                    j.eta = j.real_end = t + j.overhead + j.left / rate
                 horizon = min(horizon, j.eta)
+        events = max(t + SLOT, horizon)  # the next arrival or end event
+        horizon = min(horizon, wake)
         if math.isinf(horizon):
             if not active:
                 break
@@ -93,10 +108,13 @@ def _run(jobs: list[SimJob], sched: Policy, gpus: int, progress: Progress | None
         still: list[SimJob] = []
         for j in active:
             if j.alloc > 0:
-                run = t_next - t - j.overhead
+                run = min(t_next, j.real_end) - t - j.overhead if sched.event_ends else t_next - t - j.overhead
                 j.gpu_seconds += j.alloc * min(t_next - t, j.eta - t)
-                if j.eta <= t_next:
-                    j.finish, j.left = j.eta, 0.0
+                # a job that cannot progress any more (work left < overhead) still leaves if only a
+                # policy wake-up came before its end event: else two plans can postpone each other forever
+                stalled = sched.event_ends and j.real_end - t <= j.overhead and j.eta <= events
+                if j.eta <= t_next or stalled:
+                    j.finish, j.left = j.real_end, 0.0
                     done += 1
                     continue
                 if run > 0:

@@ -149,9 +149,9 @@ def elastic_cap(model: str, batch: int) -> int:
     caps |= {("inception3", 128): 32, ("resnet50", 64): 32, ("vgg16", 64): 32}
     if model == "deepspeech2":
         return batch
-    if model == "bert":
-        return 16
-    return caps.get((model, batch), min(batch, 64))
+    if (model, batch) in caps:
+        return caps[(model, batch)]
+    return 16 if model == "bert" else min(batch, 64)
 
 
 def fixed_cap(batch: int) -> int:
