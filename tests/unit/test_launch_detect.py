@@ -300,6 +300,22 @@ def test_heartbeats_scale_with_the_job_jitter_and_back_off():
     from stalwart.launch.master_state import heartbeat_interval
 
     assert [heartbeat_interval(n) for n in (1, 1000, 2048, 10_000, 100_000)] == [1.0, 1.0, 2.048, 10.0, 10.0]
+    import tempfile
+    from pathlib import Path
+
+    from stalwart.launch.journal import Journal
+    from stalwart.launch.master_state import MasterState
+
+    with tempfile.TemporaryDirectory() as tmp:
+        state = MasterState(Journal(Path(tmp) / "j.sqlite"), "job", 1, 30.0)
+        for i in range(1500):
+            state.journal.join(f"n{i}", "h", 1, {})
+
+        def every_row() -> list:
+            raise AssertionError("a join must not decode every node (2,000 joins × 2,000 rows stalled the master)")
+
+        state.journal.nodes = every_row  # type: ignore[method-assign]
+        assert state.join({"node_id": "late", "host": "h", "nproc": 1})["heartbeat_s"] == 1.501
     down = FakeMaster(OSError("connection refused"))
     beat = Heartbeat(down, "n1", NodeStatus(), 1, lambda: "HEALTHY", interval_s=2.0)  # type: ignore[arg-type]
     waits = [beat.next_wait() for _ in range(200)]

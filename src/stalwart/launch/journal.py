@@ -105,6 +105,10 @@ class Journal:
     def set_node_state(self, node_id: str, state: str) -> None:
         self._write("UPDATE nodes SET state = ? WHERE node_id = ?", (state, node_id))
 
+    def node_count(self) -> int:
+        """How many nodes joined (cheap: no rows decoded; a join asks it to scale heartbeats)."""
+        return int(self._read("SELECT COUNT(*) AS n FROM nodes")[0]["n"])
+
     def nodes(self) -> list[dict[str, Any]]:
         rows = self._read("SELECT * FROM nodes ORDER BY node_id")
         for row in rows:

@@ -85,7 +85,7 @@ class MasterState:
             _field(body, "info", dict, required=False) or {},
         )
         self.journal.set(f"evicted.{node_id}", None)  # a node that comes back (repaired) is welcome again
-        return {"job_id": self.job_id, "heartbeat_s": heartbeat_interval(len(self.journal.nodes()))}
+        return {"job_id": self.job_id, "heartbeat_s": heartbeat_interval(self.journal.node_count())}
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         node_id = _field(body, "node_id", str)
