@@ -45,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ramp-s", type=float, default=10.0, help="agents start spread over this (default 10)")
     p.add_argument("--target", choices=("master", "baseline", "both"), default="both")
     p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=1.0,
+        help="seconds between an agent's beats (default 1; the master tells a job of N nodes max(1, N/1000) s)",
+    )
+    p.add_argument(
         "--restart-master-at",
         type=float,
         help="restart the master this many seconds into the heartbeat phase, on the same journal and "
@@ -110,6 +116,7 @@ async def post(port: int, path: str, body: dict[str, Any]) -> int:
         writer.close()
 
 
+HEARTBEAT_S = [1.0]  # the agents' interval (--heartbeat-s)
 answered: list[float] = []  # monotonic times of answered heartbeats (the restart's gap is read from them)
 
 
@@ -137,7 +144,7 @@ async def agent(
     if not await join(port, node, errors):
         return
     until = time.monotonic() + seconds
-    await asyncio.sleep(random.random())
+    await asyncio.sleep(random.random() * HEARTBEAT_S[0])
     body = {"node_id": node, "progress": {"step": 0}}
     while time.monotonic() < until:
         t0 = time.monotonic()
@@ -150,7 +157,7 @@ async def agent(
                 errors.append((time.monotonic(), f"status {status}"))
         except Exception as err:
             errors.append((time.monotonic(), type(err).__name__))
-        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+        await asyncio.sleep(max(0.0, HEARTBEAT_S[0] - (time.monotonic() - t0)))
 
 
 def rss_mib(pid: int) -> float:
@@ -195,7 +202,7 @@ async def load(
     out: dict[str, Any] = {
         "agents": n,
         "heartbeats_per_s": len(lat) / seconds,
-        "offered_per_s": n,
+        "offered_per_s": n / HEARTBEAT_S[0],
         "errors": sum(1 for _, e in errors if not e.startswith("join")),
         "join_errors": sum(1 for _, e in errors if e.startswith("join")),
         "error_kinds": kinds,
@@ -248,6 +255,7 @@ def measure(target: str, n: int, seconds: float, ramp_s: float, restart_at: floa
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     random.seed(0)
+    HEARTBEAT_S[0] = args.heartbeat_s
     targets = ["master", "baseline"] if args.target == "both" else [args.target]
     rows = [measure(t, n, args.seconds, args.ramp_s, args.restart_master_at) for n in args.agents for t in targets]
     result = {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "seconds": args.seconds, "rows": rows}
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(
                 f"{r['target']:9s} N={r['agents']:6d} {r['heartbeats_per_s']:7.0f}/s answered "
-                f"(offered {r['offered_per_s']}/s)  errors {r['errors']:6d} (joins {r['join_errors']})  "
+                f"(offered {r['offered_per_s']:.0f}/s)  errors {r['errors']:6d} (joins {r['join_errors']})  "
                 f"p50 {r['p50_ms'] or 0:7.1f} ms  "
                 f"p99 {r['p99_ms'] or 0:7.1f} ms  RSS {r['rss_mib_peak']:6.0f} MiB  {r['error_kinds']}"
             )
