@@ -323,6 +323,7 @@ class Checkpointer:
         if not self.persisting:
             return
         status = read_json(self.paths.keeper_status) or {}
+        self.storage_news.tell(status.get("storage"))  # a recovery since the last step's check is said too
         if int(status.get("last_committed", -1)) >= step or self._storage_has(step):
             return  # (restored from storage at the final step: the keeper may not have looked yet)
         if all(s.step != step for s in complete_slots(self.paths, self.rank)):
