@@ -1,7 +1,8 @@
 """How fast does a 3-node job train again after a whole node dies? stalwart run with a spare waiting,
-against torchrun relaunching the lost node, in one run (issue 16, item 2).
+against torchrun relaunching the lost node, in one run (issue 16, items 1 and 2).
 
-    python benchmarks/node_loss.py [--json] [--repeats 1] [--parallel ddp,fsdp] [--configs stalwart,torchrun]
+    python benchmarks/node_loss.py [--json] [--repeats 1] [--parallel ddp,fsdp]
+                                   [--configs stalwart,stalwart-noreplica,torchrun]
 
 The job is ``benchmarks/recovery_job.py`` (a 4-layer GPT, one rank per node, DDP or FSDP2 over gloo)
 on 3 nodes — agents on this host, as `stalwart run`'s tests run them. Once rank 0 has logged step
@@ -10,7 +11,10 @@ workers, keeper) and its shared memory removed: a dead host.
 
 ``stalwart``  a master serving the rendezvous store (`stalwart master --rdzv-port`), 4 agents
               (`stalwart run --nnodes 3:3`: the 4th waits as a spare), flash checkpoints (memory every
-              step, persisted every ``--persist-every`` steps). The survivors regroup with the spare.
+              step, persisted every ``--persist-every`` steps), each node's snapshot copied into one
+              peer's memory (`--replicas 1`, the default). The survivors regroup with the spare and
+              restore the lost node's ranks from a peer's memory.
+``stalwart-noreplica``  the same with `--replicas 0`: the lost node's state comes from storage.
 ``torchrun``  3 `torchrun --nnodes 3` agents (c10d rendezvous hosted by the first), synchronous DCP
               every ``--dcp-every`` steps; the lost node is relaunched at once (an operator with zero
               delay: torchrun's best case) and the survivors' agents restart their workers.
@@ -43,12 +47,13 @@ from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.client import MasterClient
 
 JOB = Path(__file__).resolve().parent / "recovery_job.py"
+CONFIGS = ("stalwart", "stalwart-noreplica", "torchrun")
 TOKEN = "node-loss-benchmark"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="stalwart,torchrun")
+    p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--parallel", default="ddp,fsdp", help="ddp, fsdp or both (comma-separated)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--steps", type=int, default=120)
@@ -130,7 +135,7 @@ def agent_of(worker_pid: int, agents: dict[str, subprocess.Popen]) -> str | None
     return next((name for name, proc in agents.items() if proc.pid in parents), None)
 
 
-def run_stalwart(work: Path, args: argparse.Namespace, parallel: str) -> dict[str, Any]:
+def run_stalwart(work: Path, args: argparse.Namespace, parallel: str, replicas: int = 1) -> dict[str, Any]:
     job = f"nodeloss-{uuid.uuid4().hex[:8]}"
     ready = work / "master.json"
     cmd = [sys.executable, "-m", "stalwart", "master", "--db", str(work / "journal.sqlite"), "--port", "0"]
@@ -150,6 +155,7 @@ def run_stalwart(work: Path, args: argparse.Namespace, parallel: str) -> dict[st
             cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "3:3", "--nproc-per-node", "1"]
             cmd += ["--rdzv-backend", "c10d", "--rdzv-id", job, "--master", address, "--job-token", TOKEN]
             cmd += ["--node-id", f"node{n}", "--max-restarts", "3", "--run-dir", str(work / f"run{n}")]
+            cmd += ["--replicas", str(replicas)]
             cmd += ["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else []
             agents[f"node{n}"] = subprocess.Popen(
                 cmd + job_args(work, args, parallel, "flash"),
@@ -229,6 +235,8 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
     newest = max(before, default=0)
     resumed = starts[-1]["resume_step"] if starts else None
     regain = next((r["t"] for r in after if r["step"] > newest), None)
+    # median step time before the kill: what replication costs a step (against stalwart-noreplica)
+    dts = [r["dt"] for r in rows if r.get("ev") == "step" and r["t"] < t_kill and r["step"] > 5]
     return {
         "ok": all(rc == 0 for rc in run["rcs"].values()) and bool(after) and after[-1]["step"] > newest,
         "exit_codes": run["rcs"],
@@ -240,6 +248,7 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
         "back_s": round(after[0]["t"] - t_kill, 3) if after else None,
         "regain_s": round(regain - t_kill, 3) if regain else None,
         "final_step": max((r["step"] for r in after), default=None),
+        "step_s": round(statistics.median(dts), 4) if dts else None,
     }
 
 
@@ -247,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     parallels = [p for p in args.parallel.split(",") if p]
-    if set(configs) - {"stalwart", "torchrun"} or set(parallels) - {"ddp", "fsdp"} or not configs or not parallels:
-        raise SystemExit("--configs takes stalwart,torchrun and --parallel ddp,fsdp")
+    if set(configs) - set(CONFIGS) or set(parallels) - {"ddp", "fsdp"} or not configs or not parallels:
+        raise SystemExit(f"--configs takes {','.join(CONFIGS)} and --parallel ddp,fsdp")
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="node-loss-") as tmp_dir:
         tmp = args.work or tmp_dir
@@ -258,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                 for config in configs:
                     work = Path(tmp) / f"{config}-{parallel}-{rep}"
                     work.mkdir()
-                    run = (run_stalwart if config == "stalwart" else run_torchrun)(work, args, parallel)
+                    if config == "torchrun":
+                        run = run_torchrun(work, args, parallel)
+                    else:
+                        run = run_stalwart(work, args, parallel, replicas=0 if config == "stalwart-noreplica" else 1)
                     row = analyse(work, run)
                     runs.setdefault(f"{config}/{parallel}", []).append(row)
                     if not args.json:
@@ -271,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             "back_s": _median([r["back_s"] for r in good]),
             "regain_s": _median([r["regain_s"] for r in good]),
             "lost_steps": _median([r["lost_steps"] for r in good]),
+            "step_s": _median([r["step_s"] for r in good]),
+            "sources": sorted({str(r["source"]) for r in good}),
         }
     for parallel in parallels:
         ours, theirs = summary.get(f"stalwart/{parallel}"), summary.get(f"torchrun/{parallel}")

@@ -4,8 +4,9 @@ Agents ("nodes") on this host, each `stalwart run --precheck`:
   - with the debug trainer: node0, node1 and node2 start together; two form the round, the third
     waits as a spare. node3 starts with them but its burn-in computes NaN (chaos ``nan:at=precheck``):
     its precheck fails, the master evicts it, it exits 3 and never joins. A member dies as a whole
-    node (agent, worker, keeper, shared memory) and the spare takes its place. The job ends at world
-    size 2 with the same weights as a fault-free 2-rank run (bitwise hashes).
+    node (agent, worker, keeper, shared memory) and the spare takes its place, restoring the lost rank's
+    state from the copy in the survivor's memory. The job ends at world size 2 with the same weights
+    as a fault-free 2-rank run (bitwise hashes).
   - with a small script whose compute is fixed work: node1 is a straggler (chaos
     ``slow:at=node:factor=10``: its agent stops and continues its workers); once spare node2 waits,
     the master evicts it (``--straggler-policy evict``), it leaves (exit 3), and node0 regroups with
@@ -87,6 +88,30 @@ def committed_at_world_2(storage: Storage) -> bool:
     return bool(latest) and (storage.manifest(latest) or {}).get("world_size") == 2
 
 
+def stop_job(
+    nodes: dict[int, subprocess.Popen], job: str, reference: subprocess.Popen, master: subprocess.Popen
+) -> None:
+    """Whatever still runs: nodes die as hosts do (shared memory too), then the reference and the master."""
+    for n, p in nodes.items():
+        if p.poll() is None:
+            lose_node(p, job, n)
+    if reference.poll() is None:
+        reference.kill()
+    master.terminate()
+    master.wait(10)
+
+
+def same_as_reference(tmp_path: Path, steps: int) -> dict:
+    """The job's summary, checked against the fault-free reference run's: world size 2, every step and
+    sample, bitwise the same weights and optimizer state."""
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    expected = json.loads((tmp_path / "reference" / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == steps
+    assert (summary["final_hash"], summary["optim_hash"]) == (expected["final_hash"], expected["optim_hash"])
+    assert summary["samples_consumed"] == steps * test_elastic.BATCH
+    return summary
+
+
 def reference_run(tmp_path: Path, data: Path) -> subprocess.Popen:
     """The fault-free run at world size 2 (two local workers, same data, batch and steps)."""
     return subprocess.Popen(
@@ -138,21 +163,14 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
         assert "precheck failed" in (tmp_path / "node3.log").read_text()
         assert reference.wait(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
     finally:
-        for n, p in nodes.items():
-            if p.poll() is None:
-                lose_node(p, job, n)
-        if reference.poll() is None:
-            reference.kill()
-        master.terminate()
-        master.wait(10)
+        stop_job(nodes, job, reference, master)
 
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    expected = json.loads((tmp_path / "reference" / "out" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == STEPS
-    assert (summary["final_hash"], summary["optim_hash"]) == (expected["final_hash"], expected["optim_hash"])
-    assert summary["samples_consumed"] == STEPS * test_elastic.BATCH
-    ck = summary["checkpoint"]  # the last start: the survivor and the spare, from the 2-rank checkpoint
-    assert ck["restored_from"] == "storage" and ck["restore_step"] > 0, ck
+    summary = same_as_reference(tmp_path, STEPS)
+    # The last start: the survivor and the spare, from memory: the lost rank's snapshot was copied to the
+    # survivor's keeper (--replicas 1) and the spare fetched it from there (the world size is the same).
+    ck = summary["checkpoint"]
+    assert ck["restored_from"] == "memory" and ck["restore_step"] > 0, ck
+    assert "1 rank(s) fetched from peers' memory" in ck["restore_detail"], ck
     journal = Journal(tmp_path / "journal.sqlite")
     [evict] = [d for d in journal.decisions() if d["action"] == "evict"]
     assert evict["details"]["node_id"] == "node3" and evict["details"]["cause"] == "precheck"

@@ -172,6 +172,10 @@ def test_a_persist_given_up_for_a_lost_peer_is_no_storage_incident(tmp_path):
     assert (
         classify(TimeoutError("persist of step 9: rank 2's node stopped writing; its node is probably lost")) == "peer"
     )
+    # after a regroup the ranks moved: the node now holding rank 1 never had step 45 (the node-loss
+    # benchmark's console called it a "storage error")
+    moved = "persist of step 45 aborted by the coordinator: MissingSnapshot('rank 1 does not hold step 45: [])"
+    assert classify(RuntimeError(moved)) == "peer"
     incidents = tmp_path / "storage.incidents.jsonl"
     health = StorageHealth("file:///ckpt", incidents)
     assert health.failed("persist", 40, lost) == "peer"

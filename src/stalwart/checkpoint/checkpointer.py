@@ -38,8 +38,9 @@ from stalwart.checkpoint.durability import (
 )
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob, job_dir_for
+from stalwart.checkpoint.peer_restore import invalidate_replicas_after
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
-from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json
+from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots, read_json
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
@@ -176,7 +177,7 @@ class Checkpointer:
                     "a node loss, and nothing is written to %s",
                     self.storage.url,
                 )
-        self.writer = SnapshotWriter(self.paths, self.rank, self.world)
+        self.writer = SnapshotWriter(self.paths, self.rank, self.world, int(os.environ.get(ENV_SLOTS) or len(SLOTS)))
         self._bound: tuple[tuple[int, ...], TrainingState] | None = None
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
@@ -261,6 +262,7 @@ class Checkpointer:
         must never be paired with new ones). Returns 0, the step to start after."""
         for s in complete_slots(self.paths, self.rank):
             self.paths.slot(self.rank, s.slot, "json").unlink(missing_ok=True)
+        invalidate_replicas_after(self.paths, -1)  # and the peer copies on this host
         if self.rank == 0:
             log.warning(
                 "not resuming (resume disabled): starting at step 0; checkpoints written from now on "

@@ -21,6 +21,9 @@ from pathlib import Path
 from stalwart import runtime
 from stalwart.checkpoint.keeper import LOG_FORMAT, Keeper, log
 from stalwart.checkpoint.node_job import NodeJob
+from stalwart.checkpoint.peer_restore import FETCHED
+from stalwart.checkpoint.replicas import REPLICAS_DIR
+from stalwart.checkpoint.replicator import STATUS_FILE, ReplicaConfig, Replicator
 
 
 class StopRequest:
@@ -83,6 +86,21 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
     """Serve ``node``'s directory for as long as the agent runs: wait for workers to write job.json,
     keep their snapshots, start over when a job completes (its directory removed), until stopped."""
     log.info("keeper for %s, serving agent pid %d", node.root, stop.parent)
+    node.root.mkdir(parents=True, exist_ok=True)
+    config = ReplicaConfig.from_env()
+    replicator = Replicator(node, config) if config else None
+    try:
+        _serve_jobs(node, stop, poll_s, status_copy)
+    finally:
+        if replicator is not None:
+            replicator.stop()
+    leftover = {p.name for p in node.root.iterdir()} if node.root.is_dir() else set()
+    if leftover <= {"keeper.lock", "keeper.json", "job.lock", "persist.lock", STATUS_FILE, REPLICAS_DIR, FETCHED}:
+        shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
+    return 0
+
+
+def _serve_jobs(node: NodeJob, stop: StopRequest, poll_s: float, status_copy: Path | None) -> None:
     while not stop():
         node.root.mkdir(parents=True, exist_ok=True)
         job = node.job()
@@ -97,10 +115,6 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
             served = False
         if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
             time.sleep(1.0)
-    leftover = {p.name for p in node.root.iterdir()} if node.root.is_dir() else set()
-    if leftover <= {"keeper.lock", "keeper.json", "job.lock", "persist.lock"}:
-        shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

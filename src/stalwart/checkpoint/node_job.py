@@ -328,13 +328,14 @@ class NodeJob:
         parent: int | None = None,
         grace_s: float | None = None,
         status_copy: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
         it). With ``parent`` it serves the directory for as long as that process (the agent) lives;
         ``status_copy``: also keep its status there (it outlives the directory, for the job report)."""
         secure_job_dir(self.root)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        extra, env = env or {}, {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
         cmd = [sys.executable, "-m", "stalwart.checkpoint", str(self.root)]
         if parent is not None:
             cmd += ["--parent", str(parent)]
@@ -372,8 +373,8 @@ class KeeperProcess:
     """The agent's handle on its node's keeper, like its zygote's: started before the workers, stopped
     (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent."""
 
-    def __init__(self, job: NodeJob, log_path: Path, grace_s: float = 30.0) -> None:
-        self.job, self.log_path, self.grace_s = job, log_path, grace_s
+    def __init__(self, job: NodeJob, log_path: Path, grace_s: float = 30.0, env: dict[str, str] | None = None) -> None:
+        self.job, self.log_path, self.grace_s, self.env = job, log_path, grace_s, env or {}
         self.status_copy = log_path.parent / "keeper-status.json"  # the keeper's status, kept for the report
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -383,7 +384,7 @@ class KeeperProcess:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = self.job.spawn_keeper(
-            self.log_path, parent=os.getpid(), grace_s=self.grace_s, status_copy=self.status_copy
+            self.log_path, parent=os.getpid(), grace_s=self.grace_s, status_copy=self.status_copy, env=self.env
         )
         return self
 

@@ -1,7 +1,7 @@
-"""Pick and load the state to resume from, in order: a memory snapshot that every rank holds for the
-same step at the same world size → the newest committed checkpoint whose checksums verify → a fresh
-start. Every rank takes the same decision (one all-gather per question), and every skipped
-candidate is named in a warning.
+"""Pick and load the state to resume from, in order: a memory snapshot of one step held for every
+rank at the same world size (on its own host, or fetched from a peer's: ``peer_restore``) → the
+newest committed checkpoint whose checksums verify → a fresh start. Every rank takes the same
+decision (one all-gather per question), and every skipped candidate is named in a warning.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from stalwart._compat import checkpoint_reader, flatten_state_dict
+from stalwart.checkpoint import peer_restore
+from stalwart.checkpoint.peer_restore import Location
 from stalwart.checkpoint.shm import JobPaths, SlotInfo, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.state import RNG_KEY, TrainingState, local_tensor, set_path
@@ -101,14 +103,17 @@ def _layout_problem(view: SnapshotView, flat: dict[str, Any]) -> str | None:
     return None
 
 
-def _from_memory(paths: JobPaths, slot: SlotInfo, tstate: TrainingState, group: Any) -> str | None:
+def _from_memory(location: Location | None, problem: str | None, tstate: TrainingState, group: Any) -> str | None:
     """Load this rank's slot if every rank can; returns the reason when any rank cannot."""
     nested = tstate.state_dict(for_load=True)
     flat, mappings = flatten_state_dict(nested)
     view = None
     try:
-        view = SnapshotView(paths, slot)
-        problem = _layout_problem(view, flat)
+        if location is None or problem:
+            problem = problem or "no copy on this host"
+        else:
+            view = SnapshotView(*location)
+            problem = _layout_problem(view, flat)
     except (BlockingIOError, OSError, ValueError, RuntimeError) as err:
         problem = f"cannot open: {err}"
     problems = _gather(problem, group)
@@ -183,25 +188,30 @@ def restore_state(
     """Restore the newest usable state (at most ``max_step`` if given: a rollback)."""
     t0 = time.perf_counter()
     skipped: list[str] = []
-    mine = _my_slots(paths, rank, world, max_step)
-    common = set.intersection(*(set(steps) for steps in _gather(sorted(mine), group)))
+    copies = peer_restore.host_copies(paths, world, max_step) if paths else {}
+    tables = _gather(peer_restore.held(copies), group)
+    common = peer_restore.agreed_steps(tables, world)
     committed = _gather(storage.committed() if storage and rank == 0 else [], group)[0]
     committed = [s for s in committed if max_step is None or s <= max_step]
     mem_step = max(common) if common else None
-    if paths and not common and any(_gather(bool(mine), group)):
-        skipped.append("memory: no snapshot step held by all ranks at this world size")
+    if paths and not common and any(tables):
+        held = peer_restore.describe(tables, world)
+        skipped.append(f"memory: no snapshot step held for every rank at this world size ({held})")
 
     tried_memory = mem_step is not None and (not committed or mem_step >= committed[0])
     if tried_memory:
         assert paths is not None and mem_step is not None
-        problem = _from_memory(paths, mine[mem_step], tstate, group)
+        location, problem, fetched = peer_restore.obtain(paths, copies, tables, mem_step, rank, world, group)
+        problem = _from_memory(location, problem, tstate, group)
+        peer_restore.clear_fetched(paths)
         if problem is None:
             _invalidate_after(paths, rank, mem_step)
+            where = f"; {fetched} rank(s) fetched from peers' memory" if fetched else ""
             return RestoreInfo(
                 "memory",
                 mem_step,
                 time.perf_counter() - t0,
-                f"shared-memory snapshot of step {mem_step} held by all {world} ranks",
+                f"shared-memory snapshot of step {mem_step} held for all {world} ranks{where}",
                 skipped,
             )
         skipped.append(f"memory step {mem_step}: {problem}")
@@ -241,8 +251,9 @@ def restore_state(
 
 
 def _invalidate_after(paths: JobPaths, rank: int, step: int) -> None:
-    """Forget this rank's snapshots beyond the resumed step: they belong to another trajectory and
-    must never be paired with another rank's snapshot of the same step later."""
+    """Forget this rank's snapshots beyond the resumed step, and the peer replicas on this host: they
+    belong to another trajectory and must never be paired with another rank's snapshot of the same step."""
     for s in complete_slots(paths, rank):
         if s.step > step:
             paths.slot(rank, s.slot, "json").unlink(missing_ok=True)
+    peer_restore.invalidate_replicas_after(paths, step)

@@ -20,6 +20,8 @@ from typing import Any
 
 FORMAT = 1  # slot header format
 SLOTS = (0, 1)  # double-buffered: a snapshot is written into the slot not holding the newest one
+MAX_SLOTS = 3  # a third slot under peer replicas: copies that trail by two steps still meet a survivor's
+ENV_SLOTS = "STALWART_SNAPSHOT_SLOTS"  # set by `stalwart run --replicas K` for its workers
 
 
 class ShmPermissionError(RuntimeError):
@@ -213,7 +215,7 @@ def read_header(path: Path) -> dict[str, Any] | None:
 def complete_slots(paths: JobPaths, rank: int) -> list[SlotInfo]:
     """This rank's complete snapshots, newest first."""
     found = []
-    for slot in SLOTS:
+    for slot in range(MAX_SLOTS):
         header = read_header(paths.slot(rank, slot, "json"))
         if header and header.get("format") == FORMAT and header.get("rank") == rank:
             found.append(SlotInfo(rank, slot, header))

@@ -38,7 +38,16 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from stalwart import chaos
 from stalwart.checkpoint.hparams import dcp_hyperparameters
-from stalwart.checkpoint.shm import FORMAT, SLOTS, JobPaths, SlotInfo, atomic_write, complete_slots, read_json
+from stalwart.checkpoint.shm import (
+    FORMAT,
+    MAX_SLOTS,
+    SLOTS,
+    JobPaths,
+    SlotInfo,
+    atomic_write,
+    complete_slots,
+    read_json,
+)
 from stalwart.checkpoint.state import Captured
 
 log = logging.getLogger("stalwart.checkpoint")
@@ -235,10 +244,12 @@ class _Slot:
 class SnapshotWriter:
     """Writes this rank's snapshots, alternating slots; one copy in flight at a time."""
 
-    def __init__(self, paths: JobPaths, rank: int, world_size: int) -> None:
+    def __init__(self, paths: JobPaths, rank: int, world_size: int, slots: int = len(SLOTS)) -> None:
+        if not len(SLOTS) <= slots <= MAX_SLOTS:
+            raise ValueError(f"memory snapshots take {len(SLOTS)} to {MAX_SLOTS} slots per rank, not {slots}")
         self.paths, self.rank, self.world_size = paths, rank, world_size
         paths.rank_dir(rank).mkdir(parents=True, exist_ok=True)
-        self.slots = [_Slot(paths.slot(rank, i, "bin")) for i in SLOTS]
+        self.slots = [_Slot(paths.slot(rank, i, "bin")) for i in range(slots)]
         existing = complete_slots(paths, rank)
         self.generation = existing[0].generation if existing else 0
         self.latest_slot: int | None = existing[0].slot if existing else None
@@ -316,19 +327,21 @@ class SnapshotWriter:
 
     def _check_space(self, size: int) -> None:
         have = sum(os.fstat(s.fd).st_size for s in self.slots)
-        need = 2 * size - have
+        n = len(self.slots)
+        need = n * size - have
         free = shm_free_bytes(self.paths.root)
         if need > free:
             raise ValueError(
-                f"memory snapshots need {2 * size / 2**20:.1f} MiB in {self.paths.root} (two slots of "
+                f"memory snapshots need {n * size / 2**20:.1f} MiB in {self.paths.root} ({n} slots of "
                 f"{size / 2**20:.1f} MiB) but only {free / 2**20:.1f} MiB are free; enlarge /dev/shm (Docker: "
                 "--shm-size), point checkpoint.shm_dir at a larger tmpfs, or disable checkpointing"
             )
 
     def _acquire(self) -> int | None:
-        order = [i for i in SLOTS if i != self.latest_slot] + (
-            [self.latest_slot] if self.latest_slot is not None else []
-        )
+        """The slot holding the oldest snapshot (an empty or torn one first), never the newest unless
+        the others are pinned."""
+        generation = {s.slot: s.generation for s in complete_slots(self.paths, self.rank)}
+        order = sorted(range(len(self.slots)), key=lambda i: (i == self.latest_slot, generation.get(i, -1)))
         for i in order:
             if self.slots[i].try_lock():
                 return i

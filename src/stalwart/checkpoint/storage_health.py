@@ -25,7 +25,7 @@ log = logging.getLogger("stalwart.checkpoint.keeper")
 CAUSES = ("full", "permission", "unreachable", "timeout", "torn", "peer", "error")
 # A multi-node persist given up because another node never took part (multinode.persist's answer and
 # liveness timeouts): that node is lost — its own incident — not the storage, which is not journaled.
-_PEER = ("snapshot table (its node's keeper)", "its node is probably lost")
+_PEER = ("snapshot table (its node's keeper)", "its node is probably lost", "does not hold step")
 INCIDENTS_FILE = "storage.incidents.jsonl"  # in the job's shm directory; the agent forwards each line
 _ERRNO = {
     errno.ENOSPC: "full",

@@ -32,7 +32,14 @@ from stalwart.launch import autoscale, die_with_agent, eviction, park, preempt, 
 from stalwart.launch.agent import Incident, NodeEvicted, NodeParked, StalwartAgent
 from stalwart.launch.client import MasterClient, write_address
 from stalwart.launch.master import Master, load_or_create_token
-from stalwart.launch.run_args import EXIT_EVICTED, build_parser, hang_policy, master_store, rendezvous_defaults
+from stalwart.launch.run_args import (
+    EXIT_EVICTED,
+    build_parser,
+    hang_policy,
+    master_store,
+    rendezvous_defaults,
+    replica_env,
+)
 from stalwart.launch.storage_watch import StorageWatch
 
 if TYPE_CHECKING:
@@ -123,7 +130,9 @@ def run(argv: list[str]) -> int:
     # addresses and fail with "connectFullMesh ... Connection refused", burning a restart. The agent
     # of group rank 0 hosts each round's store itself (StalwartAgent._serve_worker_store).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir)
+    if args.replicas > 0:  # a third snapshot slot: copies that trail by two steps still meet the survivors'
+        os.environ.setdefault("STALWART_SNAPSHOT_SLOTS", "3")
+    node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
     storage_watch = StorageWatch(node_job.root, keeper.status_copy)
 
     def new_agent() -> tuple[WorkerSpec, StalwartAgent]:
@@ -261,7 +270,7 @@ def _slurm_master(
     return master, token
 
 
-def _start_keeper(job_id: str, node_id: str, run_dir: Path) -> tuple[NodeJob, KeeperProcess]:
+def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str]) -> tuple[NodeJob, KeeperProcess]:
     """The node's keeper for the job's shared-memory directory (flash checkpoints, see
     stalwart.checkpoint), started before the workers and stopped when this agent exits, as the zygote
     is. It learns storage and policy from the job.json the workers write, and idles without one."""
@@ -269,7 +278,7 @@ def _start_keeper(job_id: str, node_id: str, run_dir: Path) -> tuple[NodeJob, Ke
     from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
 
     job = NodeJob.of_agent(job_id, node_id)
-    return job, KeeperProcess(job, run_dir.absolute() / "keeper.log").start()
+    return job, KeeperProcess(job, run_dir.absolute() / "keeper.log", env=env).start()
 
 
 def _save_on_failure(job: NodeJob) -> Callable[[Incident | None], dict[str, Any]]:

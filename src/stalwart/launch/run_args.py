@@ -84,6 +84,28 @@ def build_parser() -> argparse.ArgumentParser:
     zygote.add_arguments(g)
     preempt.add_arguments(g)
     g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="K",
+        help="copy each node's newest memory snapshot into the memory of K other nodes in the background, "
+        "so a lost node's state is restored from a peer, not from storage (multi-node jobs; 0 = off; default 1)",
+    )
+    g.add_argument(
+        "--replica-domain",
+        default=os.environ.get("STALWART_FAILURE_DOMAIN", ""),
+        metavar="LABEL",
+        help="this node's failure domain (e.g. its rack or switch): replicas go to other domains first "
+        "(default $STALWART_FAILURE_DOMAIN)",
+    )
+    g.add_argument(
+        "--replica-host",
+        default=None,
+        metavar="ADDR",
+        help="address the keeper accepts peers' replicas on (default: --local-addr, else the address this "
+        "node reaches the master from; loopback for a local master)",
+    )
+    g.add_argument(
         "--summary-json",
         type=Path,
         default=None,
@@ -128,3 +150,35 @@ def master_store(args: argparse.Namespace, client: MasterClient) -> None:
             "--rdzv-port to serve the rendezvous store"
         )
     args.rdzv_endpoint, args.rdzv_conf = endpoint, client_rdzv_conf(args.rdzv_conf)
+
+
+def replica_host(args: argparse.Namespace, master_address: str) -> str:
+    """Where this node's keeper listens for peers' replicas: loopback unless other hosts must reach it."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if args.replica_host:
+        return str(args.replica_host)
+    if getattr(args, "local_addr", None):
+        return str(args.local_addr)
+    host = urlsplit(master_address).hostname or "127.0.0.1"
+    try:
+        if socket.gethostbyname(host).startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet sent: routing only
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def replica_env(args: argparse.Namespace, master_address: str, token: str) -> dict[str, str]:
+    """The keeper's replica settings (the token stays out of the workers' environment)."""
+    if args.replicas < 0:
+        raise ValueError(f"--replicas must be 0 (off) or a number of peer copies, got {args.replicas}")
+    return {
+        "STALWART_REPLICAS": str(args.replicas),
+        "STALWART_REPLICA_HOST": replica_host(args, master_address),
+        "STALWART_REPLICA_DOMAIN": args.replica_domain or "",
+        "STALWART_REPLICA_KEY": token,
+    }

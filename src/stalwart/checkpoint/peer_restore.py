@@ -1,0 +1,177 @@
+"""Memory restore when the snapshots are spread over hosts: after a node loss the spare that replaced
+it holds nothing, and a regroup may give the survivors other ranks than they had (TorchElastic orders
+the nodes afresh), so rank r's snapshot of the agreed step may lie in another node's own rank
+directory or in a peer replica (``checkpoint/replicas.py``) on any host.
+
+Every rank lists the complete snapshots on its host — its node's own rank directories first, then the
+replicas other nodes pushed here — and the ranks agree (one all-gather) on the newest step that some
+host holds for every rank. A rank whose host lacks its copy receives it from the lowest rank whose host
+has it, over the process group (gloo: a CPU group is made where the default is NCCL), checked by CRC32;
+the copy lands in ``<job dir>/fetched/`` and is read like any snapshot. Transfers run in one order on
+every rank, so the blocking sends and receives cannot wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.checkpoint.replicas import replica_roots
+from stalwart.checkpoint.shm import JobPaths, SlotInfo, atomic_write, complete_slots, secure_dir
+
+FETCHED = "fetched"
+Location = tuple[JobPaths, SlotInfo]
+
+
+def host_copies(paths: JobPaths, world: int, max_step: int | None = None) -> dict[int, dict[int, Location]]:
+    """rank → step → where on this host a complete snapshot taken at ``world`` ranks lies: this node's
+    own rank directories first, then other nodes' replicas (newest copy first)."""
+    out: dict[int, dict[int, Location]] = {}
+    for root in [paths, *(JobPaths(p) for p in replica_roots(paths.root))]:
+        for r in root.ranks():
+            if r >= world:
+                continue
+            for s in complete_slots(root, r):
+                if s.header.get("world_size") == world and (max_step is None or s.step <= max_step):
+                    out.setdefault(r, {}).setdefault(s.step, (root, s))
+    return out
+
+
+def held(copies: dict[int, dict[int, Location]]) -> dict[int, list[int]]:
+    return {r: sorted(steps) for r, steps in copies.items()}
+
+
+def agreed_steps(tables: list[dict[int, list[int]]], world: int) -> set[int]:
+    """Steps that some host holds for every rank (``tables``: one per rank, of its host's copies)."""
+    per_rank = [set().union(*(t.get(r, ()) for t in tables)) for r in range(world)]
+    return set.intersection(*per_rank) if per_rank else set()
+
+
+def describe(tables: list[dict[int, list[int]]], world: int) -> str:
+    """Which steps some host holds per rank, for the message that says why memory was not used."""
+    held_by = [sorted(set().union(*(t.get(r, ()) for t in tables))) for r in range(world)]
+    return ", ".join(f"rank {r}: {steps or 'none'}" for r, steps in enumerate(held_by))
+
+
+def transfers(tables: list[dict[int, list[int]]], step: int, world: int) -> list[tuple[int, int]]:
+    """(source rank, destination rank) for every rank whose host lacks its copy of ``step``."""
+    out = []
+    for r in range(world):
+        if step not in tables[r].get(r, ()):
+            out.append((min(q for q in range(world) if step in tables[q].get(r, ())), r))
+    return out
+
+
+def verify_copy(location: Location) -> str | None:
+    """A replica's bytes against the CRC32 its receiver recorded (own snapshots carry none)."""
+    paths, slot = location
+    expected = slot.header.get("replica", {}).get("crc32_bin")
+    if expected is None:
+        return None
+    crc = 0
+    with open(paths.slot(slot.rank, slot.slot, "bin"), "rb") as f:
+        left = int(slot.header["data_bytes"])
+        while left and (chunk := f.read(min(4 << 20, left))):
+            crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+    return None if crc == expected and not left else f"replica of rank {slot.rank} fails its CRC32 check"
+
+
+def obtain(
+    paths: JobPaths,
+    copies: dict[int, dict[int, Location]],
+    tables: list[dict[int, list[int]]],
+    step: int,
+    rank: int,
+    world: int,
+    group: Any,
+) -> tuple[Location | None, str | None, int]:
+    """This rank's snapshot of ``step``: (where it now lies on this host, why not, ranks fetched)."""
+    moves = transfers(tables, step, world)
+    location = copies.get(rank, {}).get(step)
+    problem = verify_copy(location) if location else None
+    if not moves:
+        return location, problem, 0
+    g = _cpu_group(group)
+    for src, dst in moves:
+        if rank == src:
+            _send(copies[dst][step], _global(group, dst), g)
+        elif rank == dst:
+            location, problem = _receive(paths, dst, _global(group, src), g)
+    return location, problem, len(moves)
+
+
+def clear_fetched(paths: JobPaths) -> None:
+    shutil.rmtree(paths.root / FETCHED, ignore_errors=True)
+
+
+def invalidate_replicas_after(paths: JobPaths, step: int) -> None:
+    """Forget copies beyond the resumed step on this host: another trajectory's, never to be agreed on."""
+    for root in (JobPaths(p) for p in replica_roots(paths.root)):
+        for r in root.ranks():
+            for s in complete_slots(root, r):
+                if s.step > step:
+                    root.slot(r, s.slot, "json").unlink(missing_ok=True)
+
+
+# -- the transfer ------------------------------------------------------------------------------------
+def _global(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _cpu_group(group: Any) -> Any:
+    """A group that moves CPU tensors: the given one if it runs gloo, else a gloo twin (collective)."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def _send(location: Location, dst: int, group: Any) -> None:
+    paths, slot = location
+    payload, meta = b"", [0, 0, 0, 0, 0]
+    try:
+        with open(paths.slot(slot.rank, slot.slot, "bin"), "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # a replica push waits for the other slot meanwhile
+            header = paths.slot(slot.rank, slot.slot, "json").read_bytes()
+            data = f.read(int(slot.header["data_bytes"]))
+        if json.loads(header).get("generation") != slot.generation:
+            raise OSError("overwritten since it was listed")
+        expected = slot.header.get("replica", {}).get("crc32_bin")
+        if expected is not None and zlib.crc32(data) != expected:
+            raise OSError("replica fails its CRC32 check")
+        blob = paths.slot(slot.rank, slot.slot, "obj").read_bytes()
+        payload = header + data + blob
+        meta = [1, len(header), len(data), len(blob), zlib.crc32(data)]
+    except (OSError, ValueError):
+        meta = [0, 0, 0, 0, 0]
+    dist.send(torch.tensor(meta, dtype=torch.int64), dst=dst, group=group)
+    if meta[0]:
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=group)
+
+
+def _receive(paths: JobPaths, rank: int, src: int, group: Any) -> tuple[Location | None, str | None]:
+    meta = torch.zeros(5, dtype=torch.int64)
+    dist.recv(meta, src=src, group=group)
+    ok, n_header, n_data, n_obj, crc = (int(v) for v in meta)
+    if not ok:
+        return None, f"the copy on global rank {src}'s host could not be read"
+    buf = torch.empty(n_header + n_data + n_obj, dtype=torch.uint8)
+    dist.recv(buf, src=src, group=group)
+    raw = buf.numpy().tobytes()
+    header, data, blob = raw[:n_header], raw[n_header : n_header + n_data], raw[n_header + n_data :]
+    if zlib.crc32(data) != crc:
+        return None, f"the copy from global rank {src} fails its CRC32 check"
+    fetched = JobPaths(paths.root / FETCHED)
+    for d in (fetched.root, fetched.rank_dir(rank)):
+        secure_dir(Path(d))
+    atomic_write(fetched.slot(rank, 0, "bin"), data)
+    atomic_write(fetched.slot(rank, 0, "obj"), blob)
+    atomic_write(fetched.slot(rank, 0, "json"), header)
+    return (fetched, SlotInfo(rank, 0, json.loads(header))), None

@@ -1,0 +1,248 @@
+"""Peer memory replicas, the sending side: the node's keeper copies the newest snapshot all of its
+ranks hold into the shared memory of ``--replicas K`` other nodes, in the background (training never
+waits: the slots are copied out without locking them, see ``replicas.copy_slot``, then sent).
+
+Peers find each other the way the keepers already meet, through the checkpoint storage: each keeper
+serving replicas writes ``<storage>/.replicas/<node>.json`` (host, port, failure domain, time) every
+10 s and removes it when it stops. A keeper pushes to the next K live nodes after its own id in a ring
+of node ids, nodes of another failure domain (``--replica-domain``, e.g. a rack) first, so every node's
+copies land on different nodes; a peer that refuses or cannot be reached is skipped for 5 s and the
+next one takes its place. Restore reads the copies (``checkpoint/peer_restore.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from stalwart.checkpoint.node_job import NodeJob, agreed
+from stalwart.checkpoint.replicas import (
+    ReplicaError,
+    ReplicaServer,
+    ReplicaStore,
+    SlotCopy,
+    Superseded,
+    background_priority,
+    copy_slot,
+    safe_name,
+    send_copy,
+)
+from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots
+from stalwart.checkpoint.storage import Storage
+
+log = logging.getLogger("stalwart.checkpoint.replicas")
+ENV_REPLICAS = "STALWART_REPLICAS"
+ENV_HOST = "STALWART_REPLICA_HOST"
+ENV_DOMAIN = "STALWART_REPLICA_DOMAIN"
+ENV_KEY = "STALWART_REPLICA_KEY"  # the job token, given to the keeper only
+REGISTRY = ".replicas"
+FRESH_S = 30.0  # a registry entry older than this is a dead keeper's
+REGISTER_EVERY_S = 10.0
+PEERS_EVERY_S = 2.0
+DOWN_S = 5.0
+PIN_AFTER = 3  # copies overwritten this many times in a row: pin the next one (its snapshot moves over)
+STATUS_FILE = "replicas.json"
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    copies: int
+    host: str
+    domain: str
+    key: bytes
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ReplicaConfig | None:
+        """What ``stalwart run`` asked of this keeper; None when replicas are off or impossible."""
+        env = dict(os.environ) if env is None else env
+        copies = int(env.get(ENV_REPLICAS) or 0)
+        if copies <= 0:
+            return None
+        key = env.get(ENV_KEY, "")
+        if not key:
+            log.warning("replicas asked for but no job token given to the keeper: no peer replicas")
+            return None
+        return cls(copies, env.get(ENV_HOST) or "127.0.0.1", env.get(ENV_DOMAIN, ""), key.encode())
+
+
+def choose_peers(me: str, domain: str, entries: list[dict[str, Any]], down: set[str]) -> list[dict[str, Any]]:
+    """Candidates in push order: the nodes after ``me`` in the ring of ids (so each node's copies go
+    to different nodes), another failure domain before ours; never ``me``, nodes down last."""
+    others = [e for e in entries if e.get("node") != me]
+    ring = sorted(others, key=lambda e: (str(e["node"]) < me, str(e["node"])))
+    return sorted(ring, key=lambda e: (e["node"] in down, bool(domain) and e.get("domain") == domain))
+
+
+class Replicator:
+    """Serves other nodes' pushes into this node's job directory and pushes this node's snapshots."""
+
+    def __init__(self, node: NodeJob, config: ReplicaConfig, poll_s: float = 0.02) -> None:
+        self.node, self.config, self.poll_s = node, config, poll_s
+        self.me = safe_name(node.root.name)
+        self.store = ReplicaStore(node.root, config.key)
+        self.server = ReplicaServer(config.host, self.store).start()
+        self.pushed_step = -1
+        self.down: dict[str, float] = {}
+        self.failing: set[str] = set()  # peers whose failure was logged (once, until they answer again)
+        self.superseded_in_a_row = 0
+        self.slots = int(os.environ.get(ENV_SLOTS) or len(SLOTS))  # the workers' snapshot slots
+        self._lag_warned = 0.0
+        self.status: dict[str, Any] = {
+            "node": self.me,
+            "address": f"{config.host}:{self.server.port}",
+            "copies": config.copies,
+            "pushed_step": None,
+            "pushed_to": [],
+            "pushes": 0,
+            "push_failures": 0,
+            "last_push_s": None,
+        }
+        self._storage: Storage | None = None
+        self._registered = 0.0
+        self._peers: list[dict[str, Any]] = []
+        self._peers_read = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="stalwart-replicator", daemon=True)
+        self._thread.start()
+        log.info("replicas: serving %s, %d copies of this node's snapshots", self.status["address"], config.copies)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.server.shutdown()
+        self.server.server_close()
+        if self._storage is not None:
+            try:
+                self._storage.fs.rm(self._storage.path(REGISTRY, f"{self.me}.json"))
+            except (OSError, FileNotFoundError):
+                pass
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        background_priority()
+        while not self._stop.wait(self.poll_s):
+            try:
+                storage = self._current_storage()
+                if storage is None:
+                    continue
+                now = time.monotonic()
+                if now - self._registered > REGISTER_EVERY_S:
+                    self._register(storage)
+                if now - self._peers_read > PEERS_EVERY_S:
+                    self._peers, self._peers_read = self._read_peers(storage), now
+                self._push_newest()
+            except Exception as err:  # the keeper's persists must go on whatever happens here
+                log.warning("replicas: %r", err)
+                time.sleep(1.0)
+
+    def _current_storage(self) -> Storage | None:
+        job = self.node.job()
+        url = job.get("storage")
+        if not url:
+            return None
+        if self._storage is None or self._storage.url != url:
+            self._storage, self._registered = Storage(url, job.get("storage_options")), 0.0
+        return self._storage
+
+    def _register(self, storage: Storage) -> None:
+        entry = {"node": self.me, "host": self.config.host, "port": self.server.port}
+        entry.update(domain=self.config.domain, time=time.time(), pid=os.getpid())
+        if storage.local:
+            storage.fs.makedirs(storage.path(REGISTRY), exist_ok=True)
+        storage.write_atomic(json.dumps(entry).encode(), REGISTRY, f"{self.me}.json")
+        self._registered = time.monotonic()
+
+    def _read_peers(self, storage: Storage) -> list[dict[str, Any]]:
+        storage.refresh()
+        try:
+            names = storage.fs.ls(storage.path(REGISTRY), detail=False)
+        except (FileNotFoundError, OSError):
+            return []
+        peers = []
+        for name in names:
+            text = storage.read_text(REGISTRY, os.path.basename(str(name)))
+            try:
+                entry = json.loads(text) if text else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and time.time() - float(entry.get("time", 0)) < FRESH_S:
+                peers.append(entry)
+        return peers
+
+    def _push_newest(self) -> None:
+        world = self.node.world()
+        if not world or not self.node.spans_nodes():
+            return
+        ranks = self.node.node_ranks(world)
+        step = max(agreed(self.node.snapshot_steps(world, ranks)), default=-1)
+        if step < self.pushed_step:  # a restore went back (its later snapshots are gone): push again from here
+            self.pushed_step = -1
+        if step <= self.pushed_step:
+            return
+        t0, sent = time.perf_counter(), set()
+        for r in ranks:  # one rank's copy in memory at a time
+            slot = next((s for s in complete_slots(self.node.paths, r) if s.step == step), None)
+            try:
+                if slot is None:
+                    raise Superseded(f"rank {r} no longer holds step {step}")
+                copy = copy_slot(self.node.paths, slot, pin=self.superseded_in_a_row >= PIN_AFTER)
+            except Superseded:
+                self.superseded_in_a_row += 1
+                self.status["superseded"] = self.status.get("superseded", 0) + 1
+                return  # the writer is ahead: push its newer step instead
+            to = self._send(copy, ranks, step)
+            if not to:
+                return
+            sent.update(to)
+        self.superseded_in_a_row = 0
+        self.pushed_step = step
+        lag = max(agreed(self.node.snapshot_steps(world, ranks)), default=step) - step
+        if lag >= self.slots and time.monotonic() - self._lag_warned > 60:
+            self._lag_warned = time.monotonic()
+            log.warning(
+                "replicas: the copy of step %d arrived %d steps behind the snapshots (%.2f s per push): the "
+                "survivors keep %d, so a node lost now would restore from storage; pushes need a faster "
+                "network or CPU, or fewer bytes per node",
+                *(step, lag, time.perf_counter() - t0, self.slots),
+            )
+        self.status.update(
+            lag_steps=lag,
+            pushed_step=step,
+            pushed_to=sorted(sent),
+            pushes=self.status["pushes"] + 1,
+            last_push_s=round(time.perf_counter() - t0, 4),
+            received=self.store.received,
+            refused=self.store.refused,
+        )
+        atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
+
+    def _send(self, copy: SlotCopy, ranks: list[int], step: int) -> list[str]:
+        """Push one rank's copy to the first ``copies`` peers that take it; the ones that did."""
+        now = time.monotonic()
+        down = {n for n, t in self.down.items() if now - t < DOWN_S}
+        sent: list[str] = []
+        for peer in choose_peers(self.me, self.config.domain, self._peers, down):
+            if len(sent) >= self.config.copies:
+                break
+            try:
+                send_copy((peer["host"], int(peer["port"])), self.config.key, self.me, ranks, copy)
+            except (OSError, ReplicaError, ValueError) as err:
+                if peer["node"] not in self.failing:
+                    log.warning("replicas: push of step %d to %s failed: %s", step, peer["node"], err)
+                    self.failing.add(peer["node"])
+                self.down[peer["node"]] = time.monotonic()
+                self.status["push_failures"] += 1
+                continue
+            if peer["node"] in self.failing:
+                log.info("replicas: %s takes copies again", peer["node"])
+                self.failing.discard(peer["node"])
+            self.down.pop(peer["node"], None)
+            sent.append(peer["node"])
+        if sent and len(sent) < self.config.copies and self.pushed_step < 0:
+            log.warning("replicas: only %d of %d peers reachable for step %d", len(sent), self.config.copies, step)
+        return sent

@@ -1,0 +1,65 @@
+"""Peer memory replicas under FSDP2 (issue 16): a 2-node job with a spare loses a whole node — agent,
+worker, keeper and its shared memory — and the survivor and the spare resume from memory: the lost
+rank's FSDP2 shards come from the copy its keeper pushed into the survivor's memory (`--replicas 1`,
+the default), not from storage. The final weights and optimizer state are bitwise those of a
+fault-free 2-rank FSDP2 run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from stalwart.checkpoint import Storage
+from stalwart.launch.client import MasterClient
+
+from . import test_elastic
+from .test_elastic import lose_node, start_master, start_node
+from .test_master import TOKEN
+from .test_spares import same_as_reference, stop_job, wait_for
+
+pytestmark = pytest.mark.e2e
+STEPS = 60
+FSDP = ("--parallel.dp_mode=fsdp", f"--train.steps={STEPS}")
+
+
+def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_data, tmp_path):
+    job = f"replicas-{uuid.uuid4().hex[:8]}"
+    master, address = start_master(tmp_path)
+    client = MasterClient(address, TOKEN)
+    reference_args = [*test_elastic.train_args(stdlib_data, tmp_path / "reference"), *FSDP]
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "stalwart", "train", "--nproc", "2", *reference_args],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "reference.log", "w"),
+    )
+    nodes: dict[int, subprocess.Popen] = {}
+    try:
+        for n in range(3):
+            run = ("--summary-json", str(tmp_path / f"summary{n}.json"))
+            nodes[n] = start_node(tmp_path, stdlib_data, address, job, n, run=run, train=FSDP)
+        wait_for(
+            "a round and a spare",
+            lambda: (len(client.status()["members"]), len(client.status()["spares"])) == (2, 1),
+            nodes,
+            tmp_path,
+        )
+        storage = Storage(str(tmp_path / "ckpt"))
+        wait_for("a committed step", lambda: (storage.latest() or 0) >= 10, nodes, tmp_path, timeout=180)
+        time.sleep(0.5)  # a few steps past the commit: storage alone would lose them
+        committed = storage.latest() or 0
+        members = sorted(client.status()["members"])
+        lost = int(members[1][-1])
+        lose_node(nodes[lost], job, lost)
+        for n in (n for n in nodes if n != lost):
+            assert nodes[n].wait(timeout=240) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
+        assert reference.wait(timeout=240) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    finally:
+        stop_job(nodes, job, reference, master)
+
+    ck = same_as_reference(tmp_path, STEPS)["checkpoint"]
+    assert ck["restored_from"] == "memory" and ck["restore_step"] >= committed, (ck, committed)
+    assert "1 rank(s) fetched from peers' memory" in ck["restore_detail"], ck

@@ -1,0 +1,270 @@
+"""Peer memory replicas: the wire (real TCP, real snapshots in /dev/shm), who gets the copies, and a
+restore that fetches a lost node's rank from a peer's memory over real gloo processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from stalwart.checkpoint import replicas
+from stalwart.checkpoint.peer_restore import agreed_steps, host_copies, transfers, verify_copy
+from stalwart.checkpoint.replicas import (
+    VERSION,
+    ReplicaError,
+    ReplicaServer,
+    ReplicaStore,
+    Superseded,
+    canonical,
+    copy_slot,
+    replica_roots,
+    send_copy,
+    sign,
+    trailer_mac,
+)
+from stalwart.checkpoint.replicator import ReplicaConfig, choose_peers
+from stalwart.checkpoint.shm import JobPaths, complete_slots
+from stalwart.checkpoint.snapshot import SnapshotView, SnapshotWriter
+from stalwart.checkpoint.state import TrainingState
+from stalwart.utils import state_dict_hash
+
+KEY = b"job-token"
+
+
+@pytest.fixture
+def shm():
+    root = Path("/dev/shm") / f"stalwart-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o700)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def model_and_opt(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def snapshot(paths: JobPaths, rank: int, world: int, steps: int, seed: int) -> str:
+    """Train ``steps`` steps of a seeded model, snapshot each; the model's hash after the last."""
+    model, opt = model_and_opt(seed)
+    ts = TrainingState({"model": model, "optim": opt}, rank)
+    writer = SnapshotWriter(paths, rank, world)
+    for s in range(1, steps + 1):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert writer.start(s, ts.capture(), persist=False)
+        writer.wait()
+    writer.close()
+    return state_dict_hash(model.state_dict())
+
+
+def push(server: ReplicaServer, paths: JobPaths, slot, key: bytes = KEY, ranks=None) -> dict:
+    """What a keeper does: copy the slot out of shared memory, then send it."""
+    copy = copy_slot(paths, slot)
+    return send_copy(("127.0.0.1", server.port), key, paths.root.name, ranks or [slot.rank], copy)
+
+
+def serve(root: Path, key: bytes = KEY) -> ReplicaServer:
+    root.mkdir(mode=0o700, exist_ok=True)
+    return ReplicaServer("127.0.0.1", ReplicaStore(root, key)).start()
+
+
+@pytest.fixture
+def server(shm):
+    """Node B's replica server, in B's job directory."""
+    srv = serve(shm / "job-nodeB")
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_pushed_slot_arrives_verified_and_reads_like_the_original(shm, server):
+    src = JobPaths(shm / "job-nodeA")
+    snapshot(src, 1, 2, steps=2, seed=1)
+    newest = complete_slots(src, 1)[0]
+    reply = push(server, src, newest)
+    assert reply["ok"] and reply["step"] == 2
+    [root] = replica_roots(shm / "job-nodeB")
+    copy = JobPaths(root)
+    [got] = complete_slots(copy, 1)
+    assert got.step == 2 and got.header["replica"]["src"] == "job-nodeA"
+    assert verify_copy((copy, got)) is None
+    assert oct(os.stat(copy.slot(1, got.slot, "bin")).st_mode & 0o777) == "0o600"
+    with SnapshotView(src, newest) as a, SnapshotView(copy, got) as b:
+        assert set(a.entries) == set(b.entries)
+        assert all(torch.equal(a.tensor(k), b.tensor(k)) for k in a.entries)
+    # a flipped byte at rest is caught by the CRC32 the receiver recorded
+    with open(copy.slot(1, got.slot, "bin"), "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    assert "CRC32" in (verify_copy((copy, got)) or "")
+
+
+def test_a_push_with_another_key_cut_short_or_altered_publishes_nothing(shm, server):
+    src = JobPaths(shm / "job-nodeA")
+    snapshot(src, 0, 2, steps=1, seed=0)
+    newest = complete_slots(src, 0)[0]
+    with pytest.raises(ReplicaError, match="not signed with this job's key"):
+        push(server, src, newest, key=b"another-jobs-token")
+    # a connection that dies after the header and part of the data (the sender's node died)
+    header = json.loads(src.slot(0, newest.slot, "json").read_bytes())
+    msg = {"v": VERSION, "src": "job-nodeA", "rank": 0, "ranks": [0], "header": header}
+    msg.update(bin_bytes=header["data_bytes"], obj_bytes=10)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(canonical({**msg, "mac": sign(KEY, msg)}) + b"\n" + b"x" * 100)
+        sock.shutdown(socket.SHUT_WR)
+        answers = sock.makefile("rb")
+        assert json.loads(answers.readline()) == {"ready": True}
+        reply = json.loads(answers.readline())
+    assert not reply["ok"] and "connection closed" in reply["error"]
+    # bytes changed on the way: they no longer match the CRC32 the sender signed
+    copy = copy_slot(src, newest)
+    msg.update(bin_bytes=len(copy.data), obj_bytes=len(copy.objects))
+    line = canonical({**msg, "mac": sign(KEY, msg)})
+    tampered = bytearray(copy.data)
+    tampered[0] ^= 0xFF
+    with socket.create_connection(("127.0.0.1", server.port)) as sock, sock.makefile("rb") as answers:
+        sock.sendall(line + b"\n")
+        assert json.loads(answers.readline()) == {"ready": True}
+        trailer = {"mac": trailer_mac(KEY, line, zlib.crc32(copy.data))}
+        sock.sendall(bytes(tampered) + copy.objects + json.dumps(trailer).encode() + b"\n")
+        reply = json.loads(answers.readline())
+    assert not reply["ok"] and "CRC32 the sender signed" in reply["error"]
+    assert all(not complete_slots(JobPaths(r), 0) for r in replica_roots(shm / "job-nodeB"))
+    assert server.store.received == 0 and server.store.refused == 3
+
+
+def test_a_slot_overwritten_while_it_is_copied_is_superseded_and_never_sent(shm, server, monkeypatch):
+    src = JobPaths(shm / "job-nodeA")
+    snapshot(src, 0, 2, steps=1, seed=0)
+    newest = complete_slots(src, 0)[0]
+    real = replicas.header_version
+    checks: list[object] = []
+
+    def overwritten_meanwhile(path):  # the writer snapshots two more steps while the bytes are copied
+        checks.append(path)
+        if len(checks) == 2:
+            snapshot(src, 0, 2, steps=2, seed=5)
+        return real(path)
+
+    monkeypatch.setattr(replicas, "header_version", overwritten_meanwhile)
+    with pytest.raises(Superseded):
+        push(server, src, newest)
+    assert (server.store.received, server.store.refused) == (0, 0)  # nothing torn was sent
+    # the newer snapshot goes through, with the newer bytes
+    newer = complete_slots(src, 0)[0]
+    assert newer.step == 2 and push(server, src, newer)["step"] == 2
+    assert server.store.received == 1
+
+
+def test_copies_go_round_the_ring_other_failure_domains_first():
+    nodes = [{"node": n, "domain": d} for n, d in [("a", "r1"), ("b", "r1"), ("c", "r2"), ("d", "r2")]]
+    order = lambda me, dom, down=(): [e["node"] for e in choose_peers(me, dom, nodes, set(down))]
+    assert order("b", "") == ["c", "d", "a"]  # the next nodes after b, wrapping round
+    assert order("b", "r1") == ["c", "d", "a"]
+    assert order("c", "r2") == ["a", "b", "d"]  # rack r2's other node last
+    assert order("a", "", down=["b"]) == ["c", "d", "b"]  # a node that failed recently is tried last
+    # every node's first choice differs: no node holds everyone's copies
+    assert len({order(n["node"], "")[0] for n in nodes}) == 4
+
+
+def test_replica_settings_come_from_the_agent():
+    assert ReplicaConfig.from_env({}) is None
+    assert ReplicaConfig.from_env({"STALWART_REPLICAS": "0", "STALWART_REPLICA_KEY": "t"}) is None
+    assert ReplicaConfig.from_env({"STALWART_REPLICAS": "2"}) is None  # no token: nothing to sign with
+    c = ReplicaConfig.from_env({"STALWART_REPLICAS": "2", "STALWART_REPLICA_KEY": "t", "STALWART_REPLICA_DOMAIN": "r"})
+    assert c == ReplicaConfig(2, "127.0.0.1", "r", b"t")
+
+
+def test_the_plan_fetches_only_what_a_host_lacks():
+    # world 3: rank 1 (node C, formerly rank 2) and rank 2 (a spare, empty) lack their copies of step 9;
+    # rank 0's host holds rank 1's replica, rank 1's host its old rank 2 directory
+    tables = [{0: [8, 9], 1: [8, 9]}, {1: [7], 2: [8, 9]}, {}]
+    assert agreed_steps(tables, 3) == {8, 9}
+    assert transfers(tables, 9, 3) == [(0, 1), (1, 2)]
+    assert agreed_steps([{0: [9]}, {1: [9]}], 3) == set()  # nobody holds rank 2
+    assert transfers([{0: [9]}, {1: [9]}], 9, 2) == []
+
+
+WORKER = r"""
+import json, sys, torch, torch.distributed as dist
+from pathlib import Path
+from torch import nn
+from stalwart.checkpoint.restore import restore_state
+from stalwart.checkpoint.shm import JobPaths
+from stalwart.checkpoint.state import TrainingState
+from stalwart.utils import state_dict_hash
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(100 + rank)  # not the trained weights: the restore must bring them
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+info = restore_state(TrainingState({"model": model, "optim": opt}, rank), JobPaths(sys.argv[rank + 1]), None, rank, 3)
+print(json.dumps({"rank": rank, "hash": state_dict_hash(model.state_dict()), "info": info.as_dict()}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_lost_nodes_rank_is_restored_from_a_peers_memory_after_the_ranks_moved(shm, tmp_path):
+    # Before: nodes A, B, C hold ranks 0, 1, 2 (steps 1-3); B's keeper pushed its rank 1 to A.
+    a, b, c, d = (JobPaths(shm / f"job-node{n}") for n in "ABCD")
+    hashes = {r: snapshot(p, r, 3, steps=3, seed=r) for r, p in enumerate((a, b, c))}
+    server = serve(a.root)
+    try:
+        for s in complete_slots(b, 1):
+            push(server, b, s)
+    finally:
+        server.shutdown()
+        server.server_close()
+    shutil.rmtree(b.root)  # node B dies with its memory
+    d.root.mkdir(mode=0o700)  # the spare D joins empty; TorchElastic orders A, C, D as ranks 0, 1, 2
+    assert sorted(host_copies(a, 3)) == [0, 1] and sorted(host_copies(c, 3)) == [2] and not host_copies(d, 3)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(3):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        argv = [sys.executable, str(script), str(a.root), str(c.root), str(d.root)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = {}
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        row = json.loads(out.strip().splitlines()[-1])
+        results[row["rank"]] = row
+    for rank, row in results.items():
+        assert row["info"]["source"] == "memory" and row["info"]["step"] == 3, row
+        assert "2 rank(s) fetched from peers' memory" in row["info"]["detail"]
+        assert row["hash"] == hashes[rank], f"rank {rank} did not get its own state back"
+    assert not (c.root / "fetched").exists() and not (d.root / "fetched").exists()  # transfer files removed
+
+
+def test_a_third_slot_keeps_two_older_snapshots_and_the_oldest_is_overwritten(shm):
+    paths = JobPaths(shm / "job-nodeA")
+    model, opt = model_and_opt(0)
+    ts = TrainingState({"model": model, "optim": opt}, 0)
+    writer = SnapshotWriter(paths, 0, 2, slots=3)
+    for s in range(1, 6):
+        assert writer.start(s, ts.capture(), persist=False)
+        writer.wait()
+        assert [x.step for x in complete_slots(paths, 0)] == list(range(s, max(0, s - 3), -1))
+    writer.close()
+    with pytest.raises(ValueError, match="2 to 3 slots"):
+        SnapshotWriter(paths, 0, 2, slots=4)
