@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from stalwart.checkpoint import replicas
-from stalwart.checkpoint.peer_restore import agreed_steps, host_copies, transfers, verify_copy
+from stalwart.checkpoint.peer_restore import (
+    agreed_steps,
+    host_copies,
+    invalidate_replicas_after,
+    transfers,
+    verify_copy,
+)
 from stalwart.checkpoint.replicas import (
     VERSION,
     ReplicaError,
@@ -127,24 +133,26 @@ def test_a_push_with_another_key_cut_short_or_altered_publishes_nothing(shm, ser
         sock.sendall(canonical({**msg, "mac": sign(KEY, msg)}) + b"\n" + b"x" * 100)
         sock.shutdown(socket.SHUT_WR)
         answers = sock.makefile("rb")
-        assert json.loads(answers.readline()) == {"ready": True}
+        assert json.loads(answers.readline())["ready"]
         reply = json.loads(answers.readline())
     assert not reply["ok"] and "connection closed" in reply["error"]
-    # bytes changed on the way: they no longer match the CRC32 the sender signed
+    # bytes changed on the way, or a recorded push replayed: neither matches what the sender signed
     copy = copy_slot(src, newest)
     msg.update(bin_bytes=len(copy.data), obj_bytes=len(copy.objects))
     line = canonical({**msg, "mac": sign(KEY, msg)})
     tampered = bytearray(copy.data)
     tampered[0] ^= 0xFF
-    with socket.create_connection(("127.0.0.1", server.port)) as sock, sock.makefile("rb") as answers:
-        sock.sendall(line + b"\n")
-        assert json.loads(answers.readline()) == {"ready": True}
-        trailer = {"mac": trailer_mac(KEY, line, zlib.crc32(copy.data))}
-        sock.sendall(bytes(tampered) + copy.objects + json.dumps(trailer).encode() + b"\n")
-        reply = json.loads(answers.readline())
-    assert not reply["ok"] and "CRC32 the sender signed" in reply["error"]
+    for data, replayed in ((bytes(tampered), False), (bytes(copy.data), True)):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock, sock.makefile("rb") as answers:
+            sock.sendall(line + b"\n")
+            nonce = json.loads(answers.readline())["nonce"]
+            signed_for = "an earlier push's nonce" if replayed else nonce
+            trailer = {"mac": trailer_mac(KEY, line, signed_for, zlib.crc32(copy.data))}
+            sock.sendall(data + copy.objects + json.dumps(trailer).encode() + b"\n")
+            reply = json.loads(answers.readline())
+        assert not reply["ok"] and "CRC32 the sender signed" in reply["error"]
     assert all(not complete_slots(JobPaths(r), 0) for r in replica_roots(shm / "job-nodeB"))
-    assert server.store.received == 0 and server.store.refused == 3
+    assert server.store.received == 0 and server.store.refused == 4
 
 
 def test_a_slot_overwritten_while_it_is_copied_is_superseded_and_never_sent(shm, server, monkeypatch):
@@ -176,7 +184,7 @@ def test_copies_go_round_the_ring_other_failure_domains_first():
     assert order("b", "") == ["c", "d", "a"]  # the next nodes after b, wrapping round
     assert order("b", "r1") == ["c", "d", "a"]
     assert order("c", "r2") == ["a", "b", "d"]  # rack r2's other node last
-    assert order("a", "", down=["b"]) == ["c", "d", "b"]  # a node that failed recently is tried last
+    assert order("a", "", down=["b"]) == ["c", "d"]  # a node that failed recently is skipped (5 s)
     # every node's first choice differs: no node holds everyone's copies
     assert len({order(n["node"], "")[0] for n in nodes}) == 4
 
@@ -268,3 +276,30 @@ def test_a_third_slot_keeps_two_older_snapshots_and_the_oldest_is_overwritten(sh
     writer.close()
     with pytest.raises(ValueError, match="2 to 3 slots"):
         SnapshotWriter(paths, 0, 2, slots=4)
+
+
+def test_a_copy_taken_before_a_restore_is_refused_and_silent_sources_are_freed(shm, server):
+    src = JobPaths(shm / "job-nodeA")
+    snapshot(src, 0, 2, steps=3, seed=0)
+    push(server, src, complete_slots(src, 0)[0])  # step 3 arrives: B now holds A's copies
+    old_step_2 = complete_slots(src, 0)[1]
+    # B's ranks restore step 1 (a rollback): A's step-2 snapshot, still in flight, is the old trajectory
+    invalidate_replicas_after(JobPaths(shm / "job-nodeB"), 1)
+    [root] = replica_roots(shm / "job-nodeB")
+    assert not complete_slots(JobPaths(root), 0), "the copy of step 3 is forgotten"
+    with pytest.raises(ReplicaError, match="taken before this host restored step 1"):
+        push(server, src, old_step_2)
+    snapshot(src, 0, 2, steps=2, seed=0)  # the new trajectory's step 2, taken after the restore
+    assert push(server, src, complete_slots(src, 0)[0])["step"] == 2
+    assert server.store.prune_silent(3600) == [] and server.store.prune_silent(0) == [root.name]
+    assert not root.exists()
+
+
+def test_replicas_are_off_for_a_job_that_cannot_span_nodes():
+    from stalwart.launch.run_args import build_parser, replicas
+
+    parse = lambda *a: build_parser().parse_args([*a, "train.py"])
+    assert replicas(parse("--nnodes", "1")) == 0 and replicas(parse("--standalone")) == 0
+    assert replicas(parse("--nnodes", "1:4")) == 1 and replicas(parse("--nnodes", "4", "--replicas", "2")) == 2
+    with pytest.raises(ValueError, match="--replicas must be 0"):
+        replicas(parse("--nnodes", "2", "--replicas", "-1"))

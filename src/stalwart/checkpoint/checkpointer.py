@@ -262,7 +262,7 @@ class Checkpointer:
         must never be paired with new ones). Returns 0, the step to start after."""
         for s in complete_slots(self.paths, self.rank):
             self.paths.slot(self.rank, s.slot, "json").unlink(missing_ok=True)
-        invalidate_replicas_after(self.paths, -1)  # and the peer copies on this host
+        invalidate_replicas_after(self.paths, -1)  # and the peers' copies on this host
         if self.rank == 0:
             log.warning(
                 "not resuming (resume disabled): starting at step 0; checkpoints written from now on "

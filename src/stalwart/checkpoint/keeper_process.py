@@ -87,8 +87,11 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
     keep their snapshots, start over when a job completes (its directory removed), until stopped."""
     log.info("keeper for %s, serving agent pid %d", node.root, stop.parent)
     node.root.mkdir(parents=True, exist_ok=True)
-    config = ReplicaConfig.from_env()
-    replicator = Replicator(node, config) if config else None
+    config, replicator = ReplicaConfig.from_env(), None
+    try:
+        replicator = Replicator(node, config) if config else None
+    except OSError as err:  # e.g. --replica-host not an address of this host: persist anyway, say so
+        log.error("replicas off for this node: cannot serve on %s: %s", config.host if config else "?", err)
     try:
         _serve_jobs(node, stop, poll_s, status_copy)
     finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.checkpoint.replicas import replica_roots
+from stalwart.checkpoint.replicas import REPLICAS_DIR, RESTORED, replica_roots
 from stalwart.checkpoint.shm import JobPaths, SlotInfo, atomic_write, complete_slots, secure_dir
 
 FETCHED = "fetched"
@@ -76,10 +77,13 @@ def verify_copy(location: Location) -> str | None:
     if expected is None:
         return None
     crc = 0
-    with open(paths.slot(slot.rank, slot.slot, "bin"), "rb") as f:
-        left = int(slot.header["data_bytes"])
-        while left and (chunk := f.read(min(4 << 20, left))):
-            crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+    try:
+        with open(paths.slot(slot.rank, slot.slot, "bin"), "rb") as f:
+            left = int(slot.header["data_bytes"])
+            while left and (chunk := f.read(min(4 << 20, left))):
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+    except OSError as err:  # pruned or overwritten since it was listed
+        return f"replica of rank {slot.rank} unreadable: {err}"
     return None if crc == expected and not left else f"replica of rank {slot.rank} fails its CRC32 check"
 
 
@@ -92,18 +96,23 @@ def obtain(
     world: int,
     group: Any,
 ) -> tuple[Location | None, str | None, int]:
-    """This rank's snapshot of ``step``: (where it now lies on this host, why not, ranks fetched)."""
+    """This rank's snapshot of ``step``: (where it now lies on this host, why not, ranks fetched).
+    Every failure becomes the returned reason, so all ranks fall back to storage together."""
     moves = transfers(tables, step, world)
     location = copies.get(rank, {}).get(step)
     problem = verify_copy(location) if location else None
     if not moves:
         return location, problem, 0
     g = _cpu_group(group)
-    for src, dst in moves:
-        if rank == src:
-            _send(copies[dst][step], _global(group, dst), g)
-        elif rank == dst:
-            location, problem = _receive(paths, dst, _global(group, src), g)
+    try:
+        for src, dst in moves:
+            if rank == src:
+                _send(copies[dst][step], _global(group, dst), g)
+            elif rank == dst:
+                location, problem = _receive(paths, dst, _global(group, src), g)
+    finally:
+        if g is not group:
+            dist.destroy_process_group(g)
     return location, problem, len(moves)
 
 
@@ -111,9 +120,24 @@ def clear_fetched(paths: JobPaths) -> None:
     shutil.rmtree(paths.root / FETCHED, ignore_errors=True)
 
 
+def invalidate_after(paths: JobPaths, step: int) -> None:
+    """Forget every snapshot on this host beyond the resumed step — this node's rank directories (also
+    of ranks it held before a regroup) and the peers' copies: another trajectory's, never to be agreed
+    on. Collective use only (see ``restore._invalidate_after``): it removes other ranks' snapshots."""
+    _forget_after([paths], step)
+    invalidate_replicas_after(paths, step)
+
+
 def invalidate_replicas_after(paths: JobPaths, step: int) -> None:
-    """Forget copies beyond the resumed step on this host: another trajectory's, never to be agreed on."""
-    for root in (JobPaths(p) for p in replica_roots(paths.root)):
+    """Forget the peers' copies on this host beyond ``step`` and record the restore, so that a copy of
+    a later step still in flight is refused (``replicas.restore_floor``)."""
+    _forget_after([JobPaths(p) for p in replica_roots(paths.root)], step)
+    if (paths.root / REPLICAS_DIR).is_dir():
+        atomic_write(paths.root / REPLICAS_DIR / RESTORED, json.dumps({"step": step, "time": time.time()}).encode())
+
+
+def _forget_after(roots: list[JobPaths], step: int) -> None:
+    for root in roots:
         for r in root.ranks():
             for s in complete_slots(root, r):
                 if s.step > step:
@@ -126,7 +150,8 @@ def _global(group: Any, rank: int) -> int:
 
 
 def _cpu_group(group: Any) -> Any:
-    """A group that moves CPU tensors: the given one if it runs gloo, else a gloo twin (collective)."""
+    """A group that moves CPU tensors: the given one if it runs gloo, else a gloo twin (collective;
+    destroyed after the transfers)."""
     if "gloo" in str(dist.get_backend(group)):
         return group
     ranks = None if group is None else dist.get_process_group_ranks(group)
@@ -134,26 +159,31 @@ def _cpu_group(group: Any) -> Any:
 
 
 def _send(location: Location, dst: int, group: Any) -> None:
+    """One copy to ``dst``: sizes first (zeros: unreadable), then header, bytes and objects at once."""
     paths, slot = location
-    payload, meta = b"", [0, 0, 0, 0, 0]
+    meta, payload = [0, 0, 0, 0, 0], bytearray()
     try:
+        header = paths.slot(slot.rank, slot.slot, "json").read_bytes()
+        blob = paths.slot(slot.rank, slot.slot, "obj").read_bytes()
+        n = int(slot.header["data_bytes"])
+        payload = bytearray(len(header) + n + len(blob))
+        payload[: len(header)] = header
         with open(paths.slot(slot.rank, slot.slot, "bin"), "rb") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # a replica push waits for the other slot meanwhile
-            header = paths.slot(slot.rank, slot.slot, "json").read_bytes()
-            data = f.read(int(slot.header["data_bytes"]))
-        if json.loads(header).get("generation") != slot.generation:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # a replica push takes the other slot meanwhile
+            got = f.readinto(memoryview(payload)[len(header) : len(header) + n])
+        payload[len(header) + n :] = blob
+        data = memoryview(payload)[len(header) : len(header) + n]
+        if got != n or json.loads(header).get("generation") != slot.generation:
             raise OSError("overwritten since it was listed")
         expected = slot.header.get("replica", {}).get("crc32_bin")
         if expected is not None and zlib.crc32(data) != expected:
             raise OSError("replica fails its CRC32 check")
-        blob = paths.slot(slot.rank, slot.slot, "obj").read_bytes()
-        payload = header + data + blob
-        meta = [1, len(header), len(data), len(blob), zlib.crc32(data)]
+        meta = [1, len(header), n, len(blob), zlib.crc32(data)]
     except (OSError, ValueError):
         meta = [0, 0, 0, 0, 0]
     dist.send(torch.tensor(meta, dtype=torch.int64), dst=dst, group=group)
     if meta[0]:
-        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=group)
+        dist.send(torch.frombuffer(payload, dtype=torch.uint8), dst=dst, group=group)
 
 
 def _receive(paths: JobPaths, rank: int, src: int, group: Any) -> tuple[Location | None, str | None]:
@@ -164,14 +194,17 @@ def _receive(paths: JobPaths, rank: int, src: int, group: Any) -> tuple[Location
         return None, f"the copy on global rank {src}'s host could not be read"
     buf = torch.empty(n_header + n_data + n_obj, dtype=torch.uint8)
     dist.recv(buf, src=src, group=group)
-    raw = buf.numpy().tobytes()
+    raw = memoryview(buf.numpy())
     header, data, blob = raw[:n_header], raw[n_header : n_header + n_data], raw[n_header + n_data :]
     if zlib.crc32(data) != crc:
         return None, f"the copy from global rank {src} fails its CRC32 check"
     fetched = JobPaths(paths.root / FETCHED)
-    for d in (fetched.root, fetched.rank_dir(rank)):
-        secure_dir(Path(d))
-    atomic_write(fetched.slot(rank, 0, "bin"), data)
-    atomic_write(fetched.slot(rank, 0, "obj"), blob)
-    atomic_write(fetched.slot(rank, 0, "json"), header)
-    return (fetched, SlotInfo(rank, 0, json.loads(header))), None
+    try:
+        for d in (fetched.root, fetched.rank_dir(rank)):
+            secure_dir(Path(d))
+        atomic_write(fetched.slot(rank, 0, "bin"), data)
+        atomic_write(fetched.slot(rank, 0, "obj"), blob)
+        atomic_write(fetched.slot(rank, 0, "json"), header)
+        return (fetched, SlotInfo(rank, 0, json.loads(bytes(header)))), None
+    except (OSError, ValueError, RuntimeError) as err:  # e.g. a full tmpfs: fall back to storage
+        return None, f"cannot keep the copy fetched from global rank {src}: {err}"

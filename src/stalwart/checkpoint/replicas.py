@@ -6,9 +6,9 @@ One push is one TCP connection carrying one rank's slot::
 
     {"v": 1, "src": node, "rank": r, "ranks": [...], "header": {...}, "bin_bytes": n, "obj_bytes": m,
      "mac": HMAC-SHA256(key, this line without "mac")}\\n
-    ← {"ready": true} | {"ok": false, "error": "..."}\\n      (the sender waits: a refusal costs no data)
+    ← {"ready": true, "nonce": n} | {"ok": false, "error": "..."}\\n   (the sender waits: a refusal costs no data)
     <n bytes: slot<i>.bin> <m bytes: slot<i>.obj>
-    {"mac": HMAC-SHA256(key, header line + CRC32 of the slot's bytes)}\\n
+    {"mac": HMAC-SHA256(key, header line + nonce + CRC32 of the slot's bytes)}\\n
     ← {"ok": true} | {"ok": false, "error": "..."}\\n
 
 The key is the job token (never sent): only the job's keepers can push, and what arrives is
@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import socketserver
 import threading
@@ -44,13 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from stalwart.checkpoint.shm import SLOTS, JobPaths, atomic_write, complete_slots, secure_dir
+from stalwart.checkpoint.shm import SLOTS, JobPaths, atomic_write, complete_slots, read_json, secure_dir
 
 log = logging.getLogger("stalwart.checkpoint.replicas")
 VERSION = 1
 CHUNK = 4 << 20
-MAX_LINE = 64 << 20  # a header line with a large model's entry table; anything longer is refused
+MAX_LINE = 16 << 20  # a header line with a large model's entry table (read before its MAC is checked)
 REPLICAS_DIR = "replicas"
+RESTORED = "restored.json"  # in REPLICAS_DIR: the step and time of this host's last restore
 
 
 def replica_roots(job_root: Path) -> list[Path]:
@@ -93,9 +95,10 @@ class Superseded(ReplicaError):
     """The sender's slot was overwritten by a newer snapshot while it was sent: push the newer one."""
 
 
-def trailer_mac(key: bytes, line: bytes, crc: int) -> str:
-    """The trailer's MAC: binds the data's CRC32 to the signed header line (one push, one slot)."""
-    return hmac.new(key, line + b"|crc32=%d" % crc, hashlib.sha256).hexdigest()
+def trailer_mac(key: bytes, line: bytes, nonce: str, crc: int) -> str:
+    """The trailer's MAC: binds the data's CRC32 to the signed header line and to the receiver's nonce
+    (one push, one slot; a recorded push cannot be replayed)."""
+    return hmac.new(key, line + f"|{nonce}|crc32={crc}".encode(), hashlib.sha256).hexdigest()
 
 
 def _read_exact(rfile: IO[bytes], n: int, sink: Any) -> int:
@@ -114,12 +117,16 @@ def _read_exact(rfile: IO[bytes], n: int, sink: Any) -> int:
     return crc
 
 
+def _received(info: Any) -> float:
+    return float(info.header.get("replica", {}).get("received", 0.0))
+
+
 def _lock_free_slot(paths: JobPaths, rank: int) -> tuple[int, int] | None:
-    """(slot, fd with an exclusive lock) to write a replica into: the slot not holding the newest
-    copy, else the other; None if readers (a restore) hold both."""
-    newest = complete_slots(paths, rank)
-    order = [s for s in SLOTS if not newest or s != newest[0].slot] + ([newest[0].slot] if newest else [])
-    for slot in order:
+    """(slot, fd with an exclusive lock) to write a replica into: the slot not holding the copy that
+    arrived last, else the other; None if readers (a restore) hold both."""
+    held = sorted(complete_slots(paths, rank), key=_received, reverse=True)
+    newest = held[0].slot if held else None
+    for slot in sorted(SLOTS, key=lambda s: s == newest):
         fd = os.open(paths.slot(rank, slot, "bin"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -128,6 +135,12 @@ def _lock_free_slot(paths: JobPaths, rank: int) -> tuple[int, int] | None:
             continue
         return slot, fd
     return None
+
+
+def restore_floor(job_root: Path) -> dict[str, Any]:
+    """The last restore on this host: {step, time}; copies of later steps taken before it belong to
+    the abandoned trajectory (see ``peer_restore.invalidate_replicas_after``)."""
+    return read_json(job_root / REPLICAS_DIR / RESTORED) or {"step": -1, "time": 0.0}
 
 
 class ReplicaStore:
@@ -151,8 +164,12 @@ class ReplicaStore:
         if msg.get("v") != VERSION:
             raise ReplicaError(f"protocol version {msg.get('v')}, this node speaks {VERSION}")
         src, rank, header = safe_name(str(msg["src"])), int(msg["rank"]), dict(msg["header"])
-        if header.get("rank") != rank or int(msg["bin_bytes"]) != int(header["data_bytes"]):
-            raise ReplicaError("header does not describe the rank and size it carries")
+        n_bin, n_obj = int(msg["bin_bytes"]), int(msg["obj_bytes"])
+        if header.get("rank") != rank or n_bin != int(header["data_bytes"]) or n_bin < 0 or not 0 <= n_obj < MAX_LINE:
+            raise ReplicaError("header does not describe the rank and sizes it carries")
+        floor = restore_floor(self.job_root)
+        if int(header["step"]) > floor["step"] and float(header.get("time", 0)) < floor["time"]:
+            raise ReplicaError(f"step {header['step']} was taken before this host restored step {floor['step']}")
         paths = JobPaths(self.job_root / REPLICAS_DIR / src)
         for d in (paths.root.parent, paths.root, paths.rank_dir(rank)):
             secure_dir(d)
@@ -163,16 +180,20 @@ class ReplicaStore:
             raise ReplicaError(f"both replica slots of {src} rank {rank} are being read")
         slot, fd = got
         try:
-            wfile.write(b'{"ready": true}\n')
-            wfile.flush()
             paths.slot(rank, slot, "json").unlink(missing_ok=True)  # torn until the header is back
-            os.ftruncate(fd, int(msg["bin_bytes"]))
+            os.ftruncate(fd, n_bin)
+            if n_bin:
+                os.posix_fallocate(fd, 0, n_bin)  # a full tmpfs refuses now, not half-way (nor SIGBUS)
+            nonce = secrets.token_hex(16)
+            wfile.write(json.dumps({"ready": True, "nonce": nonce}).encode() + b"\n")
+            wfile.flush()
             with os.fdopen(os.dup(fd), "wb") as f:
-                crc = _read_exact(rfile, int(msg["bin_bytes"]), f)
+                crc = _read_exact(rfile, n_bin, f)
             obj_parts: list[bytes] = []
-            _read_exact(rfile, int(msg["obj_bytes"]), obj_parts)
+            _read_exact(rfile, n_obj, obj_parts)
             trailer = json.loads(rfile.readline(4096) or b"{}")
-            if not hmac.compare_digest(str(trailer.get("mac", "")), trailer_mac(self.key, line.rstrip(b"\n"), crc)):
+            expected = trailer_mac(self.key, line.rstrip(b"\n"), nonce, crc)
+            if not isinstance(trailer, dict) or not hmac.compare_digest(str(trailer.get("mac", "")), expected):
                 raise ReplicaError("data does not match the CRC32 the sender signed")
             blob = b"".join(obj_parts)
             if zlib.crc32(blob) != header.get("objects_crc32"):
@@ -191,6 +212,17 @@ class ReplicaStore:
             if r not in ranks:
                 shutil.rmtree(paths.rank_dir(r), ignore_errors=True)
 
+    def prune_silent(self, seconds: float) -> list[str]:
+        """Free the copies of sources that pushed nothing for ``seconds`` (lost, evicted, parked)."""
+        gone = []
+        with self._lock:
+            for root in replica_roots(self.job_root):
+                stamps = [p.stat().st_mtime for p in root.glob("rank*/slot*.json")] or [root.stat().st_mtime]
+                if time.time() - max(stamps) > seconds:
+                    shutil.rmtree(root, ignore_errors=True)
+                    gone.append(root.name)
+        return gone
+
 
 class _Handler(socketserver.StreamRequestHandler):
     timeout = 60.0
@@ -199,13 +231,17 @@ class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         background_priority()
         store = self.server.store
-        try:
-            done = store.receive(self.rfile, self.wfile)
-            reply: dict[str, Any] = {"ok": True, **done}
-        except (ReplicaError, ValueError, KeyError, TypeError, OSError) as err:
-            store.refused += 1
-            log.warning("refused a replica from %s: %s", self.client_address[0], err)
-            reply = {"ok": False, "error": str(err)}
+        if not self.server.slots.acquire(blocking=False):
+            reply: dict[str, Any] = {"ok": False, "error": "too many pushes at once; try the next peer"}
+        else:
+            try:
+                reply = {"ok": True, **store.receive(self.rfile, self.wfile)}
+            except Exception as err:  # anything a peer (or a stranger) sends: refused, never a dead thread
+                store.refused += 1
+                log.warning("refused a replica from %s: %s", self.client_address[0], err)
+                reply = {"ok": False, "error": str(err)}
+            finally:
+                self.server.slots.release()
         try:
             self.wfile.write(json.dumps(reply).encode() + b"\n")
         except OSError:
@@ -218,8 +254,9 @@ class ReplicaServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, host: str, store: ReplicaStore) -> None:
+    def __init__(self, host: str, store: ReplicaStore, concurrent: int = 16) -> None:
         self.store = store
+        self.slots = threading.BoundedSemaphore(concurrent)  # pushes received at once (one thread each)
         super().__init__((host, 0), _Handler)
 
     @property
@@ -272,8 +309,8 @@ def copy_slot(paths: JobPaths, slot: Any, pin: bool = False) -> SlotCopy:
         if header.get("generation") != slot.generation:
             raise Superseded(f"rank {slot.rank} slot {slot.slot} was overwritten before it was copied")
         data = bytearray(int(header["data_bytes"]))
-        if f.readinto(data) != len(data):
-            raise ReplicaError(f"rank {slot.rank} slot {slot.slot} is shorter than its header says")
+        if f.readinto(data) != len(data):  # being resized for a larger state: a newer snapshot comes
+            raise Superseded(f"rank {slot.rank} slot {slot.slot} is shorter than its header says")
         objects = paths.slot(slot.rank, slot.slot, "obj").read_bytes()
     if before is None or header_version(hdr) != before or zlib.crc32(objects) != header["objects_crc32"]:
         raise Superseded(f"rank {slot.rank} slot {slot.slot} was overwritten while it was copied")
@@ -293,11 +330,12 @@ def send_copy(address: tuple[str, int], key: bytes, src: str, ranks: list[int], 
         ready = json.loads(answers.readline(4096) or b"{}")
         if not ready.get("ready"):
             raise ReplicaError(str(ready.get("error", "no answer")))
+        nonce = str(ready.get("nonce", ""))
         for at in range(0, len(view), CHUNK):
             sock.sendall(view[at : at + CHUNK])
         sock.sendall(copy.objects)
         crc = zlib.crc32(copy.data)
-        sock.sendall(json.dumps({"mac": trailer_mac(key, line, crc)}).encode() + b"\n")
+        sock.sendall(json.dumps({"mac": trailer_mac(key, line, nonce, crc)}).encode() + b"\n")
         reply = json.loads(answers.readline(4096) or b"{}")
     if not reply.get("ok"):
         raise ReplicaError(str(reply.get("error", "no answer")))

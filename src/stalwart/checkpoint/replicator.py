@@ -45,6 +45,7 @@ FRESH_S = 30.0  # a registry entry older than this is a dead keeper's
 REGISTER_EVERY_S = 10.0
 PEERS_EVERY_S = 2.0
 DOWN_S = 5.0
+SILENT_S = 600.0  # a source that pushed nothing for this long is gone (lost, evicted): its copies are freed
 PIN_AFTER = 3  # copies overwritten this many times in a row: pin the next one (its snapshot moves over)
 STATUS_FILE = "replicas.json"
 
@@ -72,10 +73,10 @@ class ReplicaConfig:
 
 def choose_peers(me: str, domain: str, entries: list[dict[str, Any]], down: set[str]) -> list[dict[str, Any]]:
     """Candidates in push order: the nodes after ``me`` in the ring of ids (so each node's copies go
-    to different nodes), another failure domain before ours; never ``me``, nodes down last."""
-    others = [e for e in entries if e.get("node") != me]
+    to different nodes), another failure domain before ours; never ``me`` nor a node ``down``."""
+    others = [e for e in entries if e.get("node") != me and e.get("node") not in down]
     ring = sorted(others, key=lambda e: (str(e["node"]) < me, str(e["node"])))
-    return sorted(ring, key=lambda e: (e["node"] in down, bool(domain) and e.get("domain") == domain))
+    return sorted(ring, key=lambda e: bool(domain) and e.get("domain") == domain)
 
 
 class Replicator:
@@ -92,6 +93,7 @@ class Replicator:
         self.superseded_in_a_row = 0
         self.slots = int(os.environ.get(ENV_SLOTS) or len(SLOTS))  # the workers' snapshot slots
         self._lag_warned = 0.0
+        self._idle_until = 0.0
         self.status: dict[str, Any] = {
             "node": self.me,
             "address": f"{config.host}:{self.server.port}",
@@ -126,19 +128,26 @@ class Replicator:
     def _loop(self) -> None:
         background_priority()
         while not self._stop.wait(self.poll_s):
-            try:
-                storage = self._current_storage()
-                if storage is None:
-                    continue
+            if time.monotonic() < self._idle_until or not self.node.spans_nodes():
+                continue  # a single-node job has no peers: no registry, no copies
+            storage = self._current_storage()
+            if storage is None:
+                continue
+            try:  # a storage outage keeps the last known peers: their memory may be all that is left
                 now = time.monotonic()
                 if now - self._registered > REGISTER_EVERY_S:
                     self._register(storage)
+                    self.store.prune_silent(SILENT_S)
                 if now - self._peers_read > PEERS_EVERY_S:
                     self._peers, self._peers_read = self._read_peers(storage), now
+            except Exception as err:
+                log.warning("replicas: peer registry at %s: %r", storage.url, err)
+                self._registered = self._peers_read = time.monotonic()  # retried in 10 s and 2 s
+            try:
                 self._push_newest()
             except Exception as err:  # the keeper's persists must go on whatever happens here
                 log.warning("replicas: %r", err)
-                time.sleep(1.0)
+                self._idle_until = time.monotonic() + 1.0
 
     def _current_storage(self) -> Storage | None:
         job = self.node.job()
@@ -184,6 +193,8 @@ class Replicator:
             self.pushed_step = -1
         if step <= self.pushed_step:
             return
+        if not self._candidates():
+            return  # nobody to copy to (yet): copying the state out of shared memory would be wasted
         t0, sent = time.perf_counter(), set()
         for r in ranks:  # one rank's copy in memory at a time
             slot = next((s for s in complete_slots(self.node.paths, r) if s.step == step), None)
@@ -197,6 +208,7 @@ class Replicator:
                 return  # the writer is ahead: push its newer step instead
             to = self._send(copy, ranks, step)
             if not to:
+                self._idle_until = time.monotonic() + 1.0  # every candidate failed: not 50 copies a second
                 return
             sent.update(to)
         self.superseded_in_a_row = 0
@@ -221,12 +233,16 @@ class Replicator:
         )
         atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
 
+    def _candidates(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return choose_peers(
+            self.me, self.config.domain, self._peers, {n for n, t in self.down.items() if now - t < DOWN_S}
+        )
+
     def _send(self, copy: SlotCopy, ranks: list[int], step: int) -> list[str]:
         """Push one rank's copy to the first ``copies`` peers that take it; the ones that did."""
-        now = time.monotonic()
-        down = {n for n, t in self.down.items() if now - t < DOWN_S}
         sent: list[str] = []
-        for peer in choose_peers(self.me, self.config.domain, self._peers, down):
+        for peer in self._candidates():
             if len(sent) >= self.config.copies:
                 break
             try:

@@ -205,7 +205,7 @@ def restore_state(
         problem = _from_memory(location, problem, tstate, group)
         peer_restore.clear_fetched(paths)
         if problem is None:
-            _invalidate_after(paths, rank, mem_step)
+            _invalidate_after(paths, mem_step, group)
             where = f"; {fetched} rank(s) fetched from peers' memory" if fetched else ""
             return RestoreInfo(
                 "memory",
@@ -236,13 +236,11 @@ def restore_state(
             )
         load_checkpoint(storage, step, nested, group)
         tstate.load(nested)
-        if paths:
-            _invalidate_after(paths, rank, step)
+        _invalidate_after(paths, step, group)
         return RestoreInfo(
             "storage", step, time.perf_counter() - t0, f"committed checkpoint {storage.path(step_name(step))}", skipped
         )
-    if paths:
-        _invalidate_after(paths, rank, -1)
+    _invalidate_after(paths, -1, group)
     if tried_memory:  # its template initialised the optimizers (a zero-lr step): undo for a true fresh start
         for opt in tstate.optimizers:
             opt.state.clear()
@@ -250,10 +248,11 @@ def restore_state(
     return RestoreInfo("fresh", 0, time.perf_counter() - t0, detail, skipped)
 
 
-def _invalidate_after(paths: JobPaths, rank: int, step: int) -> None:
-    """Forget this rank's snapshots beyond the resumed step, and the peer replicas on this host: they
-    belong to another trajectory and must never be paired with another rank's snapshot of the same step."""
-    for s in complete_slots(paths, rank):
-        if s.step > step:
-            paths.slot(rank, s.slot, "json").unlink(missing_ok=True)
-    peer_restore.invalidate_replicas_after(paths, step)
+def _invalidate_after(paths: JobPaths | None, step: int, group: Any) -> None:
+    """Forget the snapshots on this host beyond the resumed step (every rank directory, also of ranks
+    held before a regroup, and the peers' copies): they belong to another trajectory and must never be
+    paired with another rank's snapshot of the same step. Ends in a collective, so no rank snapshots
+    its next step while a rank on its node is still removing."""
+    if paths:
+        peer_restore.invalidate_after(paths, step)
+    _gather(None, group)

@@ -39,6 +39,7 @@ from stalwart.launch.run_args import (
     master_store,
     rendezvous_defaults,
     replica_env,
+    replicas,
 )
 from stalwart.launch.storage_watch import StorageWatch
 
@@ -130,7 +131,7 @@ def run(argv: list[str]) -> int:
     # addresses and fail with "connectFullMesh ... Connection refused", burning a restart. The agent
     # of group rank 0 hosts each round's store itself (StalwartAgent._serve_worker_store).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if args.replicas > 0:  # a third snapshot slot: copies that trail by two steps still meet the survivors'
+    if replicas(args) > 0:  # a third snapshot slot: copies that trail by two steps still meet the survivors'
         os.environ.setdefault("STALWART_SNAPSHOT_SLOTS", "3")
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
     storage_watch = StorageWatch(node_job.root, keeper.status_copy)

@@ -162,22 +162,30 @@ def replica_host(args: argparse.Namespace, master_address: str) -> str:
     if getattr(args, "local_addr", None):
         return str(args.local_addr)
     host = urlsplit(master_address).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
     try:
-        if socket.gethostbyname(host).startswith("127."):
-            return "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet sent: routing only
-            s.connect((host, 9))
+        target = socket.gethostbyname(host)
+        if target.startswith("127."):  # the master's host name maps to loopback here (Debian: 127.0.1.1)
+            target = "10.255.255.255"  # then the interface of the default route; no packet is sent
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
             return str(s.getsockname()[0])
     except OSError:
         return "127.0.0.1"
 
 
-def replica_env(args: argparse.Namespace, master_address: str, token: str) -> dict[str, str]:
-    """The keeper's replica settings (the token stays out of the workers' environment)."""
+def replicas(args: argparse.Namespace) -> int:
+    """Peer copies per node snapshot: none for a job that can never span nodes."""
     if args.replicas < 0:
         raise ValueError(f"--replicas must be 0 (off) or a number of peer copies, got {args.replicas}")
+    return args.replicas if torchrun.parse_min_max_nnodes(args.nnodes)[1] > 1 else 0
+
+
+def replica_env(args: argparse.Namespace, master_address: str, token: str) -> dict[str, str]:
+    """The keeper's replica settings (the token stays out of the workers' environment)."""
     return {
-        "STALWART_REPLICAS": str(args.replicas),
+        "STALWART_REPLICAS": str(replicas(args)),
         "STALWART_REPLICA_HOST": replica_host(args, master_address),
         "STALWART_REPLICA_DOMAIN": args.replica_domain or "",
         "STALWART_REPLICA_KEY": token,
