@@ -67,6 +67,12 @@ def test_acting_needs_a_confirmed_recommendation_a_payback_and_a_cooldown():
     for t in (2.0, 3.0):  # the same numbers again, within the cooldown
         windows(scaler, slow, 0.35, t)
         assert scaler.action(scaler.recommend(list(slow), 2, 4, now=t), list(slow), now=t) is None
+    # a member restarting is briefly no member: a grow never "unparks" it, only a node that was parked
+    grow = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=0.0, horizon_s=60.0, confirm=1))
+    windows(grow, {"a": 0.1, "b": 0.1}, 0.15, 0.0)
+    rec = grow.recommend(["a"], 1, 2, spares=["b"], now=0.0)
+    assert rec is not None and rec.best == 2 and grow.action(rec, ["a"], now=0.0) is None
+    assert grow.action(rec, ["a"], now=0.0, parked=["b"])[:2] == ("unpark", "b")
     costly = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=1000.0, horizon_s=60.0, confirm=1))
     windows(costly, slow, 0.35, 0.0)
     assert costly.action(costly.recommend(list(slow), 2, 4, now=0.0), list(slow), now=0.0) is None, "never pays back"

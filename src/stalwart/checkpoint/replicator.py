@@ -34,12 +34,10 @@ from stalwart.checkpoint.replicas import (
 )
 from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots
 from stalwart.checkpoint.storage import Storage
+from stalwart.runtime import ENV_REPLICA_DOMAIN, ENV_REPLICA_HOST, ENV_REPLICA_KEY, ENV_REPLICAS
 
 log = logging.getLogger("stalwart.checkpoint.replicas")
-ENV_REPLICAS = "STALWART_REPLICAS"
-ENV_HOST = "STALWART_REPLICA_HOST"
-ENV_DOMAIN = "STALWART_REPLICA_DOMAIN"
-ENV_KEY = "STALWART_REPLICA_KEY"  # the job token, given to the keeper only
+ENV_HOST, ENV_DOMAIN, ENV_KEY = ENV_REPLICA_HOST, ENV_REPLICA_DOMAIN, ENV_REPLICA_KEY  # the key: the job token
 REGISTRY = ".replicas"
 FRESH_S = 30.0  # a registry entry older than this is a dead keeper's
 REGISTER_EVERY_S = 10.0

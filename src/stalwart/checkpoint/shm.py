@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stalwart.runtime import ENV_SNAPSHOT_SLOTS
+
 FORMAT = 1  # slot header format
 SLOTS = (0, 1)  # double-buffered: a snapshot is written into the slot not holding the newest one
 MAX_SLOTS = 3  # a third slot under peer replicas: copies that trail by two steps still meet a survivor's
-ENV_SLOTS = "STALWART_SNAPSHOT_SLOTS"  # set by `stalwart run --replicas K` for its workers
+ENV_SLOTS = ENV_SNAPSHOT_SLOTS  # set by `stalwart run --replicas K` for its workers
 
 
 class ShmPermissionError(RuntimeError):

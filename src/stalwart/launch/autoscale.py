@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -161,11 +162,12 @@ class Autoscaler:
         return rec
 
     def action(
-        self, rec: Recommendation, members: list[str], now: float | None = None
+        self, rec: Recommendation, members: list[str], now: float | None = None, parked: Collection[str] = ()
     ) -> tuple[str, str, dict[str, Any]] | None:
         """Under ``--autoscale on``: ("park", the slowest node the best size drops) to shrink, or
-        ("unpark", the fastest spare it adds) to grow — one node per action — with the numbers behind
-        it; None while hysteresis holds the job as it is."""
+        ("unpark", the fastest ``parked`` node it adds) to grow — one node per action — with the numbers
+        behind it; None while hysteresis holds the job as it is. Only a parked node is unparked: a member
+        that is restarting is briefly no member (CI saw one "unparked" mid-regroup)."""
         now = time.time() if now is None else now
         if self.policy.mode != "on" or rec.best == rec.current or self._streak[0] != rec.best:
             return None
@@ -178,7 +180,7 @@ class Autoscaler:
             kind = "park"
             chosen = [m for m in sorted(members, key=lambda m: -self._windows[m][0]) if m not in rec.keep]
         else:
-            kind, chosen = "unpark", [s for s in rec.keep if s not in members]
+            kind, chosen = "unpark", [s for s in rec.keep if s not in members and s in parked]
         if not chosen:
             return None
         self._last_action, self._streak = now, (0, 0)

@@ -149,7 +149,8 @@ class MasterState:
         max_nodes = min((int(i.get("max_nodes") or len(members)) for i in info), default=len(members))
         spares = eviction.spares(nodes, fresh_s=self.policy.fresh_s)
         rec = self.autoscaler.recommend(members, min_nodes, max_nodes, spares)
-        acted = self.autoscaler.action(rec, members) if rec is not None else None
+        parked = [n for n in spares if self.journal.get(f"parked.{n}")]
+        acted = self.autoscaler.action(rec, members, parked=parked) if rec is not None else None
         if acted is None:
             return
         kind, node_id, details = acted

@@ -132,7 +132,7 @@ def run(argv: list[str]) -> int:
     # of group rank 0 hosts each round's store itself (StalwartAgent._serve_worker_store).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if replicas(args) > 0:  # a third snapshot slot: copies that trail by two steps still meet the survivors'
-        os.environ.setdefault("STALWART_SNAPSHOT_SLOTS", "3")
+        os.environ.setdefault(runtime.ENV_SNAPSHOT_SLOTS, "3")
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
     storage_watch = StorageWatch(node_job.root, keeper.status_copy)
 

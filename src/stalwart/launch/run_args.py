@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--replica-domain",
-        default=os.environ.get("STALWART_FAILURE_DOMAIN", ""),
+        default=os.environ.get(runtime.ENV_FAILURE_DOMAIN, ""),
         metavar="LABEL",
         help="this node's failure domain (e.g. its rack or switch): replicas go to other domains first "
         "(default $STALWART_FAILURE_DOMAIN)",
@@ -185,8 +185,8 @@ def replicas(args: argparse.Namespace) -> int:
 def replica_env(args: argparse.Namespace, master_address: str, token: str) -> dict[str, str]:
     """The keeper's replica settings (the token stays out of the workers' environment)."""
     return {
-        "STALWART_REPLICAS": str(replicas(args)),
-        "STALWART_REPLICA_HOST": replica_host(args, master_address),
-        "STALWART_REPLICA_DOMAIN": args.replica_domain or "",
-        "STALWART_REPLICA_KEY": token,
+        runtime.ENV_REPLICAS: str(replicas(args)),
+        runtime.ENV_REPLICA_HOST: replica_host(args, master_address),
+        runtime.ENV_REPLICA_DOMAIN: args.replica_domain or "",
+        runtime.ENV_REPLICA_KEY: token,
     }

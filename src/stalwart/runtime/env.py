@@ -36,6 +36,13 @@ ENV_ZYGOTE_SOCKET = "STALWART_ZYGOTE"
 ENV_ZYGOTE_PIDS = "STALWART_ZYGOTE_PIDS"  # directory: client pid → the forked worker's pid (stack dumps)
 # Set by the user inside a Slurm allocation, read by `stalwart run`: the master's port (default: from the job id).
 ENV_SLURM_PORT = "STALWART_SLURM_PORT"
+# peer memory replicas: the agent tells its keeper (the key only to the keeper) and its workers (slots)
+ENV_REPLICAS = "STALWART_REPLICAS"
+ENV_REPLICA_HOST = "STALWART_REPLICA_HOST"
+ENV_REPLICA_DOMAIN = "STALWART_REPLICA_DOMAIN"
+ENV_REPLICA_KEY = "STALWART_REPLICA_KEY"
+ENV_FAILURE_DOMAIN = "STALWART_FAILURE_DOMAIN"  # the user's: --replica-domain's default
+ENV_SNAPSHOT_SLOTS = "STALWART_SNAPSHOT_SLOTS"
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
