@@ -19,7 +19,7 @@ from stalwart.launch.client import MasterClient
 from . import test_elastic
 from .test_elastic import lose_node, start_master, start_node
 from .test_master import TOKEN
-from .test_spares import same_as_reference, stop_job, wait_for
+from .test_spares import copying, same_as_reference, stop_job, wait_for
 
 pytestmark = pytest.mark.e2e
 STEPS = 60
@@ -49,10 +49,11 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
         )
         storage = Storage(str(tmp_path / "ckpt"))
         wait_for("a committed step", lambda: (storage.latest() or 0) >= 10, nodes, tmp_path, timeout=180)
-        time.sleep(0.5)  # a few steps past the commit: storage alone would lose them
-        committed = storage.latest() or 0
         members = sorted(client.status()["members"])
         lost = int(members[1][-1])
+        wait_for(f"node{lost}'s copies", copying(job, lost, storage), nodes, tmp_path)  # see test_spares
+        time.sleep(0.5)  # a few steps past the commit: storage alone would lose them
+        committed = storage.latest() or 0
         lose_node(nodes[lost], job, lost)
         for n in (n for n in nodes if n != lost):
             assert nodes[n].wait(timeout=240) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint import Storage
+from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.client import MasterClient
 from stalwart.launch.journal import Journal
 
@@ -86,6 +87,17 @@ def joined(client: MasterClient, *names: str) -> Callable[[], bool]:
 def committed_at_world_2(storage: Storage) -> bool:
     latest = storage.latest()
     return bool(latest) and (storage.manifest(latest) or {}).get("world_size") == 2
+
+
+def copying(job: str, n: int, storage: Storage) -> Callable[[], bool]:
+    """Node n's keeper has copied a snapshot at least as new as the newest committed step to a peer."""
+
+    def check() -> bool:
+        status = NodeJob.of_agent(job, f"node{n}").paths.root / "replicas.json"
+        pushed = json.loads(status.read_text()).get("pushed_step") if status.exists() else None
+        return pushed is not None and pushed >= (storage.latest() or 0)
+
+    return check
 
 
 def stop_job(
@@ -155,6 +167,9 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
         # A whole node dies once the job committed a checkpoint of both ranks; the spare takes its place.
         wait_for("a 2-rank checkpoint", lambda: committed_at_world_2(Storage(str(tmp_path / "ckpt"))), nodes, tmp_path)
         lost, survivor = int(members[1][-1]), int(members[0][-1])
+        # its keeper copies snapshots to a peer by then (peers meet through storage within seconds: a
+        # node killed before its first copy has nothing in another's memory; CI13 saw that once)
+        wait_for(f"node{lost}'s copies", copying(job, lost, Storage(str(tmp_path / "ckpt"))), nodes, tmp_path)
         lose_node(nodes[lost], job, lost)
         for n in (survivor, int(spare[-1])):
             assert nodes[n].wait(timeout=180) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
