@@ -14,6 +14,9 @@ workers, keeper) and its shared memory removed: a dead host.
               step, persisted every ``--persist-every`` steps), each node's snapshot copied into one
               peer's memory (`--replicas 1`, the default). The survivors regroup with the spare and
               restore the lost node's ranks from a peer's memory.
+``stalwart-sync``  the same with `--replica-sync`: a step's checkpoint call returns once every rank's
+              snapshot of it is in a peer's memory (no completed step can be lost; the copy is paid
+              in every step: compare ``wall_step_s``).
 ``stalwart-noreplica``  the same with `--replicas 0`: the lost node's state comes from storage.
 ``torchrun``  3 `torchrun --nnodes 3` agents (c10d rendezvous hosted by the first), synchronous DCP
               every ``--dcp-every`` steps; the lost node is relaunched at once (an operator with zero
@@ -22,12 +25,15 @@ workers, keeper) and its shared memory removed: a dead host.
 Both use the rendezvous settings given by ``--rdzv-conf`` (default: TorchElastic's, keep-alive 5 s × 3).
 Measured from rank 0's per-step log: **back_s** = kill → first step completed after it;
 **lost_steps** = newest step before the kill − step the new round resumed from; **regain_s** = kill →
-first completion of a step past the newest step before the kill. Medians over ``--repeats``.
+first completion of a step past the newest step before the kill; **step_s** = median compute time of a
+step before the kill (forward, backward, optimizer), **wall_step_s** = median time between two steps'
+log lines (compute plus the checkpoint call). Medians over ``--repeats``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -47,7 +53,7 @@ from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.client import MasterClient
 
 JOB = Path(__file__).resolve().parent / "recovery_job.py"
-CONFIGS = ("stalwart", "stalwart-noreplica", "torchrun")
+CONFIGS = ("stalwart", "stalwart-sync", "stalwart-noreplica", "torchrun")
 TOKEN = "node-loss-benchmark"
 
 
@@ -135,7 +141,9 @@ def agent_of(worker_pid: int, agents: dict[str, subprocess.Popen]) -> str | None
     return next((name for name, proc in agents.items() if proc.pid in parents), None)
 
 
-def run_stalwart(work: Path, args: argparse.Namespace, parallel: str, replicas: int = 1) -> dict[str, Any]:
+def run_stalwart(
+    work: Path, args: argparse.Namespace, parallel: str, replicas: int = 1, sync: bool = False
+) -> dict[str, Any]:
     job = f"nodeloss-{uuid.uuid4().hex[:8]}"
     ready = work / "master.json"
     cmd = [sys.executable, "-m", "stalwart", "master", "--db", str(work / "journal.sqlite"), "--port", "0"]
@@ -155,7 +163,7 @@ def run_stalwart(work: Path, args: argparse.Namespace, parallel: str, replicas: 
             cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "3:3", "--nproc-per-node", "1"]
             cmd += ["--rdzv-backend", "c10d", "--rdzv-id", job, "--master", address, "--job-token", TOKEN]
             cmd += ["--node-id", f"node{n}", "--max-restarts", "3", "--run-dir", str(work / f"run{n}")]
-            cmd += ["--replicas", str(replicas)]
+            cmd += ["--replicas", str(replicas), *(["--replica-sync"] if sync else [])]
             cmd += ["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else []
             agents[f"node{n}"] = subprocess.Popen(
                 cmd + job_args(work, args, parallel, "flash"),
@@ -236,7 +244,9 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
     resumed = starts[-1]["resume_step"] if starts else None
     regain = next((r["t"] for r in after if r["step"] > newest), None)
     # median step time before the kill: what replication costs a step (against stalwart-noreplica)
-    dts = [r["dt"] for r in rows if r.get("ev") == "step" and r["t"] < t_kill and r["step"] > 5]
+    steady = [r for r in rows if r.get("ev") == "step" and r["t"] < t_kill and r["step"] > 5]
+    dts = [r["dt"] for r in steady]
+    walls = [b["t"] - a["t"] for a, b in itertools.pairwise(steady) if b["step"] == a["step"] + 1]
     return {
         "ok": all(rc == 0 for rc in run["rcs"].values()) and bool(after) and after[-1]["step"] > newest,
         "exit_codes": run["rcs"],
@@ -244,11 +254,13 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
         "killed_after_step": newest,
         "resumed_from": resumed,
         "source": starts[-1].get("source") if starts else None,
-        "lost_steps": None if resumed is None else newest - resumed,
+        # resumed past the newest logged step (its copies landed, the kill came before the log line): 0
+        "lost_steps": None if resumed is None else max(0, newest - resumed),
         "back_s": round(after[0]["t"] - t_kill, 3) if after else None,
         "regain_s": round(regain - t_kill, 3) if regain else None,
         "final_step": max((r["step"] for r in after), default=None),
         "step_s": round(statistics.median(dts), 4) if dts else None,
+        "wall_step_s": round(statistics.median(walls), 4) if walls else None,
     }
 
 
@@ -270,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                     if config == "torchrun":
                         run = run_torchrun(work, args, parallel)
                     else:
-                        run = run_stalwart(work, args, parallel, replicas=0 if config == "stalwart-noreplica" else 1)
+                        replicas = 0 if config == "stalwart-noreplica" else 1
+                        run = run_stalwart(work, args, parallel, replicas, sync=config == "stalwart-sync")
                     row = analyse(work, run)
                     runs.setdefault(f"{config}/{parallel}", []).append(row)
                     if not args.json:
@@ -283,14 +296,18 @@ def main(argv: list[str] | None = None) -> int:
             "back_s": _median([r["back_s"] for r in good]),
             "regain_s": _median([r["regain_s"] for r in good]),
             "lost_steps": _median([r["lost_steps"] for r in good]),
+            "lost_steps_each": [r["lost_steps"] for r in good],
             "step_s": _median([r["step_s"] for r in good]),
+            "wall_step_s": _median([r["wall_step_s"] for r in good]),
             "sources": sorted({str(r["source"]) for r in good}),
         }
     for parallel in parallels:
-        ours, theirs = summary.get(f"stalwart/{parallel}"), summary.get(f"torchrun/{parallel}")
-        if ours and theirs and ours["back_s"] and theirs["back_s"]:
-            ours["speedup_vs_torchrun"] = round(theirs["back_s"] / ours["back_s"], 2)
-            ours["regain_speedup_vs_torchrun"] = round(theirs["regain_s"] / ours["regain_s"], 2)
+        theirs = summary.get(f"torchrun/{parallel}")
+        for config in ("stalwart", "stalwart-sync"):
+            ours = summary.get(f"{config}/{parallel}")
+            if ours and theirs and ours["back_s"] and theirs["back_s"]:
+                ours["speedup_vs_torchrun"] = round(theirs["back_s"] / ours["back_s"], 2)
+                ours["regain_speedup_vs_torchrun"] = round(theirs["regain_s"] / ours["regain_s"], 2)
     result = {"rdzv_conf": args.rdzv_conf or "torch defaults", "summary": summary, "runs": runs}
     if args.json:
         print(json.dumps(result, indent=1))

@@ -2,7 +2,8 @@
 worker, keeper and its shared memory — and the survivor and the spare resume from memory: the lost
 rank's FSDP2 shards come from the copy its keeper pushed into the survivor's memory (`--replicas 1`,
 the default), not from storage. The final weights and optimizer state are bitwise those of a
-fault-free 2-rank FSDP2 run."""
+fault-free 2-rank FSDP2 run. With `--replica-sync` the node is killed at once, and no step the
+survivor completed is lost."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from stalwart.checkpoint import Storage
 from stalwart.launch.client import MasterClient
+from stalwart.launch.progress import ProgressReader
 
 from . import test_elastic
 from .test_elastic import lose_node, start_master, start_node
@@ -26,7 +28,14 @@ STEPS = 60
 FSDP = ("--parallel.dp_mode=fsdp", f"--train.steps={STEPS}")
 
 
-def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_data, tmp_path):
+def completed_step(tmp_path, n: int) -> int:
+    """The newest step node n's rank reported (after its checkpoint call: the trainer reports last)."""
+    reader = ProgressReader(tmp_path / f"run{n}" / "progress" / f"node{n}")
+    return max((p.step for r in (0, 1) if (p := reader.read(r)) is not None), default=0)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "replica-sync"])
+def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_data, tmp_path, sync):
     job = f"replicas-{uuid.uuid4().hex[:8]}"
     master, address = start_master(tmp_path)
     client = MasterClient(address, TOKEN)
@@ -39,7 +48,7 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
     nodes: dict[int, subprocess.Popen] = {}
     try:
         for n in range(3):
-            run = ("--summary-json", str(tmp_path / f"summary{n}.json"))
+            run = ("--summary-json", str(tmp_path / f"summary{n}.json"), *(["--replica-sync"] if sync else []))
             nodes[n] = start_node(tmp_path, stdlib_data, address, job, n, run=run, train=FSDP)
         wait_for(
             "a round and a spare",
@@ -51,9 +60,12 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
         wait_for("a committed step", lambda: (storage.latest() or 0) >= 10, nodes, tmp_path, timeout=180)
         members = sorted(client.status()["members"])
         lost = int(members[1][-1])
-        wait_for(f"node{lost}'s copies", copying(job, lost, storage), nodes, tmp_path)  # see test_spares
+        if not sync:  # copies trail the steps: kill once they caught up with storage (see test_spares)
+            wait_for(f"node{lost}'s copies", copying(job, lost, storage), nodes, tmp_path)
         time.sleep(0.5)  # a few steps past the commit: storage alone would lose them
         committed = storage.latest() or 0
+        survivor = int(members[0][-1])
+        done = completed_step(tmp_path, survivor)
         lose_node(nodes[lost], job, lost)
         for n in (n for n in nodes if n != lost):
             assert nodes[n].wait(timeout=240) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
@@ -64,3 +76,6 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
     ck = same_as_reference(tmp_path, STEPS)["checkpoint"]
     assert ck["restored_from"] == "memory" and ck["restore_step"] >= committed, (ck, committed)
     assert "1 rank(s) fetched from peers' memory" in ck["restore_detail"], ck
+    assert (ck["replica_wait_s"] > 0) == sync, ck  # only --replica-sync makes the steps wait for copies
+    if sync:  # every step completed before the kill had its copies out: none is redone
+        assert ck["restore_step"] >= done, (ck, done)

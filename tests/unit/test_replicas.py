@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -17,7 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from stalwart.checkpoint import replicas
+from stalwart.checkpoint import Storage, replicas
+from stalwart.checkpoint.durability import StorageNews
+from stalwart.checkpoint.keeper_link import KeeperLink
+from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.peer_restore import (
     agreed_steps,
     host_copies,
@@ -38,8 +42,8 @@ from stalwart.checkpoint.replicas import (
     sign,
     trailer_mac,
 )
-from stalwart.checkpoint.replicator import ReplicaConfig, choose_peers
-from stalwart.checkpoint.shm import JobPaths, complete_slots
+from stalwart.checkpoint.replicator import ReplicaConfig, Replicator, choose_peers
+from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView, SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.utils import state_dict_hash
@@ -61,12 +65,12 @@ def model_and_opt(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def snapshot(paths: JobPaths, rank: int, world: int, steps: int, seed: int) -> str:
-    """Train ``steps`` steps of a seeded model, snapshot each; the model's hash after the last."""
+def snapshot(paths: JobPaths, rank: int, world: int, steps: int, seed: int, first: int = 1) -> str:
+    """Train steps ``first``..``steps`` of a seeded model, snapshot each; the model's hash after the last."""
     model, opt = model_and_opt(seed)
     ts = TrainingState({"model": model, "optim": opt}, rank)
     writer = SnapshotWriter(paths, rank, world)
-    for s in range(1, steps + 1):
+    for s in range(first, steps + 1):
         model(torch.randn(4, 8)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -195,6 +199,8 @@ def test_replica_settings_come_from_the_agent():
     assert ReplicaConfig.from_env({"STALWART_REPLICAS": "2"}) is None  # no token: nothing to sign with
     c = ReplicaConfig.from_env({"STALWART_REPLICAS": "2", "STALWART_REPLICA_KEY": "t", "STALWART_REPLICA_DOMAIN": "r"})
     assert c == ReplicaConfig(2, "127.0.0.1", "r", b"t")
+    sync = {"STALWART_REPLICAS": "1", "STALWART_REPLICA_KEY": "t", "STALWART_REPLICA_SYNC": "1"}
+    assert ReplicaConfig.from_env(sync).sync and not c.sync
 
 
 def test_the_plan_fetches_only_what_a_host_lacks():
@@ -296,10 +302,53 @@ def test_a_copy_taken_before_a_restore_is_refused_and_silent_sources_are_freed(s
 
 
 def test_replicas_are_off_for_a_job_that_cannot_span_nodes():
-    from stalwart.launch.run_args import build_parser, replicas
+    from stalwart.launch.run_args import build_parser, replica_sync, replicas
 
     parse = lambda *a: build_parser().parse_args([*a, "train.py"])
     assert replicas(parse("--nnodes", "1")) == 0 and replicas(parse("--standalone")) == 0
     assert replicas(parse("--nnodes", "1:4")) == 1 and replicas(parse("--nnodes", "4", "--replicas", "2")) == 2
     with pytest.raises(ValueError, match="--replicas must be 0"):
         replicas(parse("--nnodes", "2", "--replicas", "-1"))
+    assert replica_sync(parse("--nnodes", "2", "--replica-sync")) and not replica_sync(parse("--nnodes", "2"))
+    assert not replica_sync(parse("--nnodes", "1", "--replica-sync"))  # nothing to wait for on one node
+    with pytest.raises(ValueError, match="give --replicas ≥ 1"):
+        replica_sync(parse("--nnodes", "2", "--replicas", "0", "--replica-sync"))
+
+
+def two_nodes(shm: Path, storage: Storage) -> tuple[NodeJob, NodeJob]:
+    """Node A holds rank 0 and node B rank 1 of a 2-rank job; their keepers meet through ``storage``."""
+    out = []
+    for name, rank in (("nodeA", 0), ("nodeB", 1)):
+        node = NodeJob(shm / f"job-{name}")
+        node.paths.rank_dir(rank).mkdir(parents=True)
+        atomic_write(node.paths.owner(rank), json.dumps({"rank": rank, "world_size": 2}).encode())
+        node.write_job(storage, 2, [rank], {}, keeper=True, keeper_log=None)
+        out.append(node)
+    return out[0], out[1]
+
+
+def test_with_replica_sync_a_save_returns_once_its_copy_is_on_a_peer_and_goes_on_without_one(shm, tmp_path):
+    a, b = two_nodes(shm, Storage(str(tmp_path / "ckpt")))
+    config = ReplicaConfig(1, "127.0.0.1", "", KEY, sync=True)
+    sender, receiver = Replicator(a, config), Replicator(b, config)
+    link = KeeperLink(a, 0, 0, by_agent=True, log_path=None, timeout_s=60, storage_news=StorageNews("", False))
+    try:
+        deadline = time.monotonic() + 10
+        while not sender._candidates():  # the keepers meet through the registry (read every 2 s)
+            assert time.monotonic() < deadline, "node A never learned of node B"
+            time.sleep(0.05)
+        since = time.time()
+        snapshot(a.paths, 0, 2, steps=3, seed=0)
+        assert link.wait_replicated(3, since) is None
+        [root] = replica_roots(b.root)  # the copy is on B when the wait returns, not some time later
+        assert 3 in {s.step for s in complete_slots(JobPaths(root), 0)}
+        # news from before a snapshot began is about an older one: a later save does not take it
+        assert link.wait_replicated(3, time.time(), timeout_s=0.3) == "timeout"
+        receiver.stop()  # B is gone: the next step gets no copy, and the save says so at once
+        since = time.time()
+        snapshot(a.paths, 0, 2, steps=4, seed=0, first=4)
+        why = link.wait_replicated(4, since)
+        assert why in ("no peer", "no peer took the copy"), why
+    finally:
+        sender.stop()
+        receiver.stop()

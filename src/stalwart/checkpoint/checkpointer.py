@@ -44,7 +44,7 @@ from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slo
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
-from stalwart.runtime import worker_env
+from stalwart.runtime import ENV_REPLICA_SYNC, worker_env
 
 log = logging.getLogger("stalwart.checkpoint")
 
@@ -178,12 +178,14 @@ class Checkpointer:
                     self.storage.url,
                 )
         self.writer = SnapshotWriter(self.paths, self.rank, self.world, int(os.environ.get(ENV_SLOTS) or len(SLOTS)))
+        # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out
+        self.replica_sync = os.environ.get(ENV_REPLICA_SYNC) == "1" and self.world > len(self.node_ranks)
         self._bound: tuple[tuple[int, ...], TrainingState] | None = None
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
         self.pending_persist: int | None = None
         self.last_restore: RestoreInfo | None = None
-        self.stats = {"saves": 0, "persist_requests": 0, "save_s": 0.0}
+        self.stats = {"saves": 0, "persist_requests": 0, "save_s": 0.0, "replica_wait_s": 0.0}
         if self.local_rank == 0 and self.use_keeper:
             # Now, not at the first save: it needs ~1 s to import torch, and the first persist-due steps
             # of a fast job would otherwise pass before it looks. After a restart it is usually still alive.
@@ -285,7 +287,10 @@ class Checkpointer:
             if id(opt) not in self._hooked:
                 self._hooked.add(id(opt))
                 self._hooks.append(opt.register_step_pre_hook(self._before_optimizer_step))
+        since = time.time()
         started = self.writer.start(step, tstate.capture(), persist)
+        if self.replica_sync:
+            self._wait_for_copies(step, since, started)
         if started and persist:
             self.pending_persist = step
             self.stats["persist_requests"] += 1
@@ -295,6 +300,18 @@ class Checkpointer:
             self.keeper.ensure()  # restarts a keeper that died
         self._check_at_risk(step)
         return started
+
+    def _wait_for_copies(self, step: int, since: float, started: bool) -> None:
+        """``--replica-sync``: the step is done once every rank's snapshot of it is in a peer's memory, so
+        a node lost after any completed step costs none. Every rank takes part in the barrier, whatever
+        became of its own snapshot or copy (a rank that skipped it must not leave the others waiting)."""
+        t0 = time.perf_counter()
+        if started:
+            self.writer.wait()
+            self.keeper.await_copies(step, since)
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+        self.stats["replica_wait_s"] += time.perf_counter() - t0
 
     @property
     def persisting(self) -> bool:

@@ -11,9 +11,11 @@ from typing import Any
 
 from stalwart.checkpoint.durability import FINAL_ATTEMPTS, StorageNews, StorageUnavailableError, not_durable
 from stalwart.checkpoint.node_job import NodeJob
+from stalwart.checkpoint.replicator import STATUS_FILE as REPLICA_STATUS
 from stalwart.checkpoint.shm import complete_slots, read_json
 
 log = logging.getLogger("stalwart.checkpoint")
+REPLICATED_TIMEOUT_S = 10.0  # no word from the keeper's replicator this long: it is not running
 
 
 class KeeperLink:
@@ -34,6 +36,7 @@ class KeeperLink:
         self.by_agent, self.log_path, self.timeout_s, self.storage_news = by_agent, log_path, timeout_s, storage_news
         self.proc: Any = None  # the keeper this worker started, if any
         self._checked = 0.0
+        self._copy_wait_s, self._copy_news = REPLICATED_TIMEOUT_S, None  # await_copies' state
 
     def ensure(self) -> None:
         """Start a keeper if none serves the job (checked at most once a second)."""
@@ -47,6 +50,38 @@ class KeeperLink:
             if not first:
                 log.warning("keeper for %s is not running; starting a new one", self.paths.root)
             self.proc = self.job.spawn_keeper(self.log_path)
+
+    def wait_replicated(self, step: int, since: float, timeout_s: float = REPLICATED_TIMEOUT_S) -> str | None:
+        """Return once the keeper copied the node's snapshot of ``step`` to its peers (None), or said it
+        cannot (why: no peer yet, none took it) or said nothing for ``timeout_s`` ("timeout"). ``since``:
+        the wall time the snapshot began; the keeper's news from before it is about an older trajectory."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = read_json(self.job.root / REPLICA_STATUS) or {}
+            if (status.get("pushed_step") or -1) >= step and status.get("pushed_at", 0) >= since:
+                return None
+            if (status.get("skipped_step") or -1) >= step and status.get("skipped_at", 0) >= since:
+                return str(status.get("skipped_why") or "not copied")
+            time.sleep(0.001)
+        return "timeout"
+
+    def await_copies(self, step: int, since: float) -> None:
+        """``--replica-sync``: wait for the copies of ``step`` (see ``wait_replicated``). A keeper that says
+        nothing for 10 s turns the wait off for this worker; the node's first rank says when copies stop
+        or start reaching the peers."""
+        if not self._copy_wait_s:
+            return
+        why = self.wait_replicated(step, since, self._copy_wait_s)
+        if why == "timeout":
+            log.warning(
+                "rank %d: the keeper said nothing of step %d's peer copy in %.0f s: this rank's steps no longer "
+                "wait for copies (see keeper.log in the run directory)",
+                *(self.rank, step, self._copy_wait_s),
+            )
+            self._copy_wait_s = 0.0
+        elif why != self._copy_news and self.local_rank == 0:  # said when it changes, not every step
+            log.info("step %d: %s", step, "copies reach the peers" if why is None else f"no peer copy ({why})")
+        self._copy_news = why
 
     def wait_persisted(self, step: int, final: bool = False) -> None:
         """Return once the keeper committed ``step``. ``final``: storage failures are retried by the

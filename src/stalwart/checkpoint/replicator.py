@@ -34,10 +34,9 @@ from stalwart.checkpoint.replicas import (
 )
 from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots
 from stalwart.checkpoint.storage import Storage
-from stalwart.runtime import ENV_REPLICA_DOMAIN, ENV_REPLICA_HOST, ENV_REPLICA_KEY, ENV_REPLICAS
+from stalwart.runtime import ENV_REPLICA_DOMAIN, ENV_REPLICA_HOST, ENV_REPLICA_KEY, ENV_REPLICA_SYNC, ENV_REPLICAS
 
 log = logging.getLogger("stalwart.checkpoint.replicas")
-ENV_HOST, ENV_DOMAIN, ENV_KEY = ENV_REPLICA_HOST, ENV_REPLICA_DOMAIN, ENV_REPLICA_KEY  # the key: the job token
 REGISTRY = ".replicas"
 FRESH_S = 30.0  # a registry entry older than this is a dead keeper's
 REGISTER_EVERY_S = 10.0
@@ -53,7 +52,8 @@ class ReplicaConfig:
     copies: int
     host: str
     domain: str
-    key: bytes
+    key: bytes  # the job token
+    sync: bool = False  # the workers wait for each copy (``--replica-sync``): look for new snapshots often
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ReplicaConfig | None:
@@ -62,11 +62,12 @@ class ReplicaConfig:
         copies = int(env.get(ENV_REPLICAS) or 0)
         if copies <= 0:
             return None
-        key = env.get(ENV_KEY, "")
+        key = env.get(ENV_REPLICA_KEY, "")
         if not key:
             log.warning("replicas asked for but no job token given to the keeper: no peer replicas")
             return None
-        return cls(copies, env.get(ENV_HOST) or "127.0.0.1", env.get(ENV_DOMAIN, ""), key.encode())
+        host, domain = env.get(ENV_REPLICA_HOST) or "127.0.0.1", env.get(ENV_REPLICA_DOMAIN, "")
+        return cls(copies, host, domain, key.encode(), sync=env.get(ENV_REPLICA_SYNC) == "1")
 
 
 def choose_peers(me: str, domain: str, entries: list[dict[str, Any]], down: set[str]) -> list[dict[str, Any]]:
@@ -80,12 +81,14 @@ def choose_peers(me: str, domain: str, entries: list[dict[str, Any]], down: set[
 class Replicator:
     """Serves other nodes' pushes into this node's job directory and pushes this node's snapshots."""
 
-    def __init__(self, node: NodeJob, config: ReplicaConfig, poll_s: float = 0.02) -> None:
-        self.node, self.config, self.poll_s = node, config, poll_s
+    def __init__(self, node: NodeJob, config: ReplicaConfig, poll_s: float | None = None) -> None:
+        self.node, self.config = node, config
+        self.poll_s = poll_s if poll_s is not None else 0.002 if config.sync else 0.02
         self.me = safe_name(node.root.name)
         self.store = ReplicaStore(node.root, config.key)
         self.server = ReplicaServer(config.host, self.store).start()
         self.pushed_step = -1
+        self.skipped_step = -1  # the newest step said to be left without copies (the waiting workers go on)
         self.down: dict[str, float] = {}
         self.failing: set[str] = set()  # peers whose failure was logged (once, until they answer again)
         self.superseded_in_a_row = 0
@@ -187,12 +190,13 @@ class Replicator:
             return
         ranks = self.node.node_ranks(world)
         step = max(agreed(self.node.snapshot_steps(world, ranks)), default=-1)
-        if step < self.pushed_step:  # a restore went back (its later snapshots are gone): push again from here
-            self.pushed_step = -1
+        if step < max(self.pushed_step, self.skipped_step):  # a restore went back (its later snapshots are
+            self.pushed_step = self.skipped_step = -1  # gone): push again from here
         if step <= self.pushed_step:
             return
         if not self._candidates():
-            return  # nobody to copy to (yet): copying the state out of shared memory would be wasted
+            self._skip(step, "no peer")  # nobody to copy to (yet): copying the state out would be wasted
+            return
         t0, sent = time.perf_counter(), set()
         for r in ranks:  # one rank's copy in memory at a time
             slot = next((s for s in complete_slots(self.node.paths, r) if s.step == step), None)
@@ -207,6 +211,7 @@ class Replicator:
             to = self._send(copy, ranks, step)
             if not to:
                 self._idle_until = time.monotonic() + 1.0  # every candidate failed: not 50 copies a second
+                self._skip(step, "no peer took the copy")
                 return
             sent.update(to)
         self.superseded_in_a_row = 0
@@ -223,6 +228,7 @@ class Replicator:
         self.status.update(
             lag_steps=lag,
             pushed_step=step,
+            pushed_at=time.time(),
             pushed_to=sorted(sent),
             pushes=self.status["pushes"] + 1,
             last_push_s=round(time.perf_counter() - t0, 4),
@@ -230,6 +236,14 @@ class Replicator:
             refused=self.store.refused,
         )
         atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
+
+    def _skip(self, step: int, why: str) -> None:
+        """Say (once per step) that ``step`` gets no copy: workers waiting for it (``--replica-sync``)
+        go on rather than wait out their timeout."""
+        if step > self.skipped_step:
+            self.skipped_step = step
+            self.status.update(skipped_step=step, skipped_at=time.time(), skipped_why=why)
+            atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
 
     def _candidates(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -39,6 +39,7 @@ from stalwart.launch.run_args import (
     master_store,
     rendezvous_defaults,
     replica_env,
+    replica_sync,
     replicas,
 )
 from stalwart.launch.storage_watch import StorageWatch
@@ -133,6 +134,8 @@ def run(argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if replicas(args) > 0:  # a third snapshot slot: copies that trail by two steps still meet the survivors'
         os.environ.setdefault(runtime.ENV_SNAPSHOT_SLOTS, "3")
+    if replica_sync(args):  # the workers' saves wait for their copies (the keeper learns it from replica_env)
+        os.environ[runtime.ENV_REPLICA_SYNC] = "1"
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
     storage_watch = StorageWatch(node_job.root, keeper.status_copy)
 

@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "so a lost node's state is restored from a peer, not from storage (multi-node jobs; 0 = off; default 1)",
     )
     g.add_argument(
+        "--replica-sync",
+        action="store_true",
+        help="a step's checkpoint call returns only once its snapshot is in the peers' memory (all ranks): a "
+        "lost node then costs no completed step, at the price of the copy's time in every step (default: "
+        "copies trail the training, and a node lost while its copy is on the way costs that step)",
+    )
+    g.add_argument(
         "--replica-domain",
         default=os.environ.get(runtime.ENV_FAILURE_DOMAIN, ""),
         metavar="LABEL",
@@ -182,10 +189,18 @@ def replicas(args: argparse.Namespace) -> int:
     return args.replicas if torchrun.parse_min_max_nnodes(args.nnodes)[1] > 1 else 0
 
 
+def replica_sync(args: argparse.Namespace) -> bool:
+    """Do steps wait for their peer copies (``--replica-sync``)? Never in a job that makes none."""
+    if args.replica_sync and args.replicas == 0:
+        raise ValueError("--replica-sync waits for the peer copies that --replicas 0 turns off; give --replicas ≥ 1")
+    return bool(args.replica_sync) and replicas(args) > 0
+
+
 def replica_env(args: argparse.Namespace, master_address: str, token: str) -> dict[str, str]:
     """The keeper's replica settings (the token stays out of the workers' environment)."""
     return {
         runtime.ENV_REPLICAS: str(replicas(args)),
+        runtime.ENV_REPLICA_SYNC: "1" if replica_sync(args) else "",
         runtime.ENV_REPLICA_HOST: replica_host(args, master_address),
         runtime.ENV_REPLICA_DOMAIN: args.replica_domain or "",
         runtime.ENV_REPLICA_KEY: token,

@@ -356,6 +356,7 @@ class Trainer:
             "snapshots_skipped": w["skipped"],
             "hook_wait_s": w["wait_s"],
             "save_call_s": self.ckpt.stats["save_s"],
+            "replica_wait_s": self.ckpt.stats["replica_wait_s"],  # of save_call_s: --replica-sync's waits
             "persist_requests": self.ckpt.stats["persist_requests"],
             "dir": self.ckpt.storage.url,
         }
