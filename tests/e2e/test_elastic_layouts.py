@@ -1,8 +1,10 @@
 """Elastic shrink with a layout change: a TP2 × DP2 job on two nodes (two workers each, `--nnodes 1:2`)
-loses a whole node and goes on as TP2 on the node left, from the last checkpoint both nodes committed,
-resharded from four ranks to two, with the global batch unchanged. The master, its rendezvous store
-and the node-loss helper are those of test_elastic.py; the model and data are test_train_layouts.py's
-(constant learning rate), so the shrunk run is compared with a 1-process run step by step.
+loses a whole node and goes on as TP2 on the node left, from the four ranks' memory snapshots — the
+survivor's own and the copies the lost node pushed to it (`--replica-sync`: in step) — resharded from
+four ranks to two, newer than the last committed checkpoint, with the global batch unchanged. The
+master, its rendezvous store and the node-loss helper are those of test_elastic.py; the model and data
+are test_train_layouts.py's (constant learning rate), so the shrunk run is compared with a 1-process
+run step by step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint import Storage
+from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.journal import Journal
 
 from .test_elastic import agent_cmd, lose_node, start_master
@@ -30,6 +33,7 @@ def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> su
     """One node of the TP2 job: an agent with two workers; dp is whatever the ranks allow (2, then 1)."""
     cmd = [
         *agent_cmd(tmp_path, address, job, n, nproc=WORKERS, slow_s=0.2),
+        "--replica-sync",
         "-m",
         "stalwart",
         "train",
@@ -47,6 +51,12 @@ def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> su
     return subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"), start_new_session=True
     )
+
+
+def pushed(job: str, n: int) -> int:
+    """The newest step node n's keeper copied to a peer (0 before the first)."""
+    status = NodeJob.of_agent(job, f"node{n}").paths.root / "replicas.json"
+    return (json.loads(status.read_text()).get("pushed_step") or 0) if status.exists() else 0
 
 
 def node_log(tmp_path: Path, n: int) -> str:
@@ -71,15 +81,18 @@ def test_losing_a_node_shrinks_tp2_dp2_to_tp2_and_training_continues_on_the_curv
             committed = latest if manifest and manifest["world_size"] == 2 * WORKERS else None
             time.sleep(0.1)
         assert committed < STEPS - 2, f"the job was nearly done ({committed}) before the node was lost"
+        while pushed(job, 1) <= committed:
+            assert time.monotonic() < deadline, "node1 copied no step past the committed one to node0"
+            time.sleep(0.05)
         lose_node(nodes[1], job, 1)
         assert nodes[0].wait(timeout=180) == 0, node_log(tmp_path, 0)
 
         summary = json.loads((tmp_path / "out" / "summary.json").read_text())
         assert summary["world_size"] == WORKERS and summary["steps"] == STEPS
         assert {k: v for k, v in summary["layout"]["degrees"].items() if v > 1} == {"tp": 2}
-        ck = summary["checkpoint"]  # the last start: two ranks, from a committed four-rank checkpoint
-        assert ck["restored_from"] == "storage" and ck["restore_step"] >= committed, ck
-        assert storage.manifest(ck["restore_step"])["world_size"] == 2 * WORKERS
+        ck = summary["checkpoint"]  # the last start: two ranks, from the four ranks' snapshots in memory
+        assert ck["restored_from"] == "memory" and ck["restore_step"] > committed, ck
+        assert f"at {2 * WORKERS} ranks, resharded to {WORKERS}" in ck["restore_detail"], ck
         # The global batch is unchanged (grad accumulation doubled): every sample of the order once.
         assert summary["samples_consumed"] == STEPS * BATCH and summary["global_batch"] == BATCH
         # Steps redone after the restart are logged again; the later record wins, and every step is there.

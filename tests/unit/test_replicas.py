@@ -69,15 +69,21 @@ def snapshot(paths: JobPaths, rank: int, world: int, steps: int, seed: int, firs
     """Train steps ``first``..``steps`` of a seeded model, snapshot each; the model's hash after the last."""
     model, opt = model_and_opt(seed)
     ts = TrainingState({"model": model, "optim": opt}, rank)
-    writer = SnapshotWriter(paths, rank, world)
-    for s in range(first, steps + 1):
+    train_snapshots(model, opt, ts, SnapshotWriter(paths, rank, world), range(first, steps + 1))
+    return state_dict_hash(model.state_dict())
+
+
+def train_snapshots(model: nn.Module, opt, state: TrainingState, writer: SnapshotWriter, steps, seed_of=None) -> None:
+    """Train ``steps`` (inputs seeded by ``seed_of(step)`` if given) and snapshot each with ``writer``."""
+    for s in steps:
+        if seed_of is not None:
+            torch.manual_seed(seed_of(s))
         model(torch.randn(4, 8)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        assert writer.start(s, ts.capture(), persist=False)
+        assert writer.start(s, state.capture(), persist=False)
         writer.wait()
     writer.close()
-    return state_dict_hash(model.state_dict())
 
 
 def push(server: ReplicaServer, paths: JobPaths, slot, key: bytes = KEY, ranks=None) -> dict:
@@ -232,38 +238,48 @@ dist.destroy_process_group()
 """
 
 
-def test_a_lost_nodes_rank_is_restored_from_a_peers_memory_after_the_ranks_moved(shm, tmp_path):
-    # Before: nodes A, B, C hold ranks 0, 1, 2 (steps 1-3); B's keeper pushed its rank 1 to A.
-    a, b, c, d = (JobPaths(shm / f"job-node{n}") for n in "ABCD")
-    hashes = {r: snapshot(p, r, 3, steps=3, seed=r) for r, p in enumerate((a, b, c))}
-    server = serve(a.root)
+def node_dies_after_pushing(node: JobPaths, rank: int, peer: JobPaths) -> None:
+    """``node``'s keeper pushed its rank's snapshots to ``peer``; then the node dies with its memory."""
+    server = serve(peer.root)
     try:
-        for s in complete_slots(b, 1):
-            push(server, b, s)
+        for s in complete_slots(node, rank):
+            push(server, node, s)
     finally:
         server.shutdown()
         server.server_close()
-    shutil.rmtree(b.root)  # node B dies with its memory
-    d.root.mkdir(mode=0o700)  # the spare D joins empty; TorchElastic orders A, C, D as ranks 0, 1, 2
-    assert sorted(host_copies(a, 3)) == [0, 1] and sorted(host_copies(c, 3)) == [2] and not host_copies(d, 3)
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    shutil.rmtree(node.root)
+
+
+def run_ranks(script: Path, world: int, args: list[str]) -> dict[int, dict]:
+    """``script`` as ``world`` gloo processes (``args`` after it); rank → the JSON row each prints last."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank in range(3):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env["PYTHONPATH"] = os.pathsep.join(sys.path)
-        argv = [sys.executable, str(script), str(a.root), str(c.root), str(d.root)]
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+        argv = [sys.executable, str(script), *args]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = {}
+    rows = {}
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
         row = json.loads(out.strip().splitlines()[-1])
-        results[row["rank"]] = row
-    for rank, row in results.items():
+        rows[row["rank"]] = row
+    return rows
+
+
+def test_a_lost_nodes_rank_is_restored_from_a_peers_memory_after_the_ranks_moved(shm, tmp_path):
+    # Before: nodes A, B, C hold ranks 0, 1, 2 (steps 1-3); B's keeper pushed its rank 1 to A.
+    a, b, c, d = (JobPaths(shm / f"job-node{n}") for n in "ABCD")
+    hashes = {r: snapshot(p, r, 3, steps=3, seed=r) for r, p in enumerate((a, b, c))}
+    node_dies_after_pushing(b, 1, a)
+    d.root.mkdir(mode=0o700)  # the spare D joins empty; TorchElastic orders A, C, D as ranks 0, 1, 2
+    assert sorted(host_copies(a, 3)) == [0, 1] and sorted(host_copies(c, 3)) == [2] and not host_copies(d, 3)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    for rank, row in run_ranks(script, 3, [str(a.root), str(c.root), str(d.root)]).items():
         assert row["info"]["source"] == "memory" and row["info"]["step"] == 3, row
         assert "2 rank(s) fetched from peers' memory" in row["info"]["detail"]
         assert row["hash"] == hashes[rank], f"rank {rank} did not get its own state back"

@@ -31,6 +31,15 @@ FETCHED = "fetched"
 Location = tuple[JobPaths, SlotInfo]
 
 
+def gather(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (our own ranks' small tables); also without torch.distributed."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def host_copies(paths: JobPaths, world: int, max_step: int | None = None) -> dict[int, dict[int, Location]]:
     """rank → step → where on this host a complete snapshot taken at ``world`` ranks lies: this node's
     own rank directories first, then other nodes' replicas (newest copy first)."""
@@ -103,17 +112,33 @@ def obtain(
     problem = verify_copy(location) if location else None
     if not moves:
         return location, problem, 0
+    received = move(paths, copies, step, [(src, dst, dst) for src, dst in moves], rank, group)
+    location, problem = received.get(rank, (location, problem))
+    return location, problem, len(moves)
+
+
+def move(
+    paths: JobPaths,
+    copies: dict[int, dict[int, Location]],
+    step: int,
+    moves: list[tuple[int, int, int]],
+    rank: int,
+    group: Any,
+) -> dict[int, tuple[Location | None, str | None]]:
+    """Carry out ``(source rank, destination rank, snapshot's rank)`` transfers of ``step``, in one order
+    on every rank; what this rank received: snapshot's rank → (where it lies in ``fetched/``, why not)."""
+    received: dict[int, tuple[Location | None, str | None]] = {}
     g = _cpu_group(group)
     try:
-        for src, dst in moves:
+        for src, dst, r in moves:
             if rank == src:
-                _send(copies[dst][step], _global(group, dst), g)
+                _send(copies[r][step], _global(group, dst), g)
             elif rank == dst:
-                location, problem = _receive(paths, dst, _global(group, src), g)
+                received[r] = _receive(paths, r, _global(group, src), g)
     finally:
         if g is not group:
             dist.destroy_process_group(g)
-    return location, problem, len(moves)
+    return received
 
 
 def clear_fetched(paths: JobPaths) -> None:

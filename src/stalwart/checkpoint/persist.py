@@ -212,18 +212,27 @@ def plan_table(view: SnapshotView) -> dict[str, Any]:
     }
 
 
-def global_plan(
-    storage: Storage, step: int, views: list[Any], share_equal_objects: bool = False
+def plan_items(
+    views: list[Any], share_equal_objects: bool = False
 ) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
-    """DCP's coordinator step for every rank at once (``views[r]`` real or plan-only): local plans,
-    de-duplication of replicated items, metadata and each rank's file prefix. ``share_equal_objects``
-    (real views only) writes equal small objects once: call :func:`share_bytes` before committing."""
+    """DCP's planning of a save of every rank's snapshot at once: local plans, the global plan's
+    de-duplication of replicated items (each kept by one rank) and the metadata a load plans from."""
     planners = [_SnapshotPlanner(v, share_equal_objects) for v in views]
     local_plans = []
     for rank, planner in enumerate(planners):
         planner.set_up_planner(is_coordinator=rank == 0)
         local_plans.append(planner.create_local_plan())
     plans, metadata = planners[0].create_global_plan(local_plans)
+    return planners, plans, metadata
+
+
+def global_plan(
+    storage: Storage, step: int, views: list[Any], share_equal_objects: bool = False
+) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
+    """DCP's coordinator step for every rank at once (``views[r]`` real or plan-only): local plans,
+    de-duplication of replicated items, metadata and each rank's file prefix. ``share_equal_objects``
+    (real views only) writes equal small objects once: call :func:`share_bytes` before committing."""
+    planners, plans, metadata = plan_items(views, share_equal_objects)
     writer = _writer(storage, step, {}, lambda _: None)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     return planners, writer.prepare_global_plan(plans), metadata

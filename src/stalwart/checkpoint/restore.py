@@ -1,6 +1,7 @@
 """Pick and load the state to resume from, in order: a memory snapshot of one step held for every
 rank at the same world size (on its own host, or fetched from a peer's: ``peer_restore``) → the
-newest committed checkpoint whose checksums verify → a fresh start. Every rank takes the same
+snapshots of another world size, resharded, if newer than storage (a shrunk job: ``memory_reshard``) →
+the newest committed checkpoint whose checksums verify → a fresh start. Every rank takes the same
 decision (one all-gather per question), and every skipped candidate is named in a warning.
 """
 
@@ -16,12 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from stalwart._compat import checkpoint_reader, flatten_state_dict
-from stalwart.checkpoint import peer_restore
-from stalwart.checkpoint.peer_restore import Location
+from stalwart.checkpoint import memory_reshard, peer_restore
+from stalwart.checkpoint.peer_restore import Location, gather
 from stalwart.checkpoint.shm import JobPaths, SlotInfo, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.state import RNG_KEY, TrainingState, local_tensor, set_path
@@ -78,15 +80,6 @@ def load_checkpoint(storage: Storage, step: int, nested: dict[str, Any], group: 
         )
 
 
-# -- collectives that also work without torch.distributed ------------------------------------------
-def _gather(obj: Any, group: Any) -> list[Any]:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 # -- restore --------------------------------------------------------------------------------------
 def _layout_problem(view: SnapshotView, flat: dict[str, Any]) -> str | None:
     """Why this run's state cannot be read from ``view`` (None if it can). Tensors must match one to
@@ -116,7 +109,7 @@ def _from_memory(location: Location | None, problem: str | None, tstate: Trainin
             problem = _layout_problem(view, flat)
     except (BlockingIOError, OSError, ValueError, RuntimeError) as err:
         problem = f"cannot open: {err}"
-    problems = _gather(problem, group)
+    problems = gather(problem, group)
     if any(problems):
         if view is not None:
             view.close()
@@ -155,7 +148,7 @@ def _verify(storage: Storage, step: int, rank: int, world: int, group: Any) -> l
     if manifest is None:
         return [f"{step_name(step)}: manifest vanished"]
     files = sorted(manifest["files"])[rank::world]
-    return [p for ps in _gather(storage.verify(step, files), group) for p in ps]
+    return [p for ps in gather(storage.verify(step, files), group) for p in ps]
 
 
 def _my_slots(paths: JobPaths | None, rank: int, world: int, max_step: int | None) -> dict[int, SlotInfo]:
@@ -171,8 +164,8 @@ def candidates(
 ) -> tuple[list[int], list[int]]:
     """(memory steps every rank holds, committed steps), both newest first; the same on every rank."""
     mine = _my_slots(paths, rank, world, None)
-    common = set.intersection(*(set(steps) for steps in _gather(sorted(mine), group)))
-    committed = _gather(storage.committed() if storage and rank == 0 else [], group)[0]
+    common = set.intersection(*(set(steps) for steps in gather(sorted(mine), group)))
+    committed = gather(storage.committed() if storage and rank == 0 else [], group)[0]
     return sorted(common, reverse=True), committed
 
 
@@ -189,9 +182,9 @@ def restore_state(
     t0 = time.perf_counter()
     skipped: list[str] = []
     copies = peer_restore.host_copies(paths, world, max_step) if paths else {}
-    tables = _gather(peer_restore.held(copies), group)
+    tables = gather(peer_restore.held(copies), group)
     common = peer_restore.agreed_steps(tables, world)
-    committed = _gather(storage.committed() if storage and rank == 0 else [], group)[0]
+    committed = gather(storage.committed() if storage and rank == 0 else [], group)[0]
     committed = [s for s in committed if max_step is None or s <= max_step]
     mem_step = max(common) if common else None
     if paths and not common and any(tables):
@@ -216,6 +209,12 @@ def restore_state(
             )
         skipped.append(f"memory step {mem_step}: {problem}")
         log.warning("memory snapshot of step %d not usable: %s", mem_step, problem)
+
+    if paths is not None:
+        newest = committed[0] if committed else -1
+        resharded = _from_old_world(tstate, paths, rank, world, group, newest, max_step, skipped)
+        if resharded is not None:
+            return RestoreInfo("memory", resharded[0], time.perf_counter() - t0, resharded[1], skipped)
 
     for step in committed:
         assert storage is not None
@@ -248,6 +247,57 @@ def restore_state(
     return RestoreInfo("fresh", 0, time.perf_counter() - t0, detail, skipped)
 
 
+def _from_old_world(
+    tstate: TrainingState,
+    paths: JobPaths,
+    rank: int,
+    world: int,
+    group: Any,
+    newer_than: int,
+    max_step: int | None,
+    skipped: list[str],
+) -> tuple[int, str] | None:
+    """Reshard the snapshots of another world size (a shrunk job: ``memory_reshard``) if they hold a
+    step newer than ``newer_than``: (step, detail), or None to go on to storage."""
+    copies, mine = memory_reshard.held_by_world(paths, world)
+    tables = gather(mine, group)
+    chosen = memory_reshard.pick(tables, world, newer_than, max_step)
+    if chosen is None:
+        return None
+    old_world, step = chosen
+    old = memory_reshard.OldWorld(paths, copies.get(old_world, {}), old_world, step)
+    try:
+        old.plan(tables, rank, group)
+        nested = tstate.state_dict(for_load=True)
+        missing = _prune_missing(nested, set(old.metadata.state_dict_metadata), rank)
+        try:
+            planner = SafeLoadPlanner()
+            planner.set_up_planner(nested, old.metadata, is_coordinator=rank == 0)
+            needs, problem = old.needs(planner.create_local_plan()), None
+        except (KeyError, ValueError, RuntimeError) as err:
+            needs, problem = set(), f"this run's state cannot be read from it: {err!r}"
+        memory_reshard.agree(problem, group)
+        fetched = old.fetch(needs, tables, rank, group)
+        reader = memory_reshard.MemoryReader(old.metadata, old.owner, old.views)
+        single = not dist.is_initialized()
+        dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group, no_dist=single)
+        tstate.load(nested)
+    except (memory_reshard.ReshardError, CheckpointException) as err:
+        skipped.append(f"memory step {step} at {old_world} ranks: {err}")
+        log.warning("memory snapshots of step %d at %d ranks not usable: %s", step, old_world, err)
+        for opt in tstate.optimizers:  # the load's template stepped them (zero lr): storage or fresh start next
+            opt.state.clear()
+        return None
+    finally:
+        old.close()
+        peer_restore.clear_fetched(paths)
+    if missing:
+        log.warning("rank %d: the snapshots lack %d keys of this run (kept as initialised)", rank, len(missing))
+    _invalidate_after(paths, step, group)
+    where = f"; {fetched} cop(ies) fetched from peers' memory" if fetched else ""
+    return step, f"shared-memory snapshots of step {step} at {old_world} ranks, resharded to {world}{where}"
+
+
 def _invalidate_after(paths: JobPaths | None, step: int, group: Any) -> None:
     """Forget the snapshots on this host beyond the resumed step (every rank directory, also of ranks
     held before a regroup, and the peers' copies): they belong to another trajectory and must never be
@@ -255,4 +305,4 @@ def _invalidate_after(paths: JobPaths | None, step: int, group: Any) -> None:
     its next step while a rank on its node is still removing."""
     if paths:
         peer_restore.invalidate_after(paths, step)
-    _gather(None, group)
+    gather(None, group)
