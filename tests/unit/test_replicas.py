@@ -365,6 +365,8 @@ def test_with_replica_sync_a_save_returns_once_its_copy_is_on_a_peer_and_goes_on
         snapshot(a.paths, 0, 2, steps=4, seed=0, first=4)
         why = link.wait_replicated(4, since)
         assert why in ("no peer", "no peer took the copy"), why
+        sender.stop()  # no replicator: nobody will copy, and nobody waits for a copy
+        assert link.wait_replicated(5, time.time()) == "the keeper's replicator is not running"
     finally:
         sender.stop()
         receiver.stop()

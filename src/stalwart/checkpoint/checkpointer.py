@@ -38,7 +38,7 @@ from stalwart.checkpoint.durability import (
 )
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob, job_dir_for
-from stalwart.checkpoint.peer_restore import invalidate_replicas_after
+from stalwart.checkpoint.peer_restore import gather, invalidate_replicas_after
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots, read_json
 from stalwart.checkpoint.snapshot import SnapshotWriter
@@ -303,11 +303,13 @@ class Checkpointer:
 
     def _wait_for_copies(self, step: int, since: float, started: bool) -> None:
         """``--replica-sync``: the step is done once every rank's snapshot of it is in a peer's memory, so
-        a node lost after any completed step costs none. Every rank takes part in the barrier, whatever
-        became of its own snapshot or copy (a rank that skipped it must not leave the others waiting)."""
+        a node lost after any completed step costs none. If any rank skipped its snapshot (slots busy)
+        its node's keeper never copies the step: then nobody waits. Every rank takes part in both
+        collectives, whatever became of its own snapshot or copy."""
         t0 = time.perf_counter()
         if started:
             self.writer.wait()
+        if all(gather(started, self.group)):
             self.keeper.await_copies(step, since)
         if dist.is_initialized():
             dist.barrier(group=self.group)

@@ -11,11 +11,13 @@ from typing import Any
 
 from stalwart.checkpoint.durability import FINAL_ATTEMPTS, StorageNews, StorageUnavailableError, not_durable
 from stalwart.checkpoint.node_job import NodeJob
+from stalwart.checkpoint.replicator import BEAT_FILE as REPLICA_BEAT
 from stalwart.checkpoint.replicator import STATUS_FILE as REPLICA_STATUS
 from stalwart.checkpoint.shm import complete_slots, read_json
 
 log = logging.getLogger("stalwart.checkpoint")
-REPLICATED_TIMEOUT_S = 10.0  # no word from the keeper's replicator this long: it is not running
+REPLICATED_TIMEOUT_S = 600.0  # a copy taking longer than this is given up on (the step goes on)
+BEAT_STALE_S = 10.0  # the replicator's beat older than this: it is not running, nobody will copy
 
 
 class KeeperLink:
@@ -36,7 +38,7 @@ class KeeperLink:
         self.by_agent, self.log_path, self.timeout_s, self.storage_news = by_agent, log_path, timeout_s, storage_news
         self.proc: Any = None  # the keeper this worker started, if any
         self._checked = 0.0
-        self._copy_wait_s, self._copy_news = REPLICATED_TIMEOUT_S, None  # await_copies' state
+        self._copy_news: str | None = None  # await_copies': what was said last
 
     def ensure(self) -> None:
         """Start a keeper if none serves the job (checked at most once a second)."""
@@ -51,37 +53,37 @@ class KeeperLink:
                 log.warning("keeper for %s is not running; starting a new one", self.paths.root)
             self.proc = self.job.spawn_keeper(self.log_path)
 
+    def await_copies(self, step: int, since: float) -> None:
+        """``--replica-sync``: wait for the copies of ``step`` (see ``wait_replicated``); the node's first
+        rank says when copies stop or start reaching the peers, and why."""
+        why = self.wait_replicated(step, since)
+        if why != self._copy_news and self.local_rank == 0:  # said when it changes, not every step
+            say = log.info if why in (None, "no peer") else log.warning
+            say("step %d: %s", step, "copies reach the peers" if why is None else f"no peer copy ({why})")
+        self._copy_news = why
+
     def wait_replicated(self, step: int, since: float, timeout_s: float = REPLICATED_TIMEOUT_S) -> str | None:
-        """Return once the keeper copied the node's snapshot of ``step`` to its peers (None), or said it
-        cannot (why: no peer yet, none took it) or said nothing for ``timeout_s`` ("timeout"). ``since``:
-        the wall time the snapshot began; the keeper's news from before it is about an older trajectory."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Return once the keeper copied this rank's snapshot of ``step`` (taken after ``since``) to the
+        peers (None), or said it cannot (why: no peer yet, none took it). Waits while the keeper's
+        replicator beats (``replicator.BEAT_FILE``): "not running" when it does not; "timeout" after
+        ``timeout_s`` (a last resort: every push step is bounded by socket timeouts)."""
+        t0 = last_look = time.monotonic()
+        me = str(self.rank)
+        while time.monotonic() - t0 < timeout_s:
             status = read_json(self.job.root / REPLICA_STATUS) or {}
-            if (status.get("pushed_step") or -1) >= step and status.get("pushed_at", 0) >= since:
-                return None
-            if (status.get("skipped_step") or -1) >= step and status.get("skipped_at", 0) >= since:
-                return str(status.get("skipped_why") or "not copied")
+            for kind in ("pushed", "skipped"):
+                at, times = status.get(f"{kind}_step"), status.get(f"{kind}_times") or {}
+                if at is not None and at >= step and (times.get(me) or 0) >= since:
+                    return None if kind == "pushed" else str(status.get("skipped_why") or "not copied")
+            if time.monotonic() - last_look >= 0.5 or last_look == t0:
+                last_look = time.monotonic()
+                try:
+                    if time.time() - (self.job.root / REPLICA_BEAT).stat().st_mtime > BEAT_STALE_S:
+                        return "the keeper's replicator is not running"
+                except FileNotFoundError:
+                    return "the keeper's replicator is not running"
             time.sleep(0.001)
         return "timeout"
-
-    def await_copies(self, step: int, since: float) -> None:
-        """``--replica-sync``: wait for the copies of ``step`` (see ``wait_replicated``). A keeper that says
-        nothing for 10 s turns the wait off for this worker; the node's first rank says when copies stop
-        or start reaching the peers."""
-        if not self._copy_wait_s:
-            return
-        why = self.wait_replicated(step, since, self._copy_wait_s)
-        if why == "timeout":
-            log.warning(
-                "rank %d: the keeper said nothing of step %d's peer copy in %.0f s: this rank's steps no longer "
-                "wait for copies (see keeper.log in the run directory)",
-                *(self.rank, step, self._copy_wait_s),
-            )
-            self._copy_wait_s = 0.0
-        elif why != self._copy_news and self.local_rank == 0:  # said when it changes, not every step
-            log.info("step %d: %s", step, "copies reach the peers" if why is None else f"no peer copy ({why})")
-        self._copy_news = why
 
     def wait_persisted(self, step: int, final: bool = False) -> None:
         """Return once the keeper committed ``step``. ``final``: storage failures are retried by the

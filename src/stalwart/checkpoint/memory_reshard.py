@@ -102,6 +102,10 @@ class MemoryReader(StorageReader):
             for dim, (at, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                 src = src.narrow(dim, at, length)
             target = planner.resolve_tensor(item).detach()
+            if target.shape != src.shape:  # never broadcast into place: DCP turns this into a fallback
+                raise ValueError(
+                    f"{item.storage_index.fqn}: snapshot chunk {tuple(src.shape)}, load wants {tuple(target.shape)}"
+                )
             target.copy_(src)
             planner.commit_tensor(item, target)
         done: torch.futures.Future[None] = torch.futures.Future()
@@ -148,7 +152,10 @@ class OldWorld:
         if any(p for _, p in parts):
             raise ReshardError("; ".join(f"rank {q}: {p}" for q, (_, p) in enumerate(parts) if p))
         every = {r: t for part, _ in parts for r, t in part.items()}
-        _, plans, self.metadata = plan_items([PlanOnlyView(every[r]) for r in range(self.world)])
+        try:  # the same tables on every rank: DCP's plan checks fail on all of them alike
+            _, plans, self.metadata = plan_items([PlanOnlyView(every[r]) for r in range(self.world)])
+        except (ValueError, RuntimeError, KeyError) as err:
+            raise ReshardError(f"the old world's snapshots do not plan as one checkpoint: {err!r}") from err
         self.owner = {_key(i.index.fqn, i.index.offset): r for r, plan in enumerate(plans) for i in plan.items}
 
     def needs(self, local: LoadPlan) -> set[int]:

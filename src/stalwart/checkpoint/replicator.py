@@ -45,6 +45,8 @@ DOWN_S = 5.0
 SILENT_S = 600.0  # a source that pushed nothing for this long is gone (lost, evicted): its copies are freed
 PIN_AFTER = 3  # copies overwritten this many times in a row: pin the next one (its snapshot moves over)
 STATUS_FILE = "replicas.json"
+BEAT_FILE = "replicas.beat"  # touched every second while the replicator runs (workers under --replica-sync wait)
+BEAT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -112,11 +114,15 @@ class Replicator:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="stalwart-replicator", daemon=True)
         self._thread.start()
+        self._beat_thread = threading.Thread(target=self._beat, name="stalwart-replicator-beat", daemon=True)
+        self._beat_thread.start()
         log.info("replicas: serving %s, %d copies of this node's snapshots", self.status["address"], config.copies)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self._beat_thread.join(timeout=10)
+        (self.node.root / BEAT_FILE).unlink(missing_ok=True)
         self.server.shutdown()
         self.server.server_close()
         if self._storage is not None:
@@ -126,6 +132,19 @@ class Replicator:
                 pass
 
     # -- the loop -------------------------------------------------------------------------------------
+    def _beat(self) -> None:
+        """Say that copies are being made, also while a long push keeps the loop busy: a worker waiting
+        for a copy (``--replica-sync``) waits as long as this file is fresh."""
+        beat = self.node.root / BEAT_FILE
+        while True:
+            try:
+                beat.touch(mode=0o600)
+                os.utime(beat)
+            except OSError:
+                pass  # the job directory is being removed: the keeper is ending
+            if self._stop.wait(BEAT_S):
+                return
+
     def _loop(self) -> None:
         background_priority()
         while not self._stop.wait(self.poll_s):
@@ -185,17 +204,19 @@ class Replicator:
         return peers
 
     def _push_newest(self) -> None:
-        world = self.node.world()
+        world = int(self.node.job().get("world_size") or 0) or self.node.world()  # job.json: the current world
         if not world or not self.node.spans_nodes():
             return
         ranks = self.node.node_ranks(world)
-        step = max(agreed(self.node.snapshot_steps(world, ranks)), default=-1)
+        held = self.node.snapshot_steps(world, ranks)
+        step = max(agreed(held), default=-1)
         if step < max(self.pushed_step, self.skipped_step):  # a restore went back (its later snapshots are
             self.pushed_step = self.skipped_step = -1  # gone): push again from here
         if step <= self.pushed_step:
             return
+        times = {str(r): held[r][step].get("time") for r in ranks} if step >= 0 else {}  # whose snapshots
         if not self._candidates():
-            self._skip(step, "no peer")  # nobody to copy to (yet): copying the state out would be wasted
+            self._skip(step, times, "no peer")  # nobody to copy to (yet): copying the state out would be wasted
             return
         t0, sent = time.perf_counter(), set()
         for r in ranks:  # one rank's copy in memory at a time
@@ -211,7 +232,7 @@ class Replicator:
             to = self._send(copy, ranks, step)
             if not to:
                 self._idle_until = time.monotonic() + 1.0  # every candidate failed: not 50 copies a second
-                self._skip(step, "no peer took the copy")
+                self._skip(step, times, "no peer took the copy")
                 return
             sent.update(to)
         self.superseded_in_a_row = 0
@@ -228,7 +249,7 @@ class Replicator:
         self.status.update(
             lag_steps=lag,
             pushed_step=step,
-            pushed_at=time.time(),
+            pushed_times=times,
             pushed_to=sorted(sent),
             pushes=self.status["pushes"] + 1,
             last_push_s=round(time.perf_counter() - t0, 4),
@@ -237,12 +258,12 @@ class Replicator:
         )
         atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
 
-    def _skip(self, step: int, why: str) -> None:
+    def _skip(self, step: int, times: dict[str, Any], why: str) -> None:
         """Say (once per step) that ``step`` gets no copy: workers waiting for it (``--replica-sync``)
-        go on rather than wait out their timeout."""
+        go on. ``times``: each rank's snapshot time, so a worker takes no news of an older snapshot."""
         if step > self.skipped_step:
             self.skipped_step = step
-            self.status.update(skipped_step=step, skipped_at=time.time(), skipped_why=why)
+            self.status.update(skipped_step=step, skipped_times=times, skipped_why=why)
             atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
 
     def _candidates(self) -> list[dict[str, Any]]:
