@@ -92,6 +92,30 @@ def test_two_nodes_write_their_own_shards_and_the_coordinator_commits(nodes, tmp
     assert all(isinstance(m, dict) and m.get("already") for m in again), again
 
 
+def test_a_late_heartbeat_never_writes_the_stage_back_after_the_commit(nodes, tmp_path, monkeypatch):
+    # A beat that is still being written when the participant's results go in lands after the
+    # coordinator committed and removed the stage (seen once in a full run): here every beat waits for
+    # exactly that. The participant must stop beating before it hands in its results.
+    snapshot(nodes[0], 0, [3])
+    snapshot(nodes[1], 1, [3])
+    storage, put = Storage(str(tmp_path / "ckpt")), multinode._put
+    stage = tmp_path / "ckpt" / ".stage" / "step-00000003"
+
+    def late_beat(storage: Storage, obj: object, *parts: str) -> None:
+        if "alive" in parts:
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and not list((stage / "results").glob("rank1.*")):
+                time.sleep(0.01)  # until the results are in ...
+            while time.monotonic() < deadline and stage.exists():
+                time.sleep(0.01)  # ... and the coordinator has committed and removed the stage
+        put(storage, obj, *parts)
+
+    monkeypatch.setattr(multinode, "_put", late_beat)
+    coordinator, participant = run_nodes(nodes, storage, 3)
+    assert isinstance(coordinator, dict) and isinstance(participant, dict), (coordinator, participant)
+    assert storage.latest() == 3 and not stage.exists(), sorted(p.name for p in stage.rglob("*"))
+
+
 def test_a_node_without_the_step_makes_the_coordinator_give_up_at_once(nodes, tmp_path):
     snapshot(nodes[0], 0, [4])
     snapshot(nodes[1], 1, [5])  # rank 1 never held step 4

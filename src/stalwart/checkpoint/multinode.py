@@ -293,7 +293,11 @@ def _participate(
     attempt = go["attempt"]
     hook = chaos_hook(step)
     with _Heartbeat(storage, step, min(views)):
-        _write_shares(storage, step, views, go, attempt, hook)
+        reports = _write_shares(storage, step, views, go, attempt, hook)
+    # Only after the last beat: once every result is in, the coordinator commits and removes the stage,
+    # and a beat still on its way would write it back (a stage directory left behind, seen under load).
+    for r, report in reports.items():
+        _put(storage, report, *_stage(step, "results", f"rank{r}.{attempt}.json"))
 
     def committed() -> dict[str, Any] | None:
         latest = storage.latest()
@@ -305,7 +309,9 @@ def _participate(
 
 def _write_shares(
     storage: Storage, step: int, views: dict[int, SnapshotView], go: dict[str, Any], attempt: str, hook: Any
-) -> None:
+) -> dict[int, dict[str, Any]]:
+    """Write each rank's shards; rank → its results for the coordinator (a failure is reported at once)."""
+    reports = {}
     for r, view in views.items():
         sums: dict[str, dict[str, int]] = {}
         try:
@@ -318,11 +324,8 @@ def _write_shares(
         except Exception as err:
             _put(storage, {"error": repr(err)}, *_stage(step, "results", f"rank{r}.{attempt}.json"))
             raise
-        _put(
-            storage,
-            {"results": _results_json(results), "sums": sums},
-            *_stage(step, "results", f"rank{r}.{attempt}.json"),
-        )
+        reports[r] = {"results": _results_json(results), "sums": sums}
+    return reports
 
 
 class _Heartbeat:
