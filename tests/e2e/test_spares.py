@@ -63,6 +63,7 @@ def node(
         str(tmp_path / f"summary{n}.json"),
         "--chaos",
         f"{base};{chaos}" if chaos else base,
+        "--replica-sync",  # copies in step with training: a memory restore however far async copies trail (CI18)
     )
     return start_node(tmp_path, data, address, job, n, run=flags, train=(f"--train.steps={STEPS}",), script=script)
 
