@@ -129,9 +129,9 @@ def test_fsdp_kill_after_snapshot_restores_from_memory_bitwise(stdlib_data, shm_
     # Two launches rather than torchrun --max-restarts: restarted gloo workers sometimes hang in
     # connectFullMesh on this stack (see DESIGN.md pitfalls); the restore path is the same.
     _, ref = fsdp_ref
-    killed = train(
-        tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp", chaos="kill:rank=1:step=5", expect_ok=False
-    )
+    # Rank 0's step-5 copy is slowed (as under load): "kill after step 5" still leaves step 5 on both ranks.
+    chaos = "kill:rank=1:step=5;delay:at=copy:rank=0:step=5:seconds=1"
+    killed = train(tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp", chaos=chaos, expect_ok=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     wait_for_text(tmp_path / "keeper.log", "save-on-failure step 5")
     summary = train(tmp_path, stdlib_data, shm_root, "--parallel.dp_mode=fsdp")

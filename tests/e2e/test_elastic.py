@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
@@ -144,12 +144,17 @@ def start_node(
     )
 
 
-def lose_node(proc: subprocess.Popen, job: str, n: int) -> None:
-    """What a dead host looks like: every process of the node gone at once, shared memory too."""
+def lose_node(proc: subprocess.Popen, job: str, n: int, when: Callable[[], bool] | None = None) -> None:
+    """What a dead host looks like: every process of the node gone at once, shared memory too;
+    ``when``: the moment to kill (polled once the victims are known, so nothing runs in between)."""
     victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     victims += [
         p for p in psutil.process_iter(["cmdline"]) if any(f"{job}-node{n}" in c for c in p.info["cmdline"] or [])
     ]
+    deadline = time.monotonic() + 120
+    while when is not None and not when():
+        assert time.monotonic() < deadline and proc.poll() is None, f"node{n}: the moment to kill it never came"
+        time.sleep(0.002)
     for v in victims:
         try:
             v.kill()

@@ -101,6 +101,19 @@ def copying(job: str, n: int, storage: Storage) -> Callable[[], bool]:
     return check
 
 
+def caught_up(job: str, lost: int, survivor: int, world: int) -> Callable[[], bool]:
+    """Node ``lost``'s newest copy is at most one step behind ``survivor``'s newest snapshot: inside
+    the survivor's slots, where an asynchronous copy promises a memory restore (one that trails further
+    restores from storage, by design: docs/checkpoint.md)."""
+
+    def check() -> bool:
+        status = NodeJob.of_agent(job, f"node{lost}").paths.root / "replicas.json"
+        pushed = json.loads(status.read_text()).get("pushed_step") if status.exists() else None
+        return pushed is not None and pushed >= NodeJob.of_agent(job, f"node{survivor}").newest_agreed(world) - 1
+
+    return check
+
+
 def stop_job(
     nodes: dict[int, subprocess.Popen], job: str, reference: subprocess.Popen, master: subprocess.Popen
 ) -> None:

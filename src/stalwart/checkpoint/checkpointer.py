@@ -373,6 +373,20 @@ class Checkpointer:
             self.keeper.wait_persisted(self.pending_persist, final=True)
             self.pending_persist = None
 
+    def wait_node_holds(self, step: int, timeout: float = 10.0) -> bool:
+        """Wait until every rank of this node holds a complete snapshot of ``step`` (when this rank took
+        one): a chaos fault "after step S" fires then, so a kill leaves S to save on failure whatever
+        the ranks' pace. False after ``timeout`` (a peer skipped the step or is stuck)."""
+        self.writer.wait()
+        if self.writer.stats["last_step"] != step:
+            return False
+        deadline = time.monotonic() + timeout
+        while self.job.newest_agreed(self.world) < step:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def close(self, success: bool = True) -> None:
         """Finish the in-flight snapshot and remove the hooks. ``success=True`` tells the keeper this
         rank is done; when all are, it removes the snapshots (storage then holds the final state)."""

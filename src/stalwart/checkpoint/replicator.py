@@ -138,8 +138,7 @@ class Replicator:
         beat = self.node.root / BEAT_FILE
         while True:
             try:
-                beat.touch(mode=0o600)
-                os.utime(beat)
+                beat.touch(mode=0o600)  # updates the time of an existing file
             except OSError:
                 pass  # the job directory is being removed: the keeper is ending
             if self._stop.wait(BEAT_S):

@@ -86,6 +86,7 @@ class MetricsHook(StepHook):
     last_loss: float | None = None  # of the newest written record
     _pending: deque[_Pending] = field(default_factory=deque)
     _rollback: dict[str, Any] | None = None
+    _queued_step: int | None = None
     _writer: MetricsWriter | None = None
     _display: ProgressDisplay | None = None
     _records: RankRecords | None = None
@@ -124,29 +125,7 @@ class MetricsHook(StepHook):
         self._t0 = time.perf_counter()
 
     def after_step(self, trainer: Trainer, stats: StepStats) -> None:
-        dt = time.perf_counter() - self._t0  # host time; the GPU's pace shows in it over a few steps
-        self.step_times.append(dt)
-        tps = self.tokens_per_step / dt
-        mfu = (self.flops_per_token * tps / (self.peak_flops * self.world_size)) if self.peak_flops else None
-        record = {
-            "step": stats.step,
-            "lr": stats.lr,
-            "tokens_per_s": tps,
-            "step_time_s": dt,
-            "mfu": mfu,
-            "checkpoint_s": stats.checkpoint_s,
-            "samples_consumed": trainer.sampler.consumed,
-            "time": time.time(),
-        }
-        if self._rollback is not None:
-            record["rollback"], self._rollback = self._rollback, None
-        rank_values = {
-            "time": self._wall0,
-            "ms": {"checkpoint": round(stats.checkpoint_s * 1e3, 3), "step": round(dt * 1e3, 3)},
-            "mem_mb": memory_mb(stats.loss.device),
-        }
-        values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
-        self._pending.append(_Pending(stats.step, HostCopy(values), record, rank_values))
+        self._queue(trainer, stats)
         log_step = stats.step % self.log_every == 0 or stats.step == self.total_steps
         self.drain(wait=log_step)
         done = trainer.timer.resolved()
@@ -161,6 +140,42 @@ class MetricsHook(StepHook):
         sections = done[-1] if done else None
         known = self.last_loss if not self._pending and self.last_loss is not None else None
         stalwart.report(stats.step, loss=known, compute_s=sections["compute_s"] if sections else None)
+
+    def _queue(self, trainer: Trainer, stats: StepStats, **extra: Any) -> None:
+        """Build the step's record; it is written once its values reach the host."""
+        self._queued_step = stats.step
+        dt = time.perf_counter() - self._t0  # host time; the GPU's pace shows in it over a few steps
+        self.step_times.append(dt)
+        tps = self.tokens_per_step / dt
+        mfu = (self.flops_per_token * tps / (self.peak_flops * self.world_size)) if self.peak_flops else None
+        record = {
+            "step": stats.step,
+            "lr": stats.lr,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "mfu": mfu,
+            "checkpoint_s": stats.checkpoint_s,
+            "samples_consumed": trainer.sampler.consumed,
+            "time": time.time(),
+            **extra,
+        }
+        if self._rollback is not None:
+            record["rollback"], self._rollback = self._rollback, None
+        rank_values = {
+            "time": self._wall0,
+            "ms": {"checkpoint": round(stats.checkpoint_s * 1e3, 3), "step": round(dt * 1e3, 3)},
+            "mem_mb": memory_mb(stats.loss.device),
+        }
+        values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
+        self._pending.append(_Pending(stats.step, HostCopy(values), record, rank_values))
+
+    def keep_applied(self, trainer: Trainer, stats: StepStats) -> None:
+        """A hook before this one failed after the step was applied (its checkpoint call, when a peer
+        died mid-save): the record is still queued, marked ``interrupted`` — a restart may resume from
+        this step's snapshot and never redo it. No progress report: the step did not complete."""
+        if self._queued_step != stats.step:
+            self._queue(trainer, stats, interrupted=True)
+        self.drain()  # now: the launcher may stop this process any moment
 
     def drain(self, wait: bool = False) -> None:
         """Write the records whose values reached the host; with ``wait``, all of them (a sync)."""

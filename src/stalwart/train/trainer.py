@@ -240,8 +240,13 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step
-        for hook in self.hooks:
-            hook.after_step(self, stats)
+        try:
+            for hook in self.hooks:
+                hook.after_step(self, stats)
+        except BaseException:  # e.g. the checkpoint call when a peer died: a restart may resume past it
+            with contextlib.suppress(Exception):  # the first failure is the one to report
+                self.metrics.keep_applied(self, stats)
+            raise
         return stats
 
     @contextlib.contextmanager
@@ -362,10 +367,11 @@ class Trainer:
         }
 
     def _chaos(self) -> None:
-        """STALWART_CHAOS faults at point "step" fire here, after this step's snapshot completed."""
+        """STALWART_CHAOS faults at point "step" fire here, once this node's snapshots of the step are
+        complete (a peer's copy may trail ours: "kill after step S" must leave S, not S - 1)."""
         fault = chaos.due("step", step=self.step, rank=self.env.rank)
         if fault is not None:
             self.metrics.drain(wait=True)
             if self.ckpt is not None:
-                self.ckpt.wait()
+                self.ckpt.wait_node_holds(self.step)
             fault.fire()
