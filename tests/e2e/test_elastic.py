@@ -5,6 +5,7 @@ checkpoint. The rendezvous store is served by the master, so it does not die wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -146,20 +147,27 @@ def start_node(
 
 def lose_node(proc: subprocess.Popen, job: str, n: int, when: Callable[[], bool] | None = None) -> None:
     """What a dead host looks like: every process of the node gone at once, shared memory too;
-    ``when``: the moment to kill (polled once the victims are known, so nothing runs in between)."""
-    victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    victims += [
-        p for p in psutil.process_iter(["cmdline"]) if any(f"{job}-node{n}" in c for c in p.info["cmdline"] or [])
-    ]
+    ``when``: the moment to kill (polled once the victims are known, so no process scan runs between
+    it and the kill; a second scan then finds any process of the node started meanwhile)."""
+
+    def of_node() -> list[psutil.Process]:
+        return [
+            p for p in psutil.process_iter(["cmdline"]) if any(f"{job}-node{n}" in c for c in p.info["cmdline"] or [])
+        ]
+
+    def kill(processes: list[psutil.Process]) -> None:
+        for v in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                v.kill()
+
+    victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True), *of_node()]
     deadline = time.monotonic() + 120
     while when is not None and not when():
         assert time.monotonic() < deadline and proc.poll() is None, f"node{n}: the moment to kill it never came"
         time.sleep(0.002)
-    for v in victims:
-        try:
-            v.kill()
-        except psutil.NoSuchProcess:
-            pass
+    kill(victims)
+    if when is not None:
+        kill(of_node())
     shm = NodeJob.of_agent(job, f"node{n}").paths.root
     assert shm.parent.name.startswith("stalwart-"), shm  # the per-user directory: this path is the node's
     shutil.rmtree(shm, ignore_errors=True)

@@ -102,14 +102,18 @@ def copying(job: str, n: int, storage: Storage) -> Callable[[], bool]:
 
 
 def caught_up(job: str, lost: int, survivor: int, world: int) -> Callable[[], bool]:
-    """Node ``lost``'s newest copy is at most one step behind ``survivor``'s newest snapshot: inside
-    the survivor's slots, where an asynchronous copy promises a memory restore (one that trails further
-    restores from storage, by design: docs/checkpoint.md)."""
+    """True the moment ``survivor`` published a new snapshot (its next is a whole step away) while node
+    ``lost``'s newest copy is at most one step behind it: inside the survivor's slots, where an
+    asynchronous copy promises a memory restore (one that trails further restores from storage, by
+    design: docs/checkpoint.md)."""
+    seen = {"newest": None}
 
     def check() -> bool:
+        newest = NodeJob.of_agent(job, f"node{survivor}").newest_agreed(world)
+        fresh, seen["newest"] = seen["newest"] is not None and newest != seen["newest"], newest
         status = NodeJob.of_agent(job, f"node{lost}").paths.root / "replicas.json"
         pushed = json.loads(status.read_text()).get("pushed_step") if status.exists() else None
-        return pushed is not None and pushed >= NodeJob.of_agent(job, f"node{survivor}").newest_agreed(world) - 1
+        return fresh and pushed is not None and pushed >= newest - 1
 
     return check
 

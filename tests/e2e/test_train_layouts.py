@@ -134,9 +134,9 @@ def assert_recovered_bitwise(job: tuple[dict, dict], equal_to: dict) -> None:
     [incident] = run["incidents"]
     assert incident["kind"] == "sigkill" and run["restarts_used"] == 1
     ck = killed["checkpoint"]
-    # Rank 1 dies after its step-6 snapshot completed; a survivor's may still be in flight (or skipped
-    # behind a slower copy) when the agent stops it: the newest step all ranks hold is then 5 (once in
-    # CI under FSDP2 × TP2) and step 6 is trained again, to the same weights.
+    # Rank 1 dies once every rank's step-6 snapshot is whole (the chaos waits for the node's); only a
+    # snapshot skipped behind a slower copy leaves an older newest step all ranks hold (once in CI under
+    # FSDP2 × TP2 before that wait: 5), and step 6 is trained again, to the same weights.
     assert ck["restored_from"] == "memory" and 4 <= ck["restore_step"] <= 6, ck
     assert killed["steps"] == equal_to["steps"]
     assert killed["final_hash"] == equal_to["final_hash"] and killed["optim_hash"] == equal_to["optim_hash"]

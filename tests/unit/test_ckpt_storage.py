@@ -59,7 +59,7 @@ for step in range(start + 1, a.steps + 1):
     log.write(json.dumps({"step": step, "hash": h}) + "\n"); log.flush()
     ck.save(step, state)
     if fault := chaos.due("step", step=step, rank=rank):
-        ck.wait(); fault.fire()
+        ck.wait_node_holds(step); fault.fire()  # as the trainer: every rank's snapshot of step is whole
 ck.wait()
 if a.no_close:
     os._exit(0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stalwart.demo.job import JobResult
-from stalwart.demo.report import lost_steps, recoveries, report
+from stalwart.demo.report import lost_steps, recoveries, report, step_records
 
 
 def incident(node: str, kind: str, fault: float | None, detected: float, first_step: float | None, **details) -> dict:
@@ -84,3 +84,10 @@ def test_report_goodput_and_comparison():
         JobResult([0, 0], 50.0, spurious, 3, job.summary, METRICS), [("kill", 5), ("hang", 8)], "h", True, fault_rank=1
     )["incidents"]
     assert [(i["injected"], i["kind"]) for i in attributed] == [(None, "hang"), ("kill", "sigkill"), ("hang", "hang")]
+
+
+def test_a_step_whose_checkpoint_call_failed_is_no_completion():
+    # step 6's record written as its save failed at t=30 (the hang): not the first step after a restart
+    interrupted = {"step": 6, "time": 30.0, "step_time_s": 11.0, "interrupted": True}
+    assert step_records([*METRICS, interrupted]) == step_records(METRICS)
+    assert [r.step for r in step_records(METRICS)] == [m["step"] for m in METRICS]

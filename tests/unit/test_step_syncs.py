@@ -177,23 +177,29 @@ def test_records_wait_for_their_host_copy_except_at_log_steps(tmp_path: Path, mo
 
 def test_a_step_whose_checkpoint_call_fails_keeps_its_record_but_is_not_reported(trainer, monkeypatch):
     """A peer dying during a --replica-sync wait fails the checkpoint call after the update was applied;
-    a restart may resume from that step's snapshot and never redo it, so its record must be written."""
+    a restart may resume from that step's snapshot and never redo it, so its record must be written —
+    also when the step number was seen before (a rollback redoes steps)."""
     from stalwart.train.hooks import StepHook
 
     reported = []
     monkeypatch.setattr(stalwart, "report", lambda step, **kw: reported.append(step))
 
     class FailingSave(StepHook):
+        armed = False
+
         def after_step(self, trainer, stats):
-            if stats.step == 2:
+            if self.armed:
                 raise RuntimeError("Connection closed by peer")
 
-    trainer.hooks.insert(trainer.hooks.index(trainer.metrics), FailingSave())
+    failing = FailingSave()
+    trainer.hooks.insert(trainer.hooks.index(trainer.metrics), failing)
     trainer.train_step()
+    trainer.train_step()
+    trainer.step, failing.armed = 1, True  # as after a rollback to step 1: step 2 again, and its save fails
     with pytest.raises(RuntimeError, match="closed by peer"):
         trainer.train_step()
-    assert trainer.step == 2 and reported == [1], "the failed step is not reported as progress"
+    assert trainer.step == 2 and reported == [1, 2], "the failed step is not reported as progress"
     # Written at once (the launcher may stop the process any moment), before any later drain.
     records = [json.loads(x) for x in (Path(trainer.cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r.get("interrupted", False)) for r in records] == [(1, False), (2, True)]
-    assert records[1]["loss"] > 0
+    assert [(r["step"], r.get("interrupted", False)) for r in records] == [(1, False), (2, False), (2, True)]
+    assert records[2]["loss"] > 0

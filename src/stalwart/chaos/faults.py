@@ -103,6 +103,11 @@ class Fault:
         return True
 
     @property
+    def ends_process(self) -> bool:
+        """The fault ends (or stops) the process: what it leaves behind is what a test examines."""
+        return self.action in ("kill", "segv", "exit", "raise", "hang", "stop")
+
+    @property
     def stretches(self) -> bool:
         """``delay``/``slow`` with a ``factor``: stretch the section it is in by that factor."""
         return self.action == "delay" and ":factor=" in f":{self.text}"

@@ -63,8 +63,10 @@ def recoveries(incidents: list[dict[str, Any]], fault_rank: int | None = None) -
 def step_records(metrics: list[dict[str, Any]]) -> list[StepRecord]:
     """The trainer's ``metrics.jsonl`` records as the step log of ``recovery_metrics``. Its
     ``step_time_s`` includes the checkpoint save call and ``checkpoint_s`` is that call's part (0 in
-    records of a run without checkpoints)."""
-    return [StepRecord(m["step"], m["time"], m["step_time_s"], m.get("checkpoint_s", 0.0)) for m in metrics]
+    records of a run without checkpoints). A step whose checkpoint call failed (``interrupted``) is
+    no completion: its time went into the failure."""
+    done = [m for m in metrics if not m.get("interrupted")]
+    return [StepRecord(m["step"], m["time"], m["step_time_s"], m.get("checkpoint_s", 0.0)) for m in done]
 
 
 def recovery_of(metrics: list[dict[str, Any]], fault: float, detected: float, last_step: int) -> Recovery:

@@ -94,5 +94,7 @@ class CheckpointHook(StepHook):
 
     def after_step(self, trainer: Trainer, stats: StepStats) -> None:
         t0 = time.perf_counter()
-        self.ckpt.save(stats.step, trainer.state, persist=True if stats.step == self.total_steps else None)
-        stats.checkpoint_s = time.perf_counter() - t0
+        try:
+            self.ckpt.save(stats.step, trainer.state, persist=True if stats.step == self.total_steps else None)
+        finally:  # a failed call's time too (its step's record is kept: MetricsHook.keep_applied)
+            stats.checkpoint_s = time.perf_counter() - t0

@@ -121,6 +121,7 @@ class MetricsHook(StepHook):
 
     def before_step(self, trainer: Trainer, step: int) -> None:
         trainer.timer.begin_step(step)
+        self._queued_step = None  # step numbers repeat after a rollback
         self._wall0 = time.time()
         self._t0 = time.perf_counter()
 
@@ -143,7 +144,6 @@ class MetricsHook(StepHook):
 
     def _queue(self, trainer: Trainer, stats: StepStats, **extra: Any) -> None:
         """Build the step's record; it is written once its values reach the host."""
-        self._queued_step = stats.step
         dt = time.perf_counter() - self._t0  # host time; the GPU's pace shows in it over a few steps
         self.step_times.append(dt)
         tps = self.tokens_per_step / dt
@@ -168,6 +168,7 @@ class MetricsHook(StepHook):
         }
         values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
         self._pending.append(_Pending(stats.step, HostCopy(values), record, rank_values))
+        self._queued_step = stats.step
 
     def keep_applied(self, trainer: Trainer, stats: StepStats) -> None:
         """A hook before this one failed after the step was applied (its checkpoint call, when a peer

@@ -367,11 +367,14 @@ class Trainer:
         }
 
     def _chaos(self) -> None:
-        """STALWART_CHAOS faults at point "step" fire here, once this node's snapshots of the step are
-        complete (a peer's copy may trail ours: "kill after step S" must leave S, not S - 1)."""
+        """STALWART_CHAOS faults at point "step" fire here: one that ends the process once this node's
+        snapshots of the step are whole (up to 10 s; a peer's copy may trail ours, and "kill after step
+        S" must leave S, not S - 1), others once this rank's is."""
         fault = chaos.due("step", step=self.step, rank=self.env.rank)
         if fault is not None:
             self.metrics.drain(wait=True)
-            if self.ckpt is not None:
-                self.ckpt.wait_node_holds(self.step)
+            if self.ckpt is not None and not fault.ends_process:
+                self.ckpt.wait()
+            elif self.ckpt is not None and not self.ckpt.wait_node_holds(self.step):
+                print(f"stalwart chaos: step {self.step}: a snapshot of this node is not whole", file=sys.stderr)
             fault.fire()
