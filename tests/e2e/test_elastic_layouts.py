@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint import Storage
-from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.journal import Journal
 
 from .test_elastic import agent_cmd, lose_node, start_master
+from .test_spares import pushed_step
 from .test_train_layouts import COMMON, RTOL, train
 
 pytestmark = pytest.mark.e2e
@@ -53,12 +53,6 @@ def start_node(tmp_path: Path, data: Path, address: str, job: str, n: int) -> su
     )
 
 
-def pushed(job: str, n: int) -> int:
-    """The newest step node n's keeper copied to a peer (0 before the first)."""
-    status = NodeJob.of_agent(job, f"node{n}").paths.root / "replicas.json"
-    return (json.loads(status.read_text()).get("pushed_step") or 0) if status.exists() else 0
-
-
 def node_log(tmp_path: Path, n: int) -> str:
     return (tmp_path / f"node{n}.log").read_text()[-4000:]
 
@@ -81,7 +75,7 @@ def test_losing_a_node_shrinks_tp2_dp2_to_tp2_and_training_continues_on_the_curv
             committed = latest if manifest and manifest["world_size"] == 2 * WORKERS else None
             time.sleep(0.1)
         assert committed < STEPS - 2, f"the job was nearly done ({committed}) before the node was lost"
-        while pushed(job, 1) <= committed:
+        while (pushed_step(job, 1) or 0) <= committed:
             assert time.monotonic() < deadline, "node1 copied no step past the committed one to node0"
             time.sleep(0.05)
         lose_node(nodes[1], job, 1)

@@ -90,12 +90,17 @@ def committed_at_world_2(storage: Storage) -> bool:
     return bool(latest) and (storage.manifest(latest) or {}).get("world_size") == 2
 
 
+def pushed_step(job: str, n: int) -> int | None:
+    """The newest step node n's keeper copied to a peer (None before the first)."""
+    status = NodeJob.of_agent(job, f"node{n}").paths.root / "replicas.json"
+    return json.loads(status.read_text()).get("pushed_step") if status.exists() else None
+
+
 def copying(job: str, n: int, storage: Storage) -> Callable[[], bool]:
     """Node n's keeper has copied a snapshot at least as new as the newest committed step to a peer."""
 
     def check() -> bool:
-        status = NodeJob.of_agent(job, f"node{n}").paths.root / "replicas.json"
-        pushed = json.loads(status.read_text()).get("pushed_step") if status.exists() else None
+        pushed = pushed_step(job, n)
         return pushed is not None and pushed >= (storage.latest() or 0)
 
     return check
@@ -111,8 +116,7 @@ def caught_up(job: str, lost: int, survivor: int, world: int) -> Callable[[], bo
     def check() -> bool:
         newest = NodeJob.of_agent(job, f"node{survivor}").newest_agreed(world)
         fresh, seen["newest"] = seen["newest"] is not None and newest != seen["newest"], newest
-        status = NodeJob.of_agent(job, f"node{lost}").paths.root / "replicas.json"
-        pushed = json.loads(status.read_text()).get("pushed_step") if status.exists() else None
+        pushed = pushed_step(job, lost)
         return fresh and pushed is not None and pushed >= newest - 1
 
     return check
