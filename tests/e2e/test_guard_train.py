@@ -159,9 +159,11 @@ def test_a_rank_with_a_corrupted_matmul_is_named_by_the_burn_in(stdlib_data, shm
     assert incidents(tmp_path, 0) == [], "the healthy rank journals nothing"
 
 
-def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_future(shm_root, tmp_path):
+def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_future(shm_root, tmp_path, monkeypatch):
     """The storage path, in one process: persisted steps 4, 6, 8 (memory holds 7, 8); a rollback to
-    ≤ 5 loads step 4 from storage and deletes 6 and 8, so no later restore resumes that future."""
+    ≤ 5 loads step 4 from storage and deletes 6 and 8, so no later restore resumes that future.
+    The keeper is slowed between each commit and its retention: wait(persist=True) must still return
+    with step 2 gone (under load it once returned before, and the rollback then kept 2 beside 4)."""
     from stalwart.checkpoint import Checkpointer
     from stalwart.checkpoint.shm import complete_slots
     from stalwart.data import GlobalSampler
@@ -171,6 +173,8 @@ def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_fu
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     sampler = GlobalSampler(100, 4)
     state = {"model": model, "optim": opt, "sampler": sampler}
+    monkeypatch.setenv("STALWART_CHAOS", "delay:seconds=0.5:at=retention")  # the keeper inherits it
+    monkeypatch.setenv("STALWART_CHAOS_DIR", str(tmp_path / "chaos"))
     ckpt = Checkpointer(
         str(tmp_path / "ck"),
         persist_every_steps=2,

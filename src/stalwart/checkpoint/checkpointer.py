@@ -366,8 +366,8 @@ class Checkpointer:
 
     def wait(self, persist: bool = False) -> None:
         """Wait for the in-flight snapshot; with ``persist=True`` also until the keeper committed the
-        last step requested for persistence (``StorageUnavailableError`` when storage keeps failing it:
-        see ``ensure_durable``, which also covers a final step restored from memory)."""
+        last step requested for persistence and applied retention (``StorageUnavailableError`` when
+        storage keeps failing it: see ``ensure_durable``, also for a final step restored from memory)."""
         self.writer.wait()
         if persist and self.pending_persist is not None and self.use_keeper:
             self.keeper.wait_persisted(self.pending_persist, final=True)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stalwart import chaos
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import remove_torn, retention
@@ -197,9 +198,9 @@ class Keeper:
                 self.event("save-on-failure-failed", None, f"({cause}) {err!r}", logging.ERROR)
                 continue
             if result["persisted"]:
-                self.last_persisted = max(self.last_persisted, result["step"])
                 self.health.committed(result["step"])
-                self._retention()
+                self._retention(result["step"])
+                self.last_persisted = max(self.last_persisted, result["step"])
             self.event("save-on-failure", result["step"], result["detail"])
 
     def _maybe_persist(self, world: int, ranks: list[int], force: bool = False) -> None:
@@ -259,12 +260,16 @@ class Keeper:
                 self.leftovers.add(target)
             self.event("failed", target, f"persist failed ({cause}): {err!r}", logging.DEBUG)
             return
-        self.last_persisted = target
         self.health.committed(target)
         self._remove_leftovers()
         if manifest.get("already"):
+            self.last_persisted = target
             self.event("already-committed", target, f"committed step {manifest.get('step')} covers it")
             return
+        # Retention before the commit is announced (``last_committed``): a worker's wait(persist=True)
+        # then finds storage as the policy leaves it, and a rollback that follows sees no step about to go.
+        self._retention(target)
+        self.last_persisted = target
         mib = manifest["bytes"] / 2**20
         self.event(
             "committed",
@@ -273,7 +278,6 @@ class Keeper:
             f"({mib / max(manifest['commit_s'], 1e-9):.0f} MiB/s) → "
             f"{self.storage.path(step_name(target))}",
         )
-        self._retention()
 
     def _requested(self, world: int, ranks: list[int], common: set[int]) -> int:
         """A step the coordinator asked for (save-on-failure, time-based) that we still hold, else -1;
@@ -292,14 +296,19 @@ class Keeper:
         multinode.answer_missing(self.storage, step, ranks, f"this node holds steps {sorted(common)}")
         return -1
 
-    def _retention(self) -> None:
+    def _retention(self, step: int) -> None:
+        """Apply keep_last/keep_every after committing ``step``, under the persist lock (a rollback
+        deletes and moves ``latest`` under it too)."""
         if not self.coordinator:
             return
         try:
-            removed = retention(self.storage, int(self.policy("keep_last", 3)), int(self.policy("keep_every", 0)))
+            if fault := chaos.due("retention", step=step):
+                fault.fire()
+            with self.node.persist_lock():
+                removed = retention(self.storage, int(self.policy("keep_last", 3)), int(self.policy("keep_every", 0)))
         except Exception as err:
-            cause = self.health.failed("retention", self.last_persisted, err)
-            self.event("retention-failed", self.last_persisted, f"({cause}) {err!r}", logging.DEBUG)
+            cause = self.health.failed("retention", step, err)
+            self.event("retention-failed", step, f"({cause}) {err!r}", logging.DEBUG)
             return
         if removed:
             log.info("retention removed step(s) %s", removed)
