@@ -159,13 +159,11 @@ def test_a_rank_with_a_corrupted_matmul_is_named_by_the_burn_in(stdlib_data, shm
     assert incidents(tmp_path, 0) == [], "the healthy rank journals nothing"
 
 
-def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_future(shm_root, tmp_path, monkeypatch):
-    """The storage path, in one process: persisted steps 4, 6, 8 (memory holds 7, 8); a rollback to
-    ≤ 5 loads step 4 from storage and deletes 6 and 8, so no later restore resumes that future.
-    The keeper is slowed between each commit and its retention: wait(persist=True) must still return
-    with step 2 gone (under load it once returned before, and the rollback then kept 2 beside 4)."""
+def _persisting_run(shm_root: Path, tmp_path: Path, monkeypatch) -> tuple:
+    """One process, steps 1–8 snapshotted, every 2nd persisted (keep_last=3). The keeper is slowed
+    between each commit and its retention: wait(persist=True) must still return with storage as the
+    policy leaves it (under load it once returned before, and a rollback then kept step 2 beside 4)."""
     from stalwart.checkpoint import Checkpointer
-    from stalwart.checkpoint.shm import complete_slots
     from stalwart.data import GlobalSampler
 
     torch.manual_seed(0)
@@ -183,15 +181,30 @@ def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_fu
         keeper_idle_s=5,
         keeper_log=tmp_path / "keeper.log",
     )
-    weights = {}
-    for step in range(1, 9):
-        sampler.next_batch(0, 1)
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        ckpt.save(step, state)
-        ckpt.wait(persist=step % 2 == 0)
-        weights[step] = model.weight.detach().clone()
+
+    def steps(first: int, last: int) -> dict[int, torch.Tensor]:
+        weights = {}
+        for step in range(first, last + 1):
+            sampler.next_batch(0, 1)
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.save(step, state)
+            ckpt.wait(persist=step % 2 == 0)
+            weights[step] = model.weight.detach().clone()
+        return weights
+
+    return ckpt, state, steps
+
+
+def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_future(shm_root, tmp_path, monkeypatch):
+    """The storage path: persisted steps 4, 6, 8 (memory holds 7, 8); a rollback to ≤ 5 loads step 4
+    from storage and deletes 6 and 8, so no later restore resumes that future."""
+    from stalwart.checkpoint.shm import complete_slots
+
+    ckpt, state, steps = _persisting_run(shm_root, tmp_path, monkeypatch)
+    model, sampler = state["model"], state["sampler"]
+    weights = steps(1, 8)
     assert ckpt.storage.committed() == [8, 6, 4]
     info = ckpt.rollback(state, at_most=5, before=9)
     assert (info.source, info.step) == ("storage", 4)
@@ -203,4 +216,19 @@ def test_checkpointer_rollback_uses_persisted_steps_and_forgets_the_abandoned_fu
     assert info.step == 4 and "oldest held" in info.detail
     with pytest.raises(LookupError, match="no checkpoint before step 3"):
         ckpt.rollback(state, at_most=0, before=3)
+    ckpt.close(success=True)
+
+
+def test_steps_redone_after_a_rollback_are_persisted_again(shm_root, tmp_path, monkeypatch):
+    """After a rollback from 8 to 4, the redone steps 6 and 8 (the same numbers) are persisted and
+    waited for: the keeper forgets that it had persisted 8 of the abandoned future."""
+    ckpt, state, steps = _persisting_run(shm_root, tmp_path, monkeypatch)
+    steps(1, 8)
+    abandoned = ckpt.storage.manifest(8)["created"]
+    assert ckpt.rollback(state, at_most=5, before=9).step == 4 and ckpt.storage.committed() == [4]
+    steps(5, 8)
+    assert ckpt.storage.committed() == [8, 6, 4], (tmp_path / "keeper.log").read_text()
+    assert ckpt.storage.manifest(8)["created"] > abandoned, "step 8 of the redone trajectory"
+    assert "rollback step 4" in (tmp_path / "keeper.log").read_text()
+    ckpt.ensure_durable(8)
     ckpt.close(success=True)

@@ -40,12 +40,12 @@ def _until(predicate, timeout: float = 30.0) -> bool:
     return predicate()
 
 
-def _snapshot(job: NodeJob, steps: list[int], persist: set[int]) -> None:
+def _snapshot(job: NodeJob, steps: list[int], persist: set[int], rank: int = 0, world: int = 1) -> None:
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = TrainingState({"model": model, "optim": opt}, 0)
-    writer = SnapshotWriter(job.paths, 0, 1)
+    state = TrainingState({"model": model, "optim": opt}, rank)
+    writer = SnapshotWriter(job.paths, rank, world)
     for step in steps:
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
@@ -179,3 +179,17 @@ def test_persist_waits_for_the_writer_to_release_a_slot_it_just_published(root, 
     threading.Timer(0.3, os.close, (fd,)).start()
     manifest = job.persist_step(Storage(str(tmp_path / "ckpt")), 2, 1, "test")
     assert manifest["step"] == 2 and not manifest.get("already")
+
+
+def test_a_node_given_another_rank_by_a_regrouping_sees_its_new_world(root, tmp_path):
+    """A grow can give this node rank 1 where it held rank 0 (TorchElastic orders agents by pid, and
+    pids wrap): rank0/ keeps the old world's owner record. The node's world is the newest record's; a
+    keeper that read rank0/'s found none of rank 1's snapshots and never persisted again (a CI hang)."""
+    job = NodeJob(root)
+    _snapshot(job, [78, 79], persist=set())  # rank 0 of the shrunk, one-rank world
+    job.paths.owner(0).write_text('{"pid": 1, "rank": 0, "world_size": 1, "time": 100.0}')
+    _snapshot(job, [80], persist={80}, rank=1, world=2)  # rank 1 of the grown world
+    job.paths.owner(1).write_text(f'{{"pid": {os.getpid()}, "rank": 1, "world_size": 2, "time": 200.0}}')
+    job.write_job(Storage(str(tmp_path / "ckpt")), 2, [1], {"persist_every_steps": 5}, keeper=True, keeper_log=None)
+    assert job.world() == 2
+    assert job.newest_agreed(job.world()) == 80

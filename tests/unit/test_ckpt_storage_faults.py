@@ -93,6 +93,8 @@ def test_full_disk_is_an_incident_leaves_no_torn_step_and_commits_once_space_is_
         filler.unlink()  # space freed mid-run: a retry (with backoff) commits
         assert _until(lambda: storage.latest() == 2), (tmp_path / "keeper.log").read_text()
         assert storage.verify(2) == []
+        # ``latest`` moves inside the commit; the keeper journals the recovery after it returns.
+        assert _until(lambda: "recovered" in _incidents(job)[-1]["detail"]), _incidents(job)
         recovered = _incidents(job)[-1]["detail"]
         assert recovered["recovered"] and recovered["cause"] == "full" and recovered["failed_attempts"] >= 2
         assert "storage full" in (tmp_path / "keeper.log").read_text()
@@ -206,3 +208,27 @@ def test_a_storage_failure_is_not_retried_by_a_restart():
     incident = Incident(diagnosis.kind, diagnosis.cls, diagnosis.retry(True), 0.0, ranks=[0])
     decision = decide(incident, lambda: pytest.fail("no restart is asked for"), 3)
     assert not decision.restart and "cannot fix" in decision.reason
+
+
+def test_the_agents_keeper_journals_beside_its_status_copy_so_the_final_pass_reaches_the_agent(root, tmp_path):
+    """The keeper removes the job's shm directory when it finishes; its last storage records (a
+    recovery at the final commit) must outlive it, where the agent's StorageWatch reads them."""
+    import shutil
+
+    from stalwart.checkpoint.keeper import Keeper
+    from stalwart.launch.storage_watch import StorageWatch
+
+    job, storage = NodeJob(root), Storage(str(tmp_path / "ckpt"))
+    job.root.mkdir(parents=True, mode=0o700)
+    job.write_job(storage, 1, [0], POLICY, keeper=True, keeper_log=None)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    keeper = Keeper(job, status_copy=run_dir / "keeper-status.json")
+    keeper.health.failed("persist", 2, OSError(errno.ENOSPC, "No space left on device"))
+    keeper.health.committed(4)  # the final pass's commit
+    shutil.rmtree(job.root)  # as Keeper._finish does
+    records = StorageWatch(run_dir / "keeper-status.json")()[0]
+    assert [(r["step"], r["detail"]["cause"], r["detail"].get("recovered", False)) for r in records] == [
+        (2, "full", False),
+        (4, "full", True),
+    ]

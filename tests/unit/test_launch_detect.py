@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,3 +327,50 @@ def test_heartbeats_scale_with_the_job_jitter_and_back_off():
     beat.master = FakeMaster({})
     beat.beat()
     assert beat.next_wait() <= 2.2, "an answered beat ends the backoff"
+
+
+def test_a_lost_node_is_seen_with_when_and_why_or_not_at_all(tmp_path):
+    """Readers (survivors asking ``/v1/nodes/lost``, status) on another connection must never see a
+    node lost without its ``lost_at`` and its decision: after every statement the master's journal
+    runs, a second connection checks. A beat newer than the cutoff keeps a node alive."""
+    import sqlite3
+
+    from stalwart.launch.journal import Journal
+    from stalwart.launch.master_state import MasterState
+
+    journal = Journal(tmp_path / "j.sqlite")
+    reader = sqlite3.connect(tmp_path / "j.sqlite")
+    seen: list[tuple[str, bool, bool]] = []
+
+    class Watched:
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db = db
+
+        def __getattr__(self, name: str):
+            return getattr(self.db, name)
+
+        def execute(self, *args):
+            cur = self.db.execute(*args)
+            for (node,) in reader.execute("SELECT node_id FROM nodes WHERE state = 'lost'").fetchall():
+                when = reader.execute("SELECT 1 FROM job WHERE key = ?", (f"lost_at.{node}",)).fetchone()
+                why = reader.execute("SELECT 1 FROM decisions WHERE details LIKE ?", (f'%"{node}"%',)).fetchone()
+                seen.append((node, when is not None, why is not None))
+            return cur
+
+    journal._db = Watched(journal._db)  # type: ignore[assignment]
+    state = MasterState(journal, "job", 1, node_timeout_s=0.2)
+    for n in ("n0", "n1", "n2"):
+        journal.join(n, "h", 1, {})
+    state.started -= 1.0  # up longer than the timeout
+    time.sleep(0.3)
+    journal.heartbeat("n2", {"step": 1})
+    assert state.sweep() == ["n0", "n1"]
+    state.presence_lost("n2")
+    state.presence_lost("n2")  # already lost: no second decision
+    assert seen and all(when and why for _, when, why in seen), seen
+    assert {n["node_id"]: n["state"] for n in journal.nodes()} == {"n0": "lost", "n1": "lost", "n2": "lost"}
+    assert [d["details"]["node_id"] for d in journal.decisions() if d["action"] == "node_lost"] == ["n0", "n1", "n2"]
+    assert all(lost["lost_at"] is not None for lost in state.lost()["lost"])
+    assert not journal.mark_lost("n9", time.time(), "unknown node")
+    journal.heartbeat("n0", {"step": 2})  # back: a cutoff older than this beat leaves it alive
+    assert not journal.mark_lost("n0", time.time(), "stale sweep", silent_since=time.time() - 5)

@@ -31,11 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint.durability import (
-    AtRiskPolicy,
-    StorageNews,
-    not_durable,
-)
+from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob, job_dir_for
 from stalwart.checkpoint.peer_restore import gather, invalidate_replicas_after
@@ -242,7 +238,7 @@ class Checkpointer:
 
     def _forget_storage_after(self, step: int) -> None:
         """Delete committed checkpoints newer than ``step`` (under the keeper's persist lock, so no
-        persist is half-way) and move ``latest`` back."""
+        persist is half-way), move ``latest`` back, and tell each node's keeper."""
         if self.rank == 0:
             with self.job.persist_lock():
                 self.storage.refresh()
@@ -258,6 +254,10 @@ class Checkpointer:
                     )
         if dist.is_initialized():
             dist.barrier(self.group)
+        if self.use_keeper:
+            self.keeper.rolled_back(step)
+            if dist.is_initialized():
+                dist.barrier(self.group)
 
     def discard_snapshots(self) -> int:
         """Start over: forget this rank's memory snapshots (they belong to an earlier trajectory and
@@ -345,8 +345,10 @@ class Checkpointer:
             return
         status = read_json(self.paths.keeper_status) or {}
         self.storage_news.tell(status.get("storage"))  # a recovery since the last step's check is said too
-        if int(status.get("last_committed", -1)) >= step or self._storage_has(step):
-            return  # (restored from storage at the final step: the keeper may not have looked yet)
+        if int(status.get("last_committed", -1)) >= step or (
+            self.writer.stats["last_step"] != step and self._storage_has(step)
+        ):  # restored from storage at the final step: the keeper may not look (ours it announces)
+            return
         if all(s.step != step for s in complete_slots(self.paths, self.rank)):
             raise not_durable(step, self.paths.root, self.storage_status(), "the final step is not in memory")
         self.pending_persist = step  # e.g. restored from memory at the final step: ask again

@@ -82,7 +82,8 @@ class Keeper:
             self.storage = Storage(job["storage"], job.get("storage_options"))
             self.storage.refresh()
             self.last_persisted = self.storage.latest() or -1
-            self.health = StorageHealth(self.storage.url, self.paths.root / INCIDENTS_FILE)
+            journal = (self.status_copy.parent if self.status_copy else self.paths.root) / INCIDENTS_FILE
+            self.health = StorageHealth(self.storage.url, journal)
             self.health.last_committed = self.last_persisted
             self.given_up.clear()
             self.status["last_committed"] = self.last_persisted
@@ -106,6 +107,24 @@ class Keeper:
         atomic_write(self.paths.keeper_status, json.dumps(self.status).encode())
         if self.status_copy is not None:
             atomic_write(self.status_copy, json.dumps({"storage": self.status["storage"]}).encode())
+
+    def _follow_rollback(self) -> None:
+        """A rollback deleted committed steps newer than its target and moved ``latest`` back: forget
+        what was persisted of the abandoned future, or its redone steps (same numbers) would never be
+        persisted and ``last_committed`` would tell waiters they were. Acknowledged in the status."""
+        note = read_json(self.paths.rollback_note)
+        if not note or note.get("id") == self.status.get("rollback"):
+            return
+        try:
+            self.storage.refresh()
+            latest = self.storage.latest()
+        except Exception as err:  # storage down: nothing newer than the rollback's step is left there
+            latest = min(self.last_persisted, int(note.get("step", -1)))
+            log.warning("rollback: cannot read storage's latest (%r); assuming step %d", err, latest)
+        self.last_persisted = self.health.last_committed = latest if latest is not None else -1
+        self.given_up = {s for s in self.given_up if s <= self.last_persisted}
+        self.status["rollback"] = note["id"]
+        self.event("rollback", note.get("step"), f"storage moved back to step {latest}: redone steps persist again")
 
     def policy(self, key: str, default: Any = 0) -> Any:
         return self.job.get("policy", {}).get(key, default)
@@ -137,6 +156,7 @@ class Keeper:
                 log.info("job directory %s removed", self.paths.root)
                 return
             self._reload_job()
+            self._follow_rollback()
             if self.stop is not None and self.stop():
                 self._final_pass()
                 return

@@ -4,8 +4,10 @@ it, and a keeper that is gone from a slow commit."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from stalwart.checkpoint.durability import FINAL_ATTEMPTS, StorageNews, StorageU
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.replicator import BEAT_FILE as REPLICA_BEAT
 from stalwart.checkpoint.replicator import STATUS_FILE as REPLICA_STATUS
-from stalwart.checkpoint.shm import complete_slots, read_json
+from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json
 
 log = logging.getLogger("stalwart.checkpoint")
 REPLICATED_TIMEOUT_S = 600.0  # a copy taking longer than this is given up on (the step goes on)
@@ -84,6 +86,24 @@ class KeeperLink:
                     return "the keeper's replicator is not running"
             time.sleep(0.001)
         return "timeout"
+
+    def rolled_back(self, step: int, timeout_s: float = 30.0) -> None:
+        """Tell this node's keeper that a rollback to ``step`` moved storage's ``latest`` back (call after
+        rank 0 deleted the newer checkpoints); the node's first rank writes the note and returns once
+        the keeper took it, so no rank then trusts a ``last_committed`` of the abandoned future.
+        A keeper that is not running needs no note: a new one starts from storage's ``latest``."""
+        if self.local_rank != 0:
+            return
+        note = uuid.uuid4().hex
+        atomic_write(self.paths.rollback_note, json.dumps({"step": step, "id": note}).encode())
+        deadline = time.monotonic() + timeout_s
+        while (read_json(self.paths.keeper_status) or {}).get("rollback") != note:
+            if not self.job.keeper_alive():
+                return
+            if time.monotonic() > deadline:
+                log.warning("rollback to step %d: the keeper did not take the note within %.0f s", step, timeout_s)
+                return
+            time.sleep(0.01)
 
     def wait_persisted(self, step: int, final: bool = False) -> None:
         """Return once the keeper committed ``step``. ``final``: storage failures are retried by the

@@ -35,6 +35,7 @@ from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
+from stalwart.checkpoint.storage_health import INCIDENTS_FILE
 from stalwart.runtime import worker_env
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
@@ -134,12 +135,12 @@ class NodeJob:
 
     # -- the steps held ---------------------------------------------------------------------------------
     def world(self) -> int | None:
-        """The world size of the newest attached workers (from any rank's owner record)."""
-        for r in self.paths.ranks():
-            owner = read_json(self.paths.owner(r))
-            if owner:
-                return int(owner["world_size"])
-        return None
+        """The world size of the newest attached workers: the newest owner record's. A regrouping may
+        leave this node another rank (rank 1 where it held rank 0): the old rank's directory keeps its
+        world's record, and a keeper that read it saw none of its new rank's snapshots."""
+        owners = [o for r in self.paths.ranks() if (o := read_json(self.paths.owner(r)))]
+        newest = max(owners, key=lambda o: float(o.get("time") or 0), default=None)
+        return int(newest["world_size"]) if newest else None
 
     def node_ranks(self, world: int) -> list[int]:
         """The ranks whose snapshots this node holds (all of them on a single-node job)."""
@@ -383,6 +384,8 @@ class KeeperProcess:
             log.warning("no %s: no keeper started for this job", DEFAULT_SHM_ROOT)
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The keeper journals beside the status copy: a reused run directory's old records are not news.
+        (self.status_copy.parent / INCIDENTS_FILE).unlink(missing_ok=True)
         self.proc = self.job.spawn_keeper(
             self.log_path, parent=os.getpid(), grace_s=self.grace_s, status_copy=self.status_copy, env=self.env
         )

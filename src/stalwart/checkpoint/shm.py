@@ -170,6 +170,11 @@ class JobPaths:
     def persist_lock(self) -> Path:
         return self.root / "persist.lock"
 
+    @property
+    def rollback_note(self) -> Path:
+        """A rollback moved storage back: the workers tell the keeper, which persists redone steps again."""
+        return self.root / "rollback.json"
+
     def ranks(self) -> list[int]:
         """Ranks with a directory here; none once the job directory is gone — also while another
         process removes it (the last rank out of a memory-only job does, perhaps while we look)."""

@@ -26,7 +26,9 @@ CAUSES = ("full", "permission", "unreachable", "timeout", "torn", "peer", "error
 # A multi-node persist given up because another node never took part (multinode.persist's answer and
 # liveness timeouts): that node is lost — its own incident — not the storage, which is not journaled.
 _PEER = ("snapshot table (its node's keeper)", "its node is probably lost", "does not hold step")
-INCIDENTS_FILE = "storage.incidents.jsonl"  # in the job's shm directory; the agent forwards each line
+# In the job's shm directory, or beside the agent's status copy (it outlives that directory, so the
+# final pass's records still reach the agent, which forwards each line).
+INCIDENTS_FILE = "storage.incidents.jsonl"
 _ERRNO = {
     errno.ENOSPC: "full",
     errno.EDQUOT: "full",

@@ -102,6 +102,35 @@ class Journal:
         )
         return cur.rowcount == 1
 
+    def mark_lost(self, node_id: str, when: float, reason: str, silent_since: float | None = None) -> bool:
+        """Mark an alive node lost, with ``lost_at.<node>`` and a ``node_lost`` decision, in one
+        transaction: whoever sees the state sees when and why (a reader between the writes once did
+        not). ``silent_since``: only if its last heartbeat is older (a beat may have just come).
+        False when the node is unknown, not alive, or beat since."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute(
+                    "SELECT state, last_heartbeat FROM nodes WHERE node_id = ?", (node_id,)
+                ).fetchone()
+                if row is None or row["state"] != "alive" or (silent_since and row["last_heartbeat"] >= silent_since):
+                    self._db.execute("ROLLBACK")
+                    return False
+                self._db.execute(
+                    "INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    (f"lost_at.{node_id}", json.dumps(when)),
+                )
+                self._db.execute(
+                    "INSERT INTO decisions(ts, action, reason, details) VALUES(?, 'node_lost', ?, ?)",
+                    (when, reason, json.dumps({"node_id": node_id})),
+                )
+                self._db.execute("UPDATE nodes SET state = 'lost' WHERE node_id = ?", (node_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return True
+
     def set_node_state(self, node_id: str, state: str) -> None:
         self._write("UPDATE nodes SET state = ? WHERE node_id = ?", (state, node_id))
 

@@ -339,16 +339,12 @@ class MasterState:
     def presence_lost(self, node_id: str) -> None:
         """The node's presence request broke without its final chunk (``presence``): its agent's
         process is gone. Lost now, as a heartbeat timeout would find it later; a beat revives it."""
-        nodes = {n["node_id"]: n for n in self.journal.nodes()}
-        if nodes.get(node_id, {}).get("state") != "alive":
+        if not self.journal.mark_lost(
+            node_id, time.time(), "its agent's connection to the master broke (process gone)"
+        ):
             return  # unknown, evicted or already lost
-        self.journal.set_node_state(node_id, "lost")
-        self.journal.set(f"lost_at.{node_id}", time.time())
         self.stragglers.forget(node_id)
         self.autoscaler.forget(node_id)
-        self.journal.decide(
-            "node_lost", "its agent's connection to the master broke (process gone)", {"node_id": node_id}
-        )
         log.warning("node %s lost: its presence connection broke", node_id)
 
     def lost(self) -> dict[str, Any]:
@@ -373,11 +369,9 @@ class MasterState:
             return []
         lost = []
         for node in self.journal.nodes():
-            if node["state"] == "alive" and now - node["last_heartbeat"] > self.node_timeout_s:
-                self.journal.set_node_state(node["node_id"], "lost")
-                self.journal.set(f"lost_at.{node['node_id']}", now)
-                self.journal.decide(
-                    "node_lost", f"no heartbeat for {now - node['last_heartbeat']:.1f} s", {"node_id": node["node_id"]}
-                )
-                lost.append(node["node_id"])
+            silent = now - node["last_heartbeat"]
+            if node["state"] == "alive" and silent > self.node_timeout_s:
+                cutoff = now - self.node_timeout_s
+                if self.journal.mark_lost(node["node_id"], now, f"no heartbeat for {silent:.1f} s", cutoff):
+                    lost.append(node["node_id"])
         return lost

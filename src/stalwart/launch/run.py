@@ -137,7 +137,7 @@ def run(argv: list[str]) -> int:
     if replica_sync(args):  # the workers' saves wait for their copies (the keeper learns it from replica_env)
         os.environ[runtime.ENV_REPLICA_SYNC] = "1"
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
-    storage_watch = StorageWatch(node_job.root, keeper.status_copy)
+    storage_watch = StorageWatch(keeper.status_copy)
 
     def new_agent() -> tuple[WorkerSpec, StalwartAgent]:
         """A fresh rendezvous handler and agent: the first, and one per return from parking."""

@@ -1,9 +1,10 @@
 """The agent's view of its node's checkpoint store: what the keeper reports, brought to the user.
 
 The keeper (a separate process, see ``stalwart.checkpoint.storage_health``) appends a ``storage``
-incident to ``storage.incidents.jsonl`` in the job's shared-memory directory when persists start to
-fail (with the cause: full, permission, unreachable, timeout, torn) and when they recover, and keeps
-its storage status in a file the agent names (``--status-copy``: it outlives the job directory). Each
+incident to ``storage.incidents.jsonl`` when persists start to fail (with the cause: full, permission,
+unreachable, timeout, torn) and when they recover, and keeps its storage status in a file the agent
+names (``--status-copy``); both live in the agent's run directory, so they outlive the job's
+shared-memory directory, which the keeper removes at the end (with the final pass's records). Each
 monitor tick the agent reads both through this watch: it prints each incident on the console, journals
 it with the master, and passes the status on to the heartbeat (``/metrics``) and the job report. Files
 only: launch does not import the checkpoint package.
@@ -22,15 +23,16 @@ INCIDENTS = "storage.incidents.jsonl"
 
 
 class StorageWatch:
-    def __init__(self, job_dir: Path, status_file: Path) -> None:
-        """``status_file``: where the agent's keeper keeps a copy of its status (``--status-copy``)."""
-        self.job_dir, self.status_file = Path(job_dir), Path(status_file)
+    def __init__(self, status_file: Path) -> None:
+        """``status_file``: where the agent's keeper keeps a copy of its status (``--status-copy``);
+        its incidents are appended beside it."""
+        self.status_file = Path(status_file)
         self.tail = IncidentTail(INCIDENTS)
         self.status: dict[str, Any] | None = None  # the newest status seen (kept after the keeper tidies)
 
     def __call__(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """New incident records (printed here) and the keeper's storage status."""
-        records = self.tail.read(self.job_dir)
+        records = self.tail.read(self.status_file.parent)
         try:
             status = json.loads(self.status_file.read_text()).get("storage")
         except (OSError, ValueError, AttributeError):
