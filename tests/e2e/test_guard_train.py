@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,5 +231,12 @@ def test_steps_redone_after_a_rollback_are_persisted_again(shm_root, tmp_path, m
     assert ckpt.storage.committed() == [8, 6, 4], (tmp_path / "keeper.log").read_text()
     assert ckpt.storage.manifest(8)["created"] > abandoned, "step 8 of the redone trajectory"
     assert "rollback step 4" in (tmp_path / "keeper.log").read_text()
-    ckpt.ensure_durable(8)
+    # The final step: ensure_durable waits for the keeper's word (after its retention), even once
+    # storage's ``latest`` already names the step (a trainer that comes late to the call).
+    ckpt.save(9, state, persist=True)
+    deadline = time.monotonic() + 30
+    while ckpt.storage.latest() != 9 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    ckpt.ensure_durable(9)
+    assert ckpt.storage.committed() == [9, 8, 6]
     ckpt.close(success=True)

@@ -20,7 +20,16 @@ pytestmark = pytest.mark.e2e
 STEPS = 16
 
 
-def command(tmp_path: Path, data: Path, run: str) -> list[str]:
+# Paced, so steps are left after the notice's wait under any load; rank 1's copy of step 6 is slowed,
+# as load once did.
+PACE = ("--chaos", "slow:seconds=0.1;delay:at=copy:rank=1:step=6:seconds=1")
+# Rank 0 has logged step 8 ⇒ rank 1 took part in step 8's all-reduce ⇒ it finished its optimizer step 7
+# ⇒ its snapshot of step 6 was complete (the pre-step hook waits for the copy). A notice after that
+# saves step 6 or later. (Waiting for 6 logged steps once saved 5: rank 1's copy was still running.)
+HELD_6 = 8
+
+
+def command(tmp_path: Path, data: Path, run: str, *run_flags: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -33,6 +42,7 @@ def command(tmp_path: Path, data: Path, run: str) -> list[str]:
         str(tmp_path / run),
         "--summary-json",
         str(tmp_path / f"{run}.json"),
+        *run_flags,
         "-m",
         "stalwart",
         "train",
@@ -59,9 +69,10 @@ def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, tmp_path):
     assert ref.returncode == 0, ref.stderr[-4000:]
     reference = json.loads((tmp_path / "ref" / "out" / "summary.json").read_text())
 
-    proc = subprocess.Popen(command(tmp_path, stdlib_data, "run1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run1 = command(tmp_path, stdlib_data, "run1", *PACE)
+    proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
-    while steps_logged(tmp_path / "out") < 6 and proc.poll() is None and time.monotonic() < deadline:
+    while steps_logged(tmp_path / "out") < HELD_6 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before the notice"
     proc.send_signal(signal.SIGUSR1)

@@ -18,7 +18,7 @@ from stalwart.launch.journal import Journal
 from stalwart.launch.preempt import EXIT_PREEMPTED
 
 from .slurm_cluster import SlurmCluster, missing
-from .test_preempt import STEPS, command, steps_logged
+from .test_preempt import HELD_6, PACE, STEPS, command, steps_logged
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -74,11 +74,12 @@ def submit(cluster: SlurmCluster, work: Path, data: Path, *run_flags: str, tasks
         "--run-dir",
         str(work / "run"),
     ]
+    flags = " ".join(f'"{f}"' for f in run_flags)  # inside the single-quoted `bash -c`: a chaos `;` stays
     script = work / "job.sh"
     script.write_text(
         f"#!/bin/bash\ncd {REPO}\n"
         f"srun --kill-on-bad-exit=0 bash -c 'exec {' '.join(agent)} --summary-json {summary} "
-        f"{' '.join(run_flags)} {' '.join(train)}'\n"
+        f"{flags} {' '.join(train)}'\n"
     )
     env = {"STALWART_SLURM_PORT": str(port_pair())}
     out = cluster.run(
@@ -125,9 +126,9 @@ def assert_same_weights(work: Path, reference: dict) -> dict:
 
 
 def test_preempted_job_requeues_and_ends_bitwise_equal(cluster, stdlib_data, reference, tmp_path):
-    job = submit(cluster, tmp_path, stdlib_data, "--requeue-on-preempt")
+    job = submit(cluster, tmp_path, stdlib_data, "--requeue-on-preempt", *PACE)
     deadline = time.monotonic() + 180
-    while steps_logged(tmp_path / "out") < 6:
+    while steps_logged(tmp_path / "out") < HELD_6:
         assert time.monotonic() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), (
             tmp_path / "job.out"
         ).read_text()[-3000:]

@@ -193,3 +193,30 @@ def test_a_node_given_another_rank_by_a_regrouping_sees_its_new_world(root, tmp_
     job.write_job(Storage(str(tmp_path / "ckpt")), 2, [1], {"persist_every_steps": 5}, keeper=True, keeper_log=None)
     assert job.world() == 2
     assert job.newest_agreed(job.world()) == 80
+
+
+def test_a_rollback_note_makes_the_keeper_forget_the_abandoned_future(root, tmp_path):
+    """What the keeper persisted, gave up and reported of steps after the rollback's target carries
+    the redone steps' numbers: all of it goes, or a redone step would never be persisted (``last
+    persisted`` 8) or its waiter would read the abandoned "skipped 6" as its own."""
+    import json
+
+    from stalwart.checkpoint.keeper import Keeper
+
+    job, storage = NodeJob(root), Storage(str(tmp_path / "ckpt"))
+    job.root.mkdir(parents=True, mode=0o700)
+    job.write_job(storage, 1, [0], {"persist_every_steps": 2}, keeper=True, keeper_log=None)
+    keeper = Keeper(job)
+    keeper.last_persisted, keeper.given_up = 8, {3, 6}
+    for kind, step in (("committed", 4), ("skipped", 6), ("committed", 8)):
+        keeper.event(kind, step, "before the rollback")
+    (tmp_path / "ckpt").mkdir()
+    storage.set_latest(4)  # the rollback moved it back
+    job.paths.rollback_note.write_text('{"step": 4, "id": "r1"}')
+    keeper._follow_rollback()
+    status = json.loads(job.paths.keeper_status.read_text())
+    assert (status["rollback"], status["last_committed"], keeper.given_up) == ("r1", 4, {3})
+    assert [(e["kind"], e["step"]) for e in status["events"]] == [("committed", 4), ("rollback", 4)]
+    keeper.last_persisted = 6
+    keeper._follow_rollback()  # the same note again: nothing to do
+    assert keeper.last_persisted == 6

@@ -55,11 +55,13 @@ def snapshot(paths: JobPaths, rank: int, steps: list[int]) -> nn.Module:
     return model
 
 
-def run_nodes(nodes: list[JobPaths], storage: Storage, step: int) -> list[object]:
-    """Both nodes' persist_step for ``step`` concurrently; returns each node's manifest or exception."""
+def run_nodes(nodes: list[JobPaths], storage: Storage, step: int, late_s: float = 0.0) -> list[object]:
+    """Both nodes' persist_step for ``step`` concurrently (rank 1's node ``late_s`` later); returns each
+    node's manifest or exception."""
     out: list[object] = [None] * WORLD
 
     def node(rank: int) -> None:
+        time.sleep(late_s * rank)
         try:
             out[rank] = NodeJob(nodes[rank].root).persist_step(storage, step, WORLD, "test", ranks=[rank])
         except Exception as err:
@@ -146,3 +148,22 @@ def test_a_node_lost_while_writing_is_given_up_after_its_heartbeat_stops(nodes, 
     assert time.monotonic() - t0 < 60, "gave up on the lost node long before the persist timeout"
     assert storage.latest() is None
     assert multinode._get(storage, *multinode._stage(2, "abort.json")), "participants are told to stop"
+
+
+def test_a_rollback_forgets_the_stage_so_a_redone_step_is_persisted_by_both_nodes(nodes, tmp_path):
+    """After a rollback from 8 to 4, rank 1's cursor still said "moved on to step 8": the coordinator
+    gave the redone step 6 up at once when it came first. The rollback's forget_after clears it."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    for rank in range(WORLD):
+        snapshot(nodes[rank], rank, [4, 8])
+    assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 4)] == [True, True]
+    assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]
+    multinode.request(storage, 8)  # a save-on-failure's request, still open
+    assert storage.forget_after(4) == [8] and storage.latest() == 4
+    multinode.forget_after(storage, 4)
+    assert multinode.requested_step(storage) is None
+    for rank in range(WORLD):
+        snapshot(nodes[rank], rank, [6])  # the redone trajectory
+    coordinator, participant = run_nodes(nodes, storage, 6, late_s=1.0)
+    assert isinstance(coordinator, dict) and isinstance(participant, dict), (coordinator, participant)
+    assert storage.committed() == [6, 4] and storage.verify(6) == []

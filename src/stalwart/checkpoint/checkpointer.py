@@ -31,6 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stalwart.checkpoint import multinode
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob, job_dir_for
@@ -214,6 +215,8 @@ class Checkpointer:
                 self.pending_persist = None
             except RuntimeError as err:
                 log.warning("rollback: %s; choosing among committed checkpoints", err)
+        if dist.is_initialized():  # every node's keeper saw that commit before rank 0 may delete it
+            dist.barrier(self.group)
         memory, committed = candidates(self.paths, self.storage, self.rank, self.world, self.group)
         steps = sorted({*memory, *committed} - {s for s in committed if s >= before})
         eligible = [s for s in steps if s <= at_most]
@@ -241,17 +244,12 @@ class Checkpointer:
         persist is half-way), move ``latest`` back, and tell each node's keeper."""
         if self.rank == 0:
             with self.job.persist_lock():
-                self.storage.refresh()
-                newer = [s for s in self.storage.steps() if s > step]
-                for s in newer:
-                    self.storage.remove(s)
-                kept = self.storage.committed()
-                if newer and kept:
-                    self.storage.set_latest(kept[0])
-                if newer:
-                    log.warning(
-                        "rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer, self.storage.url
-                    )
+                newer = self.storage.forget_after(step)
+                multinode.forget_after(self.storage, step)  # the stage's cursors and request, too
+            if newer:
+                log.warning(
+                    "rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer, self.storage.url
+                )
         if dist.is_initialized():
             dist.barrier(self.group)
         if self.use_keeper:

@@ -113,7 +113,7 @@ class Keeper:
         what was persisted of the abandoned future, or its redone steps (same numbers) would never be
         persisted and ``last_committed`` would tell waiters they were. Acknowledged in the status."""
         note = read_json(self.paths.rollback_note)
-        if not note or note.get("id") == self.status.get("rollback"):
+        if not note or not note.get("id") or note["id"] == self.status.get("rollback"):
             return
         try:
             self.storage.refresh()
@@ -123,6 +123,8 @@ class Keeper:
             log.warning("rollback: cannot read storage's latest (%r); assuming step %d", err, latest)
         self.last_persisted = self.health.last_committed = latest if latest is not None else -1
         self.given_up = {s for s in self.given_up if s <= self.last_persisted}
+        # The abandoned steps' events carry the redone steps' numbers: a waiter would read them as its own.
+        self.events = [e for e in self.events if e.get("step") is None or e["step"] <= self.last_persisted]
         self.status["rollback"] = note["id"]
         self.event("rollback", note.get("step"), f"storage moved back to step {latest}: redone steps persist again")
 

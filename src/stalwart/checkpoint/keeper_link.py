@@ -95,7 +95,11 @@ class KeeperLink:
         if self.local_rank != 0:
             return
         note = uuid.uuid4().hex
-        atomic_write(self.paths.rollback_note, json.dumps({"step": step, "id": note}).encode())
+        try:
+            atomic_write(self.paths.rollback_note, json.dumps({"step": step, "id": note}).encode())
+        except OSError as err:  # the other ranks wait in a barrier: say it, do not leave them there
+            log.warning("rollback to step %d: could not tell the keeper (%s); redone steps may not persist", step, err)
+            return
         deadline = time.monotonic() + timeout_s
         while (read_json(self.paths.keeper_status) or {}).get("rollback") != note:
             if not self.job.keeper_alive():

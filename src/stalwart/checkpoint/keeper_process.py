@@ -98,7 +98,16 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
         if replicator is not None:
             replicator.stop()
     leftover = {p.name for p in node.root.iterdir()} if node.root.is_dir() else set()
-    if leftover <= {"keeper.lock", "keeper.json", "job.lock", "persist.lock", STATUS_FILE, REPLICAS_DIR, FETCHED}:
+    if leftover <= {
+        "keeper.lock",
+        "keeper.json",
+        "job.lock",
+        "persist.lock",
+        "rollback.json",
+        STATUS_FILE,
+        REPLICAS_DIR,
+        FETCHED,
+    }:
         shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
     return 0
 

@@ -91,6 +91,23 @@ def clear_stage(storage: Storage, below: int) -> None:
             _remove(storage, STAGE, name)
 
 
+def forget_after(storage: Storage, step: int) -> None:
+    """A rollback to ``step``: the nodes' cursors, the open request and the stage of every later step
+    belong to the abandoned trajectory. Left, a cursor "moved on" past a redone step would make the
+    coordinator give that step up, and a stale request would start a persist nobody joins."""
+    _remove(storage, STAGE, "cursor")
+    req = _get(storage, STAGE, REQUEST)
+    if req and int(req["step"]) > step:
+        _remove(storage, STAGE, REQUEST)
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(STAGE), detail=False)]
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith("step-") and int(name[5:]) > step:
+            _remove(storage, STAGE, name)
+
+
 def request(storage: Storage, step: int) -> None:
     """Ask every node to take part in persisting ``step`` (coordinator only)."""
     _put(storage, {"step": step, "time": time.time()}, STAGE, REQUEST)

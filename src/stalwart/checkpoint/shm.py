@@ -4,7 +4,7 @@ reads or writes it uses (workers, the keeper, the agent's save-on-failure, ``sta
 Stdlib only (psutil lazily): it is imported by the snapshot writer in every worker and by the agent.
 
     <shm_root>/stalwart-<uid>/<job key>/          (0700, owned by the user: snapshots hold the weights)
-        job.json  job.lock  keeper.lock  keeper.json  persist.lock  keeper.log
+        job.json  job.lock  keeper.lock  keeper.json  persist.lock  keeper.log  rollback.json
         rank<r>/  owner.json  closed.json  slot<i>.bin  slot<i>.obj  slot<i>.json
 """
 

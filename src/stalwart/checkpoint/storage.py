@@ -114,6 +114,18 @@ class Storage:
         latest = self.latest()
         return [s for s in reversed(self.steps()) if (latest is None or s <= latest) and self.manifest(s) is not None]
 
+    def forget_after(self, step: int) -> list[int]:
+        """A rollback to ``step``: delete every step directory newer than it and move ``latest`` back to
+        the newest committed one left (call under the job's persist lock). Returns the deleted steps."""
+        self.refresh()
+        newer = [s for s in self.steps() if s > step]
+        for s in newer:
+            self.remove(s)
+        kept = self.committed()
+        if newer and kept:
+            self.set_latest(kept[0])
+        return newer
+
     def remove(self, step: int) -> None:
         try:
             self.fs.rm(self.path(step_name(step)), recursive=True)
