@@ -240,3 +240,21 @@ def test_steps_redone_after_a_rollback_are_persisted_again(shm_root, tmp_path, m
     ckpt.ensure_durable(9)
     assert ckpt.storage.committed() == [9, 8, 6]
     ckpt.close(success=True)
+
+
+def test_starting_over_in_a_dir_with_committed_checkpoints_is_refused(shm_root, tmp_path, monkeypatch):
+    """resume=false into a dir holding step 2: the new run's steps ≤ 2 could never be persisted and
+    its end would read the old step 2 as durable. Refused, naming the steps, before anything is lost."""
+    from stalwart.checkpoint import Checkpointer
+
+    ckpt, _, steps = _persisting_run(shm_root, tmp_path, monkeypatch)
+    steps(1, 2)
+    ckpt.close(success=True)
+    again = Checkpointer(str(tmp_path / "ck"), persist_every_steps=2, shm_root=str(shm_root), keeper_idle_s=5)
+    with pytest.raises(ValueError, match=r"holds committed step\(s\) \[2\] of an earlier run"):
+        again.discard_snapshots()
+    assert again.storage.committed() == [2]
+    again.close(success=True)
+    fresh = Checkpointer(str(tmp_path / "empty"), persist_every_steps=2, shm_root=str(shm_root), keeper_idle_s=5)
+    assert fresh.discard_snapshots() == 0
+    fresh.close(success=True)

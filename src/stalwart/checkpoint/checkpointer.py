@@ -259,16 +259,19 @@ class Checkpointer:
 
     def discard_snapshots(self) -> int:
         """Start over: forget this rank's memory snapshots (they belong to an earlier trajectory and
-        must never be paired with new ones). Returns 0, the step to start after."""
+        must never be paired with new ones). Returns 0, the step to start after. A storage directory
+        holding committed steps is refused (ValueError): none of this run's steps up to its newest
+        could be persisted, and a run's end would read that old step as its own."""
+        if self.persisting and (held := self.storage.committed()):
+            raise ValueError(
+                f"checkpoint.dir {self.storage.url} holds committed step(s) {held} of an earlier run or attempt; with "
+                "checkpoint.resume=false they are not resumed. Resume, use an empty dir, or remove them"
+            )
         for s in complete_slots(self.paths, self.rank):
             self.paths.slot(self.rank, s.slot, "json").unlink(missing_ok=True)
         invalidate_replicas_after(self.paths, -1)  # and the peers' copies on this host
         if self.rank == 0:
-            log.warning(
-                "not resuming (resume disabled): starting at step 0; checkpoints written from now on "
-                "supersede those in %s",
-                self.storage.url,
-            )
+            log.warning("not resuming (resume disabled): starting at step 0 in %s", self.storage.url)
         self.last_restore = RestoreInfo("fresh", 0, 0.0, "resume disabled")
         return 0
 
