@@ -109,7 +109,8 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every step divisible by this (0 = none)
     shm_dir: str = "/dev/shm"  # tmpfs for the snapshots (needs 2 x the state size free)
     keeper_idle_s: float = 120.0  # the keeper exits after this long without live workers
-    resume: bool = True  # restore at start (false: start over; `dir` must hold no committed checkpoint)
+    resume: bool = True  # restore at start (false: start over; `dir` must hold no committed checkpoint;
+    # a worker restarted within the launch still resumes its own run)
     # While storage fails, training goes on from memory until this much work since the last commit is
     # at risk; then the job stops with an error naming the shared-memory copy (0 = no bound)
     max_unpersisted_steps: int = 0

@@ -251,8 +251,10 @@ def test_starting_over_in_a_dir_with_committed_checkpoints_is_refused(shm_root, 
     steps(1, 2)
     ckpt.close(success=True)
     again = Checkpointer(str(tmp_path / "ck"), persist_every_steps=2, shm_root=str(shm_root), keeper_idle_s=5)
-    with pytest.raises(ValueError, match=r"holds committed step\(s\) \[2\] of an earlier run"):
+    with pytest.raises(ValueError, match=r"holds committed step\(s\) \[2\] of an earlier run") as refused:
         again.discard_snapshots()
+    verdict = diagnose(f"stalwart: error: {refused.value}")  # as the CLI prints it: no restart fixes it
+    assert (verdict.kind, verdict.cls, verdict.retry(True)) == ("checkpoint_dir_in_use", "user", False)
     assert again.storage.committed() == [2]
     again.close(success=True)
     fresh = Checkpointer(str(tmp_path / "empty"), persist_every_steps=2, shm_root=str(shm_root), keeper_idle_s=5)

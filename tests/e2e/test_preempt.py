@@ -23,9 +23,10 @@ STEPS = 16
 # Paced, so steps are left after the notice's wait under any load; rank 1's copy of step 6 is slowed,
 # as load once did.
 PACE = ("--chaos", "slow:seconds=0.1;delay:at=copy:rank=1:step=6:seconds=1")
-# Rank 0 has logged step 8 ⇒ rank 1 took part in step 8's all-reduce ⇒ it finished its optimizer step 7
-# ⇒ its snapshot of step 6 was complete (the pre-step hook waits for the copy). A notice after that
-# saves step 6 or later. (Waiting for 6 logged steps once saved 5: rank 1's copy was still running.)
+# Rank 0 has logged step 8 ⇒ rank 1 took part in step 8's all-reduce ⇒ it had started its snapshot of
+# step 7, which first waits until the snapshot of step 6 is published (memory_every=1, pinned below).
+# A notice after that saves step 6 or later. (Waiting for 6 logged steps once saved 5: rank 1's copy
+# of 6 was still running.)
 HELD_6 = 8
 
 
@@ -56,6 +57,7 @@ def command(tmp_path: Path, data: Path, run: str, *run_flags: str) -> list[str]:
         "--checkpoint.enabled=true",
         f"--checkpoint.dir={tmp_path / 'ckpt'}",
         "--checkpoint.persist_every_steps=1000",  # only the preemption persists
+        "--checkpoint.memory_every=1",  # a snapshot every step: HELD_6's reasoning
     ]
 
 

@@ -167,3 +167,5 @@ def test_a_rollback_forgets_the_stage_so_a_redone_step_is_persisted_by_both_node
     coordinator, participant = run_nodes(nodes, storage, 6, late_s=1.0)
     assert isinstance(coordinator, dict) and isinstance(participant, dict), (coordinator, participant)
     assert storage.committed() == [6, 4] and storage.verify(6) == []
+    # A rollback below every committed step (to a memory snapshot): no ``latest`` names a deleted step.
+    assert storage.forget_after(3) == [4, 6] and storage.latest() is None and storage.committed() == []

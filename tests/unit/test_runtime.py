@@ -21,6 +21,7 @@ def test_reads_torchrun_and_stalwart_variables() -> None:
             "LOCAL_RANK": "1",
             "LOCAL_WORLD_SIZE": "2",
             "GROUP_RANK": "1",
+            "TORCHELASTIC_RESTART_COUNT": "2",
             runtime.ENV_PROGRESS_DIR: "/p",
             runtime.ENV_JOB_ID: "j",
             runtime.ENV_NODE_ID: "n",
@@ -29,6 +30,7 @@ def test_reads_torchrun_and_stalwart_variables() -> None:
         }
     )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.group_rank) == (3, 4, 1, 2, 1)
+    assert env.restart_count == 2 and runtime.WorkerEnv.from_environ({}).restart_count == 0
     assert env.launched and env.under_agent and env.parent_reports
     assert (env.progress_dir, env.job_id, env.node_id, env.chaos) == ("/p", "j", "n", "kill:rank=1:step=2")
 

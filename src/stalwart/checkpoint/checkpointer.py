@@ -215,9 +215,9 @@ class Checkpointer:
                 self.pending_persist = None
             except RuntimeError as err:
                 log.warning("rollback: %s; choosing among committed checkpoints", err)
-        if dist.is_initialized():  # every node's keeper saw that commit before rank 0 may delete it
-            dist.barrier(self.group)
-        memory, committed = candidates(self.paths, self.storage, self.rank, self.world, self.group)
+        memory, committed = candidates(  # gathers: every rank's wait is over before rank 0 deletes anything
+            self.paths, self.storage, self.rank, self.world, self.group
+        )
         steps = sorted({*memory, *committed} - {s for s in committed if s >= before})
         eligible = [s for s in steps if s <= at_most]
         target = eligible[-1] if eligible else (steps[0] if steps and steps[0] < before else None)
@@ -262,7 +262,7 @@ class Checkpointer:
         must never be paired with new ones). Returns 0, the step to start after. A storage directory
         holding committed steps is refused (ValueError): none of this run's steps up to its newest
         could be persisted, and a run's end would read that old step as its own."""
-        if self.persisting and (held := self.storage.committed()):
+        if self.persisting and (held := gather(self.storage.committed() if self.rank == 0 else [], self.group)[0]):
             raise ValueError(
                 f"checkpoint.dir {self.storage.url} holds committed step(s) {held} of an earlier run or attempt; with "
                 "checkpoint.resume=false they are not resumed. Resume, use an empty dir, or remove them"

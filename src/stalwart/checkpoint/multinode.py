@@ -96,15 +96,13 @@ def forget_after(storage: Storage, step: int) -> None:
     belong to the abandoned trajectory. Left, a cursor "moved on" past a redone step would make the
     coordinator give that step up, and a stale request would start a persist nobody joins."""
     _remove(storage, STAGE, "cursor")
-    req = _get(storage, STAGE, REQUEST)
-    if req and int(req["step"]) > step:
-        _remove(storage, STAGE, REQUEST)
+    _remove(storage, STAGE, REQUEST)
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(STAGE), detail=False)]
     except FileNotFoundError:
         return
     for name in names:
-        if name.startswith("step-") and int(name[5:]) > step:
+        if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) > step:
             _remove(storage, STAGE, name)
 
 
@@ -298,6 +296,8 @@ def _participate(
     storage: Storage, step: int, views: dict[int, SnapshotView], t0: float, deadline: float, poll_s: float
 ) -> dict[str, Any]:
     def go_or_replan() -> Any:
+        if (stop := _get(storage, *_stage(step, "abort.json"))) is not None:  # before a re-put below
+            raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
         go = _get(storage, *_stage(step, "go.json"))
         if go is None and _moved_on(storage, 0, step):
             raise MissingSnapshot(f"the coordinator moved on past step {step}")

@@ -11,6 +11,7 @@ anything else is torn (a persist that died) and is never chosen for resume.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -124,6 +125,9 @@ class Storage:
         kept = self.committed()
         if newer and kept:
             self.set_latest(kept[0])
+        elif newer:  # nothing committed at or before ``step`` is left: no ``latest`` at all
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.path(LATEST))
         return newer
 
     def remove(self, step: int) -> None:

@@ -65,6 +65,7 @@ class WorkerEnv:
     local_rank: int = 0
     local_world_size: int = 1
     group_rank: int = 0  # the node's rank in the rendezvous round
+    restart_count: int = 0  # TorchElastic's: > 0 in workers restarted within this launch
     launched: bool = False  # a launcher set RANK and WORLD_SIZE (torchrun, stalwart run, --nproc)
     progress_dir: str = ""
     master: str = ""
@@ -93,6 +94,7 @@ class WorkerEnv:
             local_rank=_int(e, "LOCAL_RANK", 0),
             local_world_size=_int(e, "LOCAL_WORLD_SIZE", 1),
             group_rank=_int(e, "GROUP_RANK", 0),
+            restart_count=_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
             launched="RANK" in e and "WORLD_SIZE" in e,
             progress_dir=e.get(ENV_PROGRESS_DIR, ""),
             master=e.get(ENV_MASTER, ""),

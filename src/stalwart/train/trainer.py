@@ -133,8 +133,9 @@ class Trainer:
 
             self.guard = TrainingGuard(cfg.guard, self.ckpt, self.state, self.sampler, env.device)
             self.state["guard"] = self.guard.detector  # its baseline rolls back with the weights
-        if self.ckpt is not None:
-            self.step = self.ckpt.restore(self.state) if cfg.checkpoint.resume else self.ckpt.discard_snapshots()
+        if self.ckpt is not None:  # resume=false is about earlier runs: a restart of this launch resumes
+            resume = cfg.checkpoint.resume or runtime.worker_env().restart_count > 0
+            self.step = self.ckpt.restore(self.state) if resume else self.ckpt.discard_snapshots()
         t = cfg.train
         self.metrics = MetricsHook(
             Path(t.out_dir),
