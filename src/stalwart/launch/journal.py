@@ -32,6 +32,8 @@ CREATE TABLE IF NOT EXISTS chaos (
 """
 
 INCIDENT_TIMES = ("fault", "detected", "stopped", "restarted", "first_step")
+SET_KEY = "INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value"
+DECIDE = "INSERT INTO decisions(ts, action, reason, details) VALUES(?, ?, ?, ?)"
 
 
 class Journal:
@@ -65,20 +67,14 @@ class Journal:
         return json.loads(rows[0]["value"]) if rows else default
 
     def set(self, key: str, value: Any) -> None:
-        self._write(
-            "INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-            (key, json.dumps(value)),
-        )
+        self._write(SET_KEY, (key, json.dumps(value)))
 
     def increment(self, key: str) -> int:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             row = self._db.execute("SELECT value FROM job WHERE key = ?", (key,)).fetchone()
             value = (json.loads(row["value"]) if row else 0) + 1
-            self._db.execute(
-                "INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                (key, json.dumps(value)),
-            )
+            self._db.execute(SET_KEY, (key, json.dumps(value)))
             self._db.execute("COMMIT")
             return value
 
@@ -116,14 +112,8 @@ class Journal:
                 if row is None or row["state"] != "alive" or (silent_since and row["last_heartbeat"] >= silent_since):
                     self._db.execute("ROLLBACK")
                     return False
-                self._db.execute(
-                    "INSERT INTO job(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                    (f"lost_at.{node_id}", json.dumps(when)),
-                )
-                self._db.execute(
-                    "INSERT INTO decisions(ts, action, reason, details) VALUES(?, 'node_lost', ?, ?)",
-                    (when, reason, json.dumps({"node_id": node_id})),
-                )
+                self._db.execute(SET_KEY, (f"lost_at.{node_id}", json.dumps(when)))
+                self._db.execute(DECIDE, (when, "node_lost", reason, json.dumps({"node_id": node_id})))
                 self._db.execute("UPDATE nodes SET state = 'lost' WHERE node_id = ?", (node_id,))
                 self._db.execute("COMMIT")
             except BaseException:
@@ -180,10 +170,7 @@ class Journal:
         return rows
 
     def decide(self, action: str, reason: str, details: dict[str, Any] | None = None) -> int:
-        cur = self._write(
-            "INSERT INTO decisions(ts, action, reason, details) VALUES(?, ?, ?, ?)",
-            (time.time(), action, reason, json.dumps(details or {})),
-        )
+        cur = self._write(DECIDE, (time.time(), action, reason, json.dumps(details or {})))
         return int(cur.lastrowid)
 
     def decisions(self) -> list[dict[str, Any]]:
