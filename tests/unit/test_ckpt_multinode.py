@@ -169,3 +169,15 @@ def test_a_rollback_forgets_the_stage_so_a_redone_step_is_persisted_by_both_node
     assert storage.committed() == [6, 4] and storage.verify(6) == []
     # A rollback below every committed step (to a memory snapshot): no ``latest`` names a deleted step.
     assert storage.forget_after(3) == [4, 6] and storage.latest() is None and storage.committed() == []
+
+
+def test_a_commit_clears_the_stage_of_the_steps_before_it(nodes, tmp_path):
+    """Under load the coordinator gave steps 4 and 8 up (training outpaced persistence); their stage
+    directories (abort.json, a plan table) stayed after step 12's commit until a keeper started again."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    multinode.abort(storage, 2, "rank 0 no longer holds a snapshot of step 2")
+    multinode.answer_missing(storage, 3, [1], "this node holds steps []")
+    for rank in range(WORLD):
+        snapshot(nodes[rank], rank, [4])
+    assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 4)] == [True, True]
+    assert not list((tmp_path / "ckpt" / ".stage").glob("step-*")), "finished steps leave no stage"

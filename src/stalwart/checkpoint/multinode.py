@@ -288,7 +288,9 @@ def _coordinate(
     except BaseException as err:
         abort(storage, step, repr(err))
         raise
-    _remove(storage, *_stage(step))
+    # Earlier steps are finished too: aborted or skipped ones left their stage (a participant still
+    # waiting there sees our cursor moved on). Only a keeper's start tidied them before.
+    clear_stage(storage, below=step + 1)
     return manifest
 
 
