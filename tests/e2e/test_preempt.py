@@ -21,8 +21,13 @@ STEPS = 16
 
 
 # Paced, so steps are left after the notice's wait under any load; rank 1's copy of step 6 is slowed,
-# as load once did.
-PACE = ("--chaos", "slow:seconds=0.1;delay:at=copy:rank=1:step=6:seconds=1")
+# as load once did. Rank 0's copy of step 8 stalls (once: a requeued run goes on), so at the notice rank 1
+# holds a step that rank 0 lacks and the agreed step is older than rank 1's newest: as once under load,
+# when rank 1's node waited for its own newest step until Slurm killed its agent.
+PACE = (
+    "--chaos",
+    "slow:seconds=0.1;delay:at=copy:rank=1:step=6:seconds=1;delay:at=copy:rank=0:step=8:seconds=30:once=1",
+)
 # Rank 0 has logged step 8 ⇒ rank 1 took part in step 8's all-reduce ⇒ it had started its snapshot of
 # step 7, which first waits until the snapshot of step 6 is published (memory_every=1, pinned below).
 # A notice after that saves step 6 or later. (Waiting for 6 logged steps once saved 5: rank 1's copy

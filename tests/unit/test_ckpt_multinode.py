@@ -4,6 +4,7 @@ step makes the coordinator give up quickly instead of waiting out the timeout.""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -19,6 +20,7 @@ from stalwart.checkpoint import NodeJob, Storage, multinode
 from stalwart.checkpoint.shm import JobPaths, atomic_write
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
+from stalwart.launch import preempt
 
 WORLD = 2
 
@@ -181,3 +183,28 @@ def test_a_commit_clears_the_stage_of_the_steps_before_it(nodes, tmp_path):
         snapshot(nodes[rank], rank, [4])
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 4)] == [True, True]
     assert not list((tmp_path / "ckpt" / ".stage").glob("step-*")), "finished steps leave no stage"
+
+
+def test_a_preempted_node_holding_a_newer_step_stops_waiting_when_rank_0s_node_settles(nodes, tmp_path):
+    """CI (Slurm preemption): rank 1 had published step 9, rank 0 only 8, so the save-on-failure
+    committed 8. Rank 1's agent waited for 9 until Slurm killed it, KillWait seconds after the requeue,
+    before it wrote its summary. It now stops at rank 0's node's word that the save settled — this
+    notice's word, not an older one."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    for rank, steps in ((0, [8]), (1, [8, 9])):
+        snapshot(nodes[rank], rank, steps)
+        atomic_write(
+            nodes[rank].job, json.dumps({"storage": storage.url, "world_size": WORLD, "ranks": [rank]}).encode()
+        )
+        atomic_write(nodes[rank].owner(rank), json.dumps({"pid": 1, "rank": rank, "world_size": WORLD}).encode())
+    received = time.time()
+    assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]  # the keepers' save
+    node1 = NodeJob(nodes[1].root)
+    assert not preempt.wait_committed(node1, received, timeout_s=0.5)["persisted"], "no word yet: step 9 awaited"
+
+    said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)  # the agent's save
+    assert said["step"] == 8 and "already covered" in said["detail"], said
+    waited = preempt.wait_committed(node1, received, timeout_s=30)
+    assert waited["persisted"] and waited["step"] == 8 and "settled" in waited["detail"], waited
+    later = preempt.wait_committed(node1, time.time() + 60, timeout_s=0.5)  # a later notice: not its word
+    assert not later["persisted"] and later["step"] == 9, later

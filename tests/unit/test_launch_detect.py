@@ -358,11 +358,13 @@ def test_a_lost_node_is_seen_with_when_and_why_or_not_at_all(tmp_path):
             return cur
 
     journal._db = Watched(journal._db)  # type: ignore[assignment]
-    state = MasterState(journal, "job", 1, node_timeout_s=0.2)
+    state = MasterState(journal, "job", 1, node_timeout_s=5.0)
     for n in ("n0", "n1", "n2"):
         journal.join(n, "h", 1, {})
-    state.started -= 1.0  # up longer than the timeout
-    time.sleep(0.3)
+    state.started -= 10.0  # up longer than the timeout
+    # n0 and n1 went silent 10 s ago, n2 beats now: no sleep whose length load could make too short.
+    reader.execute("UPDATE nodes SET last_heartbeat = last_heartbeat - 10 WHERE node_id IN ('n0', 'n1')")
+    reader.commit()
     journal.heartbeat("n2", {"step": 1})
     assert state.sweep() == ["n0", "n1"]
     state.presence_lost("n2")

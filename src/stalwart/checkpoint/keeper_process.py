@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -20,10 +21,11 @@ from pathlib import Path
 
 from stalwart import runtime
 from stalwart.checkpoint.keeper import LOG_FORMAT, Keeper, log
-from stalwart.checkpoint.node_job import NodeJob
+from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
 from stalwart.checkpoint.peer_restore import FETCHED
 from stalwart.checkpoint.replicas import REPLICAS_DIR
 from stalwart.checkpoint.replicator import STATUS_FILE, ReplicaConfig, Replicator
+from stalwart.checkpoint.storage_health import INCIDENTS_FILE
 
 
 class StopRequest:
@@ -160,3 +162,38 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     Keeper(node, args.poll_s).run()
     return 0
+
+
+class KeeperProcess:
+    """The agent's handle on its node's keeper, like its zygote's: started before the workers, stopped
+    (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent."""
+
+    def __init__(self, job: NodeJob, log_path: Path, grace_s: float = 30.0, env: dict[str, str] | None = None) -> None:
+        self.job, self.log_path, self.grace_s, self.env = job, log_path, grace_s, env or {}
+        self.status_copy = log_path.parent / "keeper-status.json"  # the keeper's status, kept for the report
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> KeeperProcess:
+        if not Path(DEFAULT_SHM_ROOT).is_dir():  # no flash checkpoints possible here without another shm_dir
+            log.warning("no %s: no keeper started for this job", DEFAULT_SHM_ROOT)
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The keeper journals beside the status copy: a reused run directory's old records are not news.
+        (self.status_copy.parent / INCIDENTS_FILE).unlink(missing_ok=True)
+        self.proc = self.job.spawn_keeper(
+            self.log_path, parent=os.getpid(), grace_s=self.grace_s, status_copy=self.status_copy, env=self.env
+        )
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM: the keeper persists what is due, saves on failure, tidies and exits (it enforces
+        ``grace_s`` itself; SIGKILL after a little more)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(self.grace_s + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("keeper pid %d did not stop within %.0f s; killing it", self.proc.pid, self.grace_s + 5)
+            self.proc.kill()
+            self.proc.wait()

@@ -48,6 +48,7 @@ from stalwart.checkpoint.storage import Storage, step_name
 
 STAGE = ".stage"
 REQUEST = "request.json"
+SETTLED = "settled.json"
 
 
 class MissingSnapshot(LookupError):
@@ -114,6 +115,20 @@ def request(storage: Storage, step: int) -> None:
 def requested_step(storage: Storage) -> int | None:
     req = _get(storage, STAGE, REQUEST)
     return int(req["step"]) if req else None
+
+
+def settle(storage: Storage, step: int | None, detail: str) -> None:
+    """Rank 0's node has finished a save-on-failure: ``step`` (the newest step every rank holds) is
+    committed, or None when no step could be. The only word a node that waits for that save (a
+    preemption: it must keep its keeper up while its shards may be asked for) has that the save is
+    over, when the step it holds itself is newer than the one every rank holds or already committed."""
+    _put(storage, {"step": step, "detail": detail, "time": time.time()}, STAGE, SETTLED)
+
+
+def settled(storage: Storage, since: float) -> dict[str, Any] | None:
+    """The newest save-on-failure's outcome, if rank 0's node settled it at ``since`` or later."""
+    record = _get(storage, STAGE, SETTLED)
+    return record if record and float(record.get("time", 0)) >= since else None
 
 
 def answer_missing(storage: Storage, step: int, ranks: list[int], why: str) -> None:

@@ -35,7 +35,6 @@ from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
-from stalwart.checkpoint.storage_health import INCIDENTS_FILE
 from stalwart.runtime import worker_env
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
@@ -286,15 +285,23 @@ class NodeJob:
             storage_options if storage_options is not None else job.get("storage_options"),
         )
         world = world_size or self.world()
+        ranks = self.node_ranks(world) if world else []
 
-        def outcome(persisted: bool, step: int | None, detail: str) -> dict[str, Any]:
+        def outcome(persisted: bool, step: int | None, detail: str, covered: bool = False) -> dict[str, Any]:
             if not quiet:
                 (log.info if persisted else log.warning)("save-on-failure: %s", detail)
+            if 0 in ranks and len(ranks) < world:  # the other nodes' agents may wait for this word
+                try:
+                    multinode.settle(storage, step if persisted or covered else None, detail)
+                except OSError as err:
+                    log.warning("save-on-failure: could not tell the other nodes it settled: %r", err)
             return {"persisted": persisted, "step": step, "detail": detail}
+
+        def covered(step: int, by: object) -> dict[str, Any]:
+            return outcome(False, step, f"step {step} is already covered by committed step {by}", True)
 
         if not world:
             return outcome(False, None, f"no snapshots under {self.root}")
-        ranks = self.node_ranks(world)
         if 0 not in ranks:
             return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
         steps = self.snapshot_steps(world, ranks)
@@ -306,14 +313,14 @@ class NodeJob:
         # Across nodes the newest step here may be missing elsewhere (a rank died mid-copy): try older ones.
         for step in sorted(common, reverse=True):
             if committed and committed[0] >= step:
-                return outcome(False, step, f"step {step} is already covered by committed {step_name(committed[0])}")
+                return covered(step, committed[0])
             try:
                 manifest = self.persist_step(storage, step, world, "save-on-failure", ranks, ask_others=True)
             except multinode.MissingSnapshot as err:
                 log.warning("save-on-failure: %s; trying an older step", err)
                 continue
             if manifest.get("already"):
-                return outcome(False, step, f"step {step} is already covered by committed step {manifest.get('step')}")
+                return covered(step, manifest.get("step"))
             return outcome(
                 True,
                 step,
@@ -368,38 +375,3 @@ def save_on_failure(
 ) -> dict[str, Any]:
     """:meth:`NodeJob.save_on_failure` of the job in ``job_dir``."""
     return NodeJob(job_dir).save_on_failure(storage_url, storage_options, world_size, quiet)
-
-
-class KeeperProcess:
-    """The agent's handle on its node's keeper, like its zygote's: started before the workers, stopped
-    (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent."""
-
-    def __init__(self, job: NodeJob, log_path: Path, grace_s: float = 30.0, env: dict[str, str] | None = None) -> None:
-        self.job, self.log_path, self.grace_s, self.env = job, log_path, grace_s, env or {}
-        self.status_copy = log_path.parent / "keeper-status.json"  # the keeper's status, kept for the report
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> KeeperProcess:
-        if not Path(DEFAULT_SHM_ROOT).is_dir():  # no flash checkpoints possible here without another shm_dir
-            log.warning("no %s: no keeper started for this job", DEFAULT_SHM_ROOT)
-            return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # The keeper journals beside the status copy: a reused run directory's old records are not news.
-        (self.status_copy.parent / INCIDENTS_FILE).unlink(missing_ok=True)
-        self.proc = self.job.spawn_keeper(
-            self.log_path, parent=os.getpid(), grace_s=self.grace_s, status_copy=self.status_copy, env=self.env
-        )
-        return self
-
-    def stop(self) -> None:
-        """SIGTERM: the keeper persists what is due, saves on failure, tidies and exits (it enforces
-        ``grace_s`` itself; SIGKILL after a little more)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(self.grace_s + 5)
-        except subprocess.TimeoutExpired:
-            log.warning("keeper pid %d did not stop within %.0f s; killing it", self.proc.pid, self.grace_s + 5)
-            self.proc.kill()
-            self.proc.wait()

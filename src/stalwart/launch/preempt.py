@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("stalwart.preempt")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; Kubernetes podFailurePolicy can ignore it
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
+# How much earlier than this node another node may have taken the same notice (the scheduler signals
+# them all at once; clocks agree within NTP's milliseconds): a save-on-failure settled before that is
+# an earlier fault's, not this notice's.
+SIGNAL_SPREAD_S = 2.0
 
 
 class Preempted(SignalException):
@@ -142,9 +146,14 @@ def requeue(env: Mapping[str, str], timeout_s: float = 30.0) -> dict[str, Any]:
     return {"requeued": True, "detail": f"job {job_id} requeued"}
 
 
-def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
-    """On a node without rank 0: keep the keeper up until rank 0's node has committed the newest step
-    this node holds (its keeper writes this node's shards when asked), or ``timeout_s`` passed."""
+def wait_committed(job: NodeJob, received: float, timeout_s: float = 60.0) -> dict[str, Any]:
+    """On a node without rank 0: keep the keeper up (it writes this node's shards when asked) until
+    rank 0's node has committed the newest step this node holds, or has settled its save-on-failure
+    since the notice (``received``), or ``timeout_s`` passed. The settled word is what ends the wait
+    when this node holds a step that rank 0's node lacks: the newest step *every* rank holds is then
+    older, and waiting for this node's own would outlast the allocation (Slurm kills the step
+    ``KillWait`` seconds after a requeue)."""
+    from stalwart.checkpoint import multinode
     from stalwart.checkpoint.storage import Storage
 
     spec, world = job.job(), job.world()
@@ -157,7 +166,12 @@ def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
         done = storage.committed()
         if done and done[0] >= target:
             return {"persisted": True, "step": done[0], "detail": f"rank 0's node committed step {done[0]}"}
+        if (word := multinode.settled(storage, since=received - SIGNAL_SPREAD_S)) is not None:
+            step = word["step"]
+            durable = step is not None and bool(done) and done[0] >= step
+            return {"persisted": durable, "step": step, "detail": f"rank 0's node settled: {word['detail']}"}
         time.sleep(0.1)
+        storage.refresh()
     return {"persisted": False, "step": target, "detail": f"step {target} not committed within {timeout_s:.0f} s"}
 
 
@@ -169,7 +183,7 @@ def persist_on_preempt(
     t0 = time.time()
     try:
         rank0 = 0 in job.node_ranks(job.world() or 1) if job.paths.job.exists() else True
-        saved = save(None) if rank0 else wait_committed(job)
+        saved = save(None) if rank0 else wait_committed(job, err.received)
     except Exception as exc:  # the exit must still happen, and say why nothing was persisted
         log.exception("persist on preemption failed")
         saved = {"persisted": False, "detail": f"{type(exc).__name__}: {exc}"}

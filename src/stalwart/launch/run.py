@@ -30,7 +30,7 @@ from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
 from stalwart.launch import autoscale, die_with_agent, eviction, park, preempt, slurm, stragglers, zygote
 from stalwart.launch.agent import Incident, NodeEvicted, NodeParked, StalwartAgent
-from stalwart.launch.client import MasterClient, write_address
+from stalwart.launch.client import MasterClient, MasterError, write_address
 from stalwart.launch.master import Master, load_or_create_token
 from stalwart.launch.run_args import (
     EXIT_EVICTED,
@@ -45,7 +45,8 @@ from stalwart.launch.run_args import (
 from stalwart.launch.storage_watch import StorageWatch
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
+    from stalwart.checkpoint.keeper_process import KeeperProcess
+    from stalwart.checkpoint.node_job import NodeJob
 
 log = logging.getLogger("stalwart.run")
 UNBOUNDED = 1 << 30  # local restart counter: the master's job-wide budget decides
@@ -233,14 +234,16 @@ def run(argv: list[str]) -> int:
             "storage": storage_watch.status,
         }
         if preempted is not None:
+            # Every node's word before the requeue: Slurm kills what is left of the step KillWait
+            # seconds after it, and the master's node must not take the others' journal with it.
+            if master is not None and not preempt.wait_for_peers(master.state.status):
+                print("stalwart run: a node's preemption may be missing from the journal", file=sys.stderr)
             if args.requeue_on_preempt and (step is None or step.hosts_master):
                 preempted["requeue"] = preempt.requeue(os.environ)
             summary["preempted"] = {**preempted, "exit": time.time()}
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=1))
         if master is not None:
-            if preempted is not None and not preempt.wait_for_peers(master.state.status):
-                print("stalwart run: a node's preemption may be missing from the journal", file=sys.stderr)
             master.stop()
     if preempted is not None:  # the allocation is ending: no interpreter finalization (seconds with torch)
         runtime.exit_process(exit_code)
@@ -279,7 +282,8 @@ def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str])
     stalwart.checkpoint), started before the workers and stopped when this agent exits, as the zygote
     is. It learns storage and policy from the job.json the workers write, and idles without one."""
     # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
-    from stalwart.checkpoint.node_job import KeeperProcess, NodeJob
+    from stalwart.checkpoint.keeper_process import KeeperProcess
+    from stalwart.checkpoint.node_job import NodeJob
 
     job = NodeJob.of_agent(job_id, node_id)
     return job, KeeperProcess(job, run_dir.absolute() / "keeper.log", env=env).start()
@@ -329,7 +333,7 @@ def _summary(client: MasterClient, node_id: str, exit_code: int, agent: Stalwart
     try:
         status = client.call("GET", "/v1/status", retry_for_s=2)
         restarts = status["restarts_used"]
-    except OSError:
+    except (OSError, MasterError):  # the master may be gone with its node (a preemption)
         restarts = None
     return {
         "node_id": node_id,
