@@ -185,26 +185,93 @@ def test_a_commit_clears_the_stage_of_the_steps_before_it(nodes, tmp_path):
     assert not list((tmp_path / "ckpt" / ".stage").glob("step-*")), "finished steps leave no stage"
 
 
+def preempted(nodes: list[JobPaths], storage: Storage) -> float:
+    """Rank 0 holds step 8, rank 1 steps 8 and 9 (its copy of 9 done, rank 0's not); each node's job
+    persists to ``storage``. Returns the time of the notice."""
+    for rank, steps in ((0, [8]), (1, [8, 9])):
+        snapshot(nodes[rank], rank, steps)
+        job = {"storage": storage.url, "world_size": WORLD, "ranks": [rank], "policy": {"persist_every_steps": 100}}
+        atomic_write(nodes[rank].job, json.dumps(job).encode())
+        atomic_write(nodes[rank].owner(rank), json.dumps({"pid": 1, "rank": rank, "world_size": WORLD}).encode())
+    return time.time()
+
+
 def test_a_preempted_node_holding_a_newer_step_stops_waiting_when_rank_0s_node_settles(nodes, tmp_path):
     """CI (Slurm preemption): rank 1 had published step 9, rank 0 only 8, so the save-on-failure
     committed 8. Rank 1's agent waited for 9 until Slurm killed it, KillWait seconds after the requeue,
     before it wrote its summary. It now stops at rank 0's node's word that the save settled — this
-    notice's word, not an older one."""
+    notice's word, not that of a save begun before it (an earlier fault's)."""
     storage = Storage(str(tmp_path / "ckpt"))
-    for rank, steps in ((0, [8]), (1, [8, 9])):
-        snapshot(nodes[rank], rank, steps)
-        atomic_write(
-            nodes[rank].job, json.dumps({"storage": storage.url, "world_size": WORLD, "ranks": [rank]}).encode()
-        )
-        atomic_write(nodes[rank].owner(rank), json.dumps({"pid": 1, "rank": rank, "world_size": WORLD}).encode())
-    received = time.time()
+    multinode.settle(storage, time.time() - 10, None, "an earlier fault's save, settled late")
+    received = preempted(nodes, storage)
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]  # the keepers' save
     node1 = NodeJob(nodes[1].root)
-    assert not preempt.wait_committed(node1, received, timeout_s=0.5)["persisted"], "no word yet: step 9 awaited"
+    early = preempt.wait_committed(node1, received, timeout_s=0.5)
+    assert not early["persisted"] and early["step"] == 9, f"no word of this notice yet: step 9 awaited {early}"
 
     said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)  # the agent's save
     assert said["step"] == 8 and "already covered" in said["detail"], said
     waited = preempt.wait_committed(node1, received, timeout_s=30)
     assert waited["persisted"] and waited["step"] == 8 and "settled" in waited["detail"], waited
-    later = preempt.wait_committed(node1, time.time() + 60, timeout_s=0.5)  # a later notice: not its word
-    assert not later["persisted"] and later["step"] == 9, later
+
+
+def test_a_save_on_failure_that_fails_still_settles(nodes, tmp_path, monkeypatch):
+    """A participant that never answers (TimeoutError) or storage that fails: the save is over all the
+    same, and a waiting node must hear it rather than wait for a commit that will not come."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    received = preempted(nodes, storage)
+
+    def fails(*_args: object, **_kwargs: object) -> None:
+        raise TimeoutError("persist of step 8: timed out waiting for rank 1's table")
+
+    monkeypatch.setattr(NodeJob, "persist_step", fails)
+    with pytest.raises(TimeoutError):
+        NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)
+    waited = preempt.wait_committed(NodeJob(nodes[1].root), received, timeout_s=30)
+    assert not waited["persisted"] and waited["step"] is None and "timed out" in waited["detail"], waited
+    atomic_write(nodes[1].job, json.dumps({"storage": storage.url, "ranks": [1]}).encode())  # no persist policy
+    memory_only = preempt.wait_committed(NodeJob(nodes[1].root), received, timeout_s=30)
+    assert memory_only == {"persisted": False, "detail": "memory-only checkpoints: nothing to persist"}
+
+
+def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_on_failure(nodes, tmp_path):
+    """Rank 0 died copying step 9, which rank 1's keeper had begun to persist (its cursor: 9). Its
+    keeper waited 120 s for a plan that could never come, and the cursor made save-on-failure read
+    every older step as "moved on": nothing was saved although both ranks held step 8. Save-on-failure
+    now abandons step 9, and the keeper comes back for the step it asks for."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    preempted(nodes, storage)
+    node1, outcomes = NodeJob(nodes[1].root), []
+
+    def keeper_of_node_1() -> None:
+        for step in (9, 8):  # the flagged step it began with, then the one rank 0's node requests
+            try:
+                outcomes.append(node1.persist_step(storage, step, WORLD, "keeper", ranks=[1]))
+            except Exception as err:
+                outcomes.append(err)
+
+    thread = threading.Thread(target=keeper_of_node_1)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while (multinode._cursor(storage, 1) or {}).get("step") != 9:
+        assert time.monotonic() < deadline, "rank 1's keeper never began step 9"
+        time.sleep(0.05)
+    said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)
+    thread.join(30)
+    assert said["persisted"] and said["step"] == 8, said
+    assert isinstance(outcomes[0], multinode.Abandoned), outcomes
+    assert isinstance(outcomes[1], dict) and storage.latest() == 8 and storage.verify(8) == [], outcomes
+
+    # Restarted from step 8, both ranks redo step 9: another snapshot, which the abandonment does not name.
+    for rank in range(WORLD):
+        snapshot(nodes[rank], rank, [9])
+    abandoned_cursor, redone = multinode._cursor(storage, 1), []
+    thread = threading.Thread(target=lambda: redone.append(node1.persist_step(storage, 9, WORLD, "keeper", [1])))
+    thread.start()  # rank 1's keeper first: the old abandonment of step 9 is still in the stage
+    while multinode._cursor(storage, 1) == abandoned_cursor and thread.is_alive():
+        time.sleep(0.05)
+    time.sleep(0.5)  # its polls see the abandonment, which is not its snapshot's
+    assert thread.is_alive(), "the redone step was given up as the abandoned one"
+    NodeJob(nodes[0].root).persist_step(storage, 9, WORLD, "keeper", [0])
+    thread.join(30)
+    assert redone and storage.latest() == 9 and storage.verify(9) == [], redone

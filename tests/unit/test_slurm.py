@@ -142,29 +142,20 @@ def test_a_worker_killed_by_the_notice_is_the_preemption_and_a_swallowed_notice_
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_the_master_host_waits_for_every_live_node_to_journal_its_preemption():
+def test_the_master_host_waits_for_every_node_alive_at_the_notice_to_journal_its_preemption():
+    """Alive at the notice, not now: a node's beats stop with its workers, and a node still persisting
+    for longer than the freshness window must not be requeued (and killed) under it."""
+    notice = 1000.0
+    nodes = [
+        {"node_id": "a", "state": "alive", "last_heartbeat": notice + 0.5},
+        {"node_id": "b", "state": "alive", "last_heartbeat": notice - 1.0},  # silent since: persisting
+        {"node_id": "gone", "state": "alive", "last_heartbeat": notice - 60.0},  # silent long before
+    ]
     answers = iter(
-        [
-            {
-                "nodes": [{"node_id": "a", "state": "alive", "heartbeat_age_s": 0.5}] * 1
-                + [
-                    {"node_id": "b", "state": "alive", "heartbeat_age_s": 0.5},
-                    {"node_id": "gone", "state": "alive", "heartbeat_age_s": 60.0},
-                ],
-                "incidents": [{"kind": "preempted", "node_id": "a"}],
-            },
-        ]
-        * 3
-        + [
-            {
-                "nodes": [
-                    {"node_id": "a", "state": "alive", "heartbeat_age_s": 0.5},
-                    {"node_id": "b", "state": "alive", "heartbeat_age_s": 0.5},
-                ],
-                "incidents": [{"kind": "preempted", "node_id": "a"}, {"kind": "preempted", "node_id": "b"}],
-            },
-        ]
+        [{"nodes": nodes, "incidents": [{"kind": "preempted", "node_id": "a"}]}] * 3
+        + [{"nodes": nodes, "incidents": [{"kind": "preempted", "node_id": n} for n in ("a", "b")]}]
     )
-    assert preempt.wait_for_peers(lambda: next(answers), timeout_s=30)
-    lonely = {"nodes": [{"node_id": "b", "state": "alive", "heartbeat_age_s": 0.1}], "incidents": []}
-    assert not preempt.wait_for_peers(lambda: lonely, timeout_s=0.3), "bounded: gives up and says so"
+    assert preempt.wait_for_peers(lambda: next(answers), notice, timeout_s=30)
+    assert next(answers, None) is None, "it waited for b, silent since the notice"
+    lonely = {"nodes": nodes[1:2], "incidents": []}
+    assert not preempt.wait_for_peers(lambda: lonely, notice, timeout_s=0.3), "bounded: gives up and says so"

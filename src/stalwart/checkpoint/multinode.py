@@ -20,18 +20,15 @@ holds it answers "missing" and the coordinator tries an older one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
 import uuid
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from stalwart._compat import storage_info, storage_info_fields, storage_prefix
+from stalwart.checkpoint.multinode_wire import plan_from_json, plan_json, results_from_json, results_json
 from stalwart.checkpoint.persist import (
     PlanOnlyView,
     _SnapshotPlanner,
@@ -53,6 +50,10 @@ SETTLED = "settled.json"
 
 class MissingSnapshot(LookupError):
     """A node no longer holds the step asked for (overwritten, or its workers never reached it)."""
+
+
+class Abandoned(MissingSnapshot):
+    """Rank 0's node will never hold the step (it saves an older one on failure)."""
 
 
 # -- small JSON files in storage ------------------------------------------------------------------
@@ -117,18 +118,20 @@ def requested_step(storage: Storage) -> int | None:
     return int(req["step"]) if req else None
 
 
-def settle(storage: Storage, step: int | None, detail: str) -> None:
-    """Rank 0's node has finished a save-on-failure: ``step`` (the newest step every rank holds) is
-    committed, or None when no step could be. The only word a node that waits for that save (a
-    preemption: it must keep its keeper up while its shards may be asked for) has that the save is
-    over, when the step it holds itself is newer than the one every rank holds or already committed."""
-    _put(storage, {"step": step, "detail": detail, "time": time.time()}, STAGE, SETTLED)
+def settle(storage: Storage, started: float, step: int | None, detail: str) -> None:
+    """Rank 0's node has finished a save-on-failure that began at ``started``: ``step`` (the newest step
+    every rank holds) is durable, or None when no step could be made so (it failed, or no step was
+    held by all). The only word a node that waits for that save (a preemption: it must keep its keeper
+    up while its shards may be asked for) has that the save is over, when the step it holds itself is
+    newer than the one every rank holds."""
+    _put(storage, {"step": step, "detail": detail, "started": started, "time": time.time()}, STAGE, SETTLED)
 
 
 def settled(storage: Storage, since: float) -> dict[str, Any] | None:
-    """The newest save-on-failure's outcome, if rank 0's node settled it at ``since`` or later."""
+    """The newest save-on-failure's outcome, if rank 0's node began that save at ``since`` or later (an
+    earlier save, for an earlier fault, may finish after a notice and say nothing about it)."""
     record = _get(storage, STAGE, SETTLED)
-    return record if record and float(record.get("time", 0)) >= since else None
+    return record if record and float(record.get("started", 0)) >= since else None
 
 
 def answer_missing(storage: Storage, step: int, ranks: list[int], why: str) -> None:
@@ -136,74 +139,68 @@ def answer_missing(storage: Storage, step: int, ranks: list[int], why: str) -> N
         _put(storage, {"missing": why}, *_stage(step, "plans", f"rank{r}.json"))
 
 
-def _wait(storage: Storage, step: int, deadline: float, poll_s: float, what: str, probe: Any) -> Any:
+def _wait(
+    storage: Storage, step: int, deadline: float, poll_s: float, what: str, probe: Any, taken: float | None = None
+) -> Any:
     while True:
         value = probe()
         if value is not None:
             return value
-        abort = _get(storage, *_stage(step, "abort.json"))
-        if abort:
-            raise RuntimeError(f"persist of step {step} aborted by the coordinator: {abort['reason']}")
+        _raise_if_aborted(storage, step, taken)
         if time.monotonic() > deadline:
             raise TimeoutError(f"persist of step {step}: timed out waiting for {what}")
         time.sleep(poll_s)
         storage.refresh()
 
 
+def _raise_if_aborted(storage: Storage, step: int, taken: float | None = None) -> None:
+    """``taken``: when this node's snapshot of ``step`` was taken. An abandonment names the snapshot it
+    abandons: the same step redone after a restart is another snapshot, to be persisted."""
+    if (stop := _get(storage, *_stage(step, "abort.json"))) is None:
+        return
+    if stop.get("abandoned"):  # for good: the keeper goes on to what it is asked for next
+        if taken is not None and stop.get("taken") == taken:
+            raise Abandoned(f"rank 0's node abandoned step {step}: {stop['reason']}")
+        return
+    raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
+
+
+def _cursor(storage: Storage, rank: int) -> dict[str, Any] | None:
+    """The step ``rank``'s node last began to persist, and when its snapshot of it was taken."""
+    return _get(storage, STAGE, "cursor", f"rank{rank}.json")
+
+
+def _abandoned(storage: Storage, cursor: dict[str, Any]) -> bool:
+    stop = _get(storage, *_stage(int(cursor["step"]), "abort.json")) or {}
+    return bool(stop.get("abandoned")) and stop.get("taken") == cursor.get("taken")
+
+
 def _moved_on(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
-    """A "missing" answer when ``rank``'s node has started persisting a later step than ``step``."""
-    cursor = _get(storage, STAGE, "cursor", f"rank{rank}.json")
-    if cursor and int(cursor["step"]) > step:
+    """A "missing" answer when ``rank``'s node has started persisting a later step than ``step`` (one
+    not abandoned: its keeper comes back from that)."""
+    cursor = _cursor(storage, rank)
+    if cursor and int(cursor["step"]) > step and not _abandoned(storage, cursor):
         return {"missing": f"its keeper moved on to step {cursor['step']}"}
     return None
 
 
-# -- write results as JSON -----------------------------------------------------------------------
-def _results_json(results: list[WriteResult]) -> list[dict[str, Any]]:
-    out = []
-    for wr in results:
-        out.append(
-            {
-                "fqn": wr.index.fqn,
-                "offset": None if wr.index.offset is None else list(wr.index.offset),
-                "index": wr.index.index,
-                "size": wr.size_in_bytes,
-                **storage_info_fields(wr.storage_data),
-            }
-        )
-    return out
-
-
-def _results_from_json(items: list[dict[str, Any]]) -> list[WriteResult]:
-    return [
-        WriteResult(
-            index=MetadataIndex(i["fqn"], i["offset"], i["index"]),
-            size_in_bytes=i["size"],
-            storage_data=storage_info(i),
-        )
-        for i in items
-    ]
-
-
-def _plan_json(plan: SavePlan) -> dict[str, Any]:
-    return {
-        "prefix": plan.storage_data.prefix,
-        "items": [
-            [it.index.fqn, None if it.index.offset is None else list(it.index.offset), it.index.index]
-            for it in plan.items
-        ],
-    }
-
-
-def _plan_from_json(planner: _SnapshotPlanner, data: dict[str, Any]) -> SavePlan:
-    """This rank's share of the coordinator's global plan, rebuilt from its own local plan."""
-    local = planner.create_local_plan()
-    by_index = {(it.index.fqn, it.index.offset): it for it in local.items}
-    items = []
-    for fqn, offset, hint in data["items"]:
-        index = MetadataIndex(fqn, offset, hint)
-        items.append(dataclasses.replace(by_index[(fqn, index.offset)], index=index))
-    return dataclasses.replace(local, items=items, storage_data=storage_prefix(data["prefix"]))
+def _table_or_dead_end(storage: Storage, rank: int, step: int, final: set[int] | None) -> dict[str, Any] | None:
+    """Rank ``rank``'s entry table for ``step``, or a "missing" answer. ``final``: the steps this node
+    will ever hold (save-on-failure: its workers are gone). A node that moved on to a step not among
+    them waits for a plan that can never come, and its cursor would make every older step look missing:
+    that step is abandoned, and its keeper comes back for ``step``."""
+    table = _get(storage, *_stage(step, "plans", f"rank{rank}.json"))
+    if table is not None:
+        return table
+    cursor = _cursor(storage, rank)
+    if final is not None and cursor and int(cursor["step"]) > step and int(cursor["step"]) not in final:
+        if not _abandoned(storage, cursor):
+            later = int(cursor["step"])
+            reason = f"rank 0's node saves step {step} on failure and will never hold step {later}"
+            stop = {"reason": reason, "abandoned": True, "taken": cursor.get("taken"), "time": time.time()}
+            _put(storage, stop, *_stage(later, "abort.json"))
+        return None
+    return _moved_on(storage, rank, step)
 
 
 # -- the protocol ---------------------------------------------------------------------------------
@@ -217,14 +214,17 @@ def persist(
     timeout_s: float = 120.0,
     poll_s: float = 0.05,
     answer_s: float = 10.0,
+    final: set[int] | None = None,
 ) -> dict[str, Any]:
     """Take part in persisting ``step`` with this node's ranks (``views``: rank → pinned snapshot).
     Every node must answer (its entry tables) within ``answer_s`` — a lost node must not hold up a
-    save-on-failure for long — and the whole persist finish within ``timeout_s``. Returns the committed
-    manifest; raises MissingSnapshot, RuntimeError (aborted) or TimeoutError."""
+    save-on-failure for long — and the whole persist finish within ``timeout_s``. ``final``: the
+    coordinator's steps when they can no longer change (save-on-failure). Returns the committed
+    manifest; raises MissingSnapshot (also: the step was abandoned), RuntimeError (aborted) or
+    TimeoutError."""
     t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
     for r in views:  # nodes skip steps (a keeper that started late): whoever waits for us sees we moved on
-        _put(storage, {"step": step}, STAGE, "cursor", f"rank{r}.json")
+        _put(storage, {"step": step, "taken": views[min(views)].info.header["time"]}, STAGE, "cursor", f"rank{r}.json")
     if coordinator:
         for name in ("go.json", "abort.json", "results"):  # a failed earlier attempt at this step
             _remove(storage, *_stage(step, name))
@@ -232,7 +232,7 @@ def persist(
     for r, view in views.items():
         _put(storage, {**plan_table(view), "first": min(views)}, *_stage(step, "plans", f"rank{r}.json"))
     if coordinator:
-        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s, answer_s)
+        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s, answer_s, final)
     return _participate(storage, step, views, t0, deadline, poll_s)
 
 
@@ -250,6 +250,7 @@ def _coordinate(
     deadline: float,
     poll_s: float,
     answer_s: float,
+    final: set[int] | None,
 ) -> dict[str, Any]:
     try:
         tables: dict[int, dict[str, Any]] = {}
@@ -262,7 +263,7 @@ def _coordinate(
                     answer_by,
                     poll_s,
                     f"rank {r}'s snapshot table (its node's keeper)",
-                    lambda r=r: _get(storage, *_stage(step, "plans", f"rank{r}.json")) or _moved_on(storage, r, step),
+                    lambda r=r: _table_or_dead_end(storage, r, step, final),
                 )
                 if "missing" in tables[r]:
                     raise MissingSnapshot(f"rank {r} does not hold step {step}: {tables[r]['missing']}")
@@ -271,7 +272,7 @@ def _coordinate(
         attempt = uuid.uuid4().hex[:12]
         _put(
             storage,
-            {"attempt": attempt, "plans": {str(r): _plan_json(plans[r]) for r in range(world)}},
+            {"attempt": attempt, "plans": {str(r): plan_json(plans[r]) for r in range(world)}},
             *_stage(step, "go.json"),
         )
         sums: dict[str, dict[str, int]] = {}
@@ -294,7 +295,7 @@ def _coordinate(
                 done = _wait(storage, step, deadline, poll_s, f"rank {r}'s shards", lambda r=r: result_of(r))
                 if "error" in done:
                     raise RuntimeError(f"rank {r}'s node could not write its shards: {done['error']}")
-                results[r] = _results_from_json(done["results"])
+                results[r] = results_from_json(done["results"])
                 sums.update(done["sums"])
         snapshot_time = max(v.info.header["time"] for v in views.values())
         manifest = commit(
@@ -312,9 +313,10 @@ def _coordinate(
 def _participate(
     storage: Storage, step: int, views: dict[int, SnapshotView], t0: float, deadline: float, poll_s: float
 ) -> dict[str, Any]:
+    taken = views[min(views)].info.header["time"]  # this node's snapshot: what an abandonment names
+
     def go_or_replan() -> Any:
-        if (stop := _get(storage, *_stage(step, "abort.json"))) is not None:  # before a re-put below
-            raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
+        _raise_if_aborted(storage, step, taken)  # before a re-put below
         go = _get(storage, *_stage(step, "go.json"))
         if go is None and _moved_on(storage, 0, step):
             raise MissingSnapshot(f"the coordinator moved on past step {step}")
@@ -323,7 +325,7 @@ def _participate(
                 _put(storage, {**plan_table(view), "first": min(views)}, *_stage(step, "plans", f"rank{r}.json"))
         return go
 
-    go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan)
+    go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan, taken)
     attempt = go["attempt"]
     hook = chaos_hook(step)
     with _Heartbeat(storage, step, min(views)):
@@ -353,12 +355,12 @@ def _write_shares(
             planner.set_up_planner(is_coordinator=False)
             with torch_save_without_crc():
                 results = write_rank(
-                    storage, step, r, planner, _plan_from_json(planner, go["plans"][str(r)]), sums, hook
+                    storage, step, r, planner, plan_from_json(planner, go["plans"][str(r)]), sums, hook
                 )
         except Exception as err:
             _put(storage, {"error": repr(err)}, *_stage(step, "results", f"rank{r}.{attempt}.json"))
             raise
-        reports[r] = {"results": _results_json(results), "sums": sums}
+        reports[r] = {"results": results_json(results), "sums": sums}
     return reports
 
 

@@ -10,7 +10,7 @@ reach the job through :class:`NodeJob`, so the protocol between them lives in on
 - ``keeper.lock``: held by the one keeper serving the directory (released by the kernel when it dies).
 - ``persist.lock``: serialises persists (the keeper, the agent's save-on-failure, a rollback).
 
-Under ``stalwart run`` the agent starts the keeper (:class:`KeeperProcess`) before the workers and stops
+Under ``stalwart run`` the agent starts the keeper (``keeper_process.KeeperProcess``) before the workers and stops
 it when it exits; without an agent the node's first local rank starts one (see ``Checkpointer``).
 """
 
@@ -220,12 +220,14 @@ class NodeJob:
         source: str,
         ranks: list[int] | None = None,
         ask_others: bool = False,
+        final: set[int] | None = None,
     ) -> dict[str, Any]:
         """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
         checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
-        ``ask_others`` for a step they would not pick by themselves). Returns the manifest, with
-        ``already: True`` when a committed checkpoint covers the step (the keeper and the agent's
-        save-on-failure may race for it). Raises LookupError/BlockingIOError when a snapshot is gone."""
+        ``ask_others`` for a step they would not pick by themselves; ``final``: see ``multinode.persist``).
+        Returns the manifest, with ``already: True`` when a committed checkpoint covers the step (the
+        keeper and the agent's save-on-failure may race for it). Raises LookupError/BlockingIOError when
+        a snapshot is gone."""
         ranks = list(range(world)) if ranks is None else ranks
         views: dict[int, SnapshotView] = {}
         with self.persist_lock():
@@ -239,7 +241,7 @@ class NodeJob:
                     return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
                 if ask_others:
                     multinode.request(storage, step)
-                return multinode.persist(storage, step, views, world, source, coordinator=0 in ranks)
+                return multinode.persist(storage, step, views, world, source, coordinator=0 in ranks, final=final)
             except (LookupError, BlockingIOError) as err:
                 if len(ranks) < world and not isinstance(err, multinode.MissingSnapshot):  # nobody should wait
                     if 0 in ranks:
@@ -286,15 +288,19 @@ class NodeJob:
         )
         world = world_size or self.world()
         ranks = self.node_ranks(world) if world else []
+        started = time.time()
+
+        def settle(step: int | None, detail: str) -> None:
+            if 0 in ranks and len(ranks) < world:  # the other nodes' agents may wait for this word
+                try:
+                    multinode.settle(storage, started, step, detail)
+                except Exception as err:  # fsspec backends raise their own types; the save's result stands
+                    log.warning("save-on-failure: could not tell the other nodes it settled: %r", err)
 
         def outcome(persisted: bool, step: int | None, detail: str, covered: bool = False) -> dict[str, Any]:
             if not quiet:
                 (log.info if persisted else log.warning)("save-on-failure: %s", detail)
-            if 0 in ranks and len(ranks) < world:  # the other nodes' agents may wait for this word
-                try:
-                    multinode.settle(storage, step if persisted or covered else None, detail)
-                except OSError as err:
-                    log.warning("save-on-failure: could not tell the other nodes it settled: %r", err)
+            settle(step if persisted or covered else None, detail)
             return {"persisted": persisted, "step": step, "detail": detail}
 
         def covered(step: int, by: object) -> dict[str, Any]:
@@ -315,10 +321,16 @@ class NodeJob:
             if committed and committed[0] >= step:
                 return covered(step, committed[0])
             try:
-                manifest = self.persist_step(storage, step, world, "save-on-failure", ranks, ask_others=True)
+                # Its workers are gone: what it holds is final, and another node ahead of it is at a dead end.
+                manifest = self.persist_step(
+                    storage, step, world, "save-on-failure", ranks, ask_others=True, final=common
+                )
             except multinode.MissingSnapshot as err:
                 log.warning("save-on-failure: %s; trying an older step", err)
                 continue
+            except Exception as err:  # a participant timed out, storage failed: over, and nothing saved
+                settle(None, f"persisting step {step} failed: {err!r}")
+                raise
             if manifest.get("already"):
                 return covered(step, manifest.get("step"))
             return outcome(

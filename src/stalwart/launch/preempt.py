@@ -159,17 +159,26 @@ def wait_committed(job: NodeJob, received: float, timeout_s: float = 60.0) -> di
     spec, world = job.job(), job.world()
     if not spec.get("storage") or not world:
         return {"persisted": False, "detail": "no snapshots on this node"}
+    if not job.persists():
+        return {"persisted": False, "detail": "memory-only checkpoints: nothing to persist"}
+    held = job.snapshot_steps(world, job.node_ranks(world))
     target = job.newest_agreed(world)
+    # A save begun after this node's newest snapshot, or about when the notice came, is this notice's:
+    # the snapshot's time bounds a notice whose handler ran late.
+    taken = min((h["time"] for steps in held.values() for s, h in steps.items() if s == target), default=received)
+    since = min(received - SIGNAL_SPREAD_S, taken)
     storage = Storage(spec["storage"], spec.get("storage_options"))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = storage.committed()
         if done and done[0] >= target:
             return {"persisted": True, "step": done[0], "detail": f"rank 0's node committed step {done[0]}"}
-        if (word := multinode.settled(storage, since=received - SIGNAL_SPREAD_S)) is not None:
-            step = word["step"]
-            durable = step is not None and bool(done) and done[0] >= step
-            return {"persisted": durable, "step": step, "detail": f"rank 0's node settled: {word['detail']}"}
+        if (word := multinode.settled(storage, since)) is not None:  # its step is durable, if it names one
+            return {
+                "persisted": word["step"] is not None,
+                "step": word["step"],
+                "detail": f"rank 0's node settled: {word['detail']}",
+            }
         time.sleep(0.1)
         storage.refresh()
     return {"persisted": False, "step": target, "detail": f"step {target} not committed within {timeout_s:.0f} s"}
@@ -198,14 +207,20 @@ def persist_on_preempt(
     }
 
 
-def wait_for_peers(status: Callable[[], dict[str, Any]], timeout_s: float = 10.0, fresh_s: float = 5.0) -> bool:
-    """On the node that hosts the master, before stopping it: wait (bounded) until every live node has
-    journaled its own ``preempted`` incident — Slurm signals them all at once, and a master gone first
-    loses theirs. True when all did."""
+def wait_for_peers(
+    status: Callable[[], dict[str, Any]], since: float, timeout_s: float = 10.0, fresh_s: float = 5.0
+) -> bool:
+    """On the node that hosts the master, before it requeues and stops the master: wait (bounded) until
+    every node alive at the notice (``since``, on this host's clock, the master's) has journaled its own
+    ``preempted`` incident — Slurm signals them all at once, a master gone first loses theirs, and a
+    requeue lets Slurm kill them. A node's beats stop with its workers, so "alive" is judged at the
+    notice, not now. True when all did."""
     deadline = time.monotonic() + timeout_s
     while True:
         state = status()
-        live = {n["node_id"] for n in state["nodes"] if n["state"] == "alive" and n["heartbeat_age_s"] < fresh_s}
+        live = {
+            n["node_id"] for n in state["nodes"] if n["state"] == "alive" and n["last_heartbeat"] >= since - fresh_s
+        }
         journaled = {i.get("node_id") for i in state["incidents"] if i["kind"] == "preempted"}
         if live <= journaled or time.monotonic() > deadline:
             return live <= journaled

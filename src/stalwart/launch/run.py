@@ -236,7 +236,7 @@ def run(argv: list[str]) -> int:
         if preempted is not None:
             # Every node's word before the requeue: Slurm kills what is left of the step KillWait
             # seconds after it, and the master's node must not take the others' journal with it.
-            if master is not None and not preempt.wait_for_peers(master.state.status):
+            if master is not None and not preempt.wait_for_peers(master.state.status, preempted["received"]):
                 print("stalwart run: a node's preemption may be missing from the journal", file=sys.stderr)
             if args.requeue_on_preempt and (step is None or step.hosts_master):
                 preempted["requeue"] = preempt.requeue(os.environ)
