@@ -238,7 +238,9 @@ def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_
     """Rank 0 died copying step 9, which rank 1's keeper had begun to persist (its cursor: 9). Its
     keeper waited 120 s for a plan that could never come, and the cursor made save-on-failure read
     every older step as "moved on": nothing was saved although both ranks held step 8. Save-on-failure
-    now abandons step 9, and the keeper comes back for the step it asks for."""
+    now declares the failure: a snapshot of a later step taken before it is a dead end, whenever its
+    keeper meets it, and the keeper comes back for the step asked for. The redo of step 9 is another
+    snapshot, persisted."""
     storage = Storage(str(tmp_path / "ckpt"))
     preempted(nodes, storage)
     node1, outcomes = NodeJob(nodes[1].root), []
@@ -261,17 +263,19 @@ def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_
     assert said["persisted"] and said["step"] == 8, said
     assert isinstance(outcomes[0], multinode.Abandoned), outcomes
     assert isinstance(outcomes[1], dict) and storage.latest() == 8 and storage.verify(8) == [], outcomes
+    with pytest.raises(multinode.Abandoned):  # met again after the save (a copy that ended late): at once
+        node1.persist_step(storage, 9, WORLD, "keeper", ranks=[1])
 
-    # Restarted from step 8, both ranks redo step 9: another snapshot, which the abandonment does not name.
+    # Restarted from step 8, both ranks redo step 9: another snapshot, taken after the failure.
     for rank in range(WORLD):
         snapshot(nodes[rank], rank, [9])
-    abandoned_cursor, redone = multinode._cursor(storage, 1), []
+    dead_cursor, redone = multinode._cursor(storage, 1), []
     thread = threading.Thread(target=lambda: redone.append(node1.persist_step(storage, 9, WORLD, "keeper", [1])))
-    thread.start()  # rank 1's keeper first: the old abandonment of step 9 is still in the stage
-    while multinode._cursor(storage, 1) == abandoned_cursor and thread.is_alive():
+    thread.start()  # rank 1's keeper first: the stage still holds its dead-end table of step 9
+    while multinode._cursor(storage, 1) == dead_cursor and thread.is_alive():
         time.sleep(0.05)
-    time.sleep(0.5)  # its polls see the abandonment, which is not its snapshot's
-    assert thread.is_alive(), "the redone step was given up as the abandoned one"
+    time.sleep(0.5)
+    assert thread.is_alive(), "the redone step was given up as the dead end"
     NodeJob(nodes[0].root).persist_step(storage, 9, WORLD, "keeper", [0])
     thread.join(30)
     assert redone and storage.latest() == 9 and storage.verify(9) == [], redone

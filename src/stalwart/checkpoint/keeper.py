@@ -34,6 +34,7 @@ from stalwart.checkpoint import multinode
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import remove_torn, retention
 from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
+from stalwart.checkpoint.snapshot import captured_at
 from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE, StorageHealth
 
@@ -56,7 +57,7 @@ class Keeper:
         self.job_version: tuple[int, int] | None = None
         self.handled_pids: set[int] = set()
         self.given_up: set[int] = set()
-        self.given_up_taken: dict[int, float] = {}  # a skipped step → when the snapshot given up was taken
+        self.given_up_taken: dict[int, float | None] = {}  # a step given up → its snapshot's time (None: none)
         self.events: list[dict[str, Any]] = []
         self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time()}
         self.request_checked = 0.0
@@ -233,10 +234,10 @@ class Keeper:
             return
         steps = self.node.snapshot_steps(world, ranks)
         common = agreed(steps)
-        taken = {s: steps[ranks[0]][s].get("time") for s in common}
+        taken = {s: captured_at(steps[ranks[0]][s]) for s in common}
         # Workers restarted from an older snapshot redo the steps after it, under the same numbers: a
         # step skipped (or abandoned) for the snapshot it had then is the new snapshot's to persist.
-        self.given_up -= {s for s, t in self.given_up_taken.items() if s in taken and taken[s] != t}
+        self.given_up -= {s for s, t in self.given_up_taken.items() if t is not None and taken.get(s, t) != t}
         self.given_up_taken = {s: t for s, t in self.given_up_taken.items() if s in self.given_up}
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
@@ -275,8 +276,7 @@ class Keeper:
             )
         except (LookupError, BlockingIOError) as err:
             self.given_up.add(target)
-            if taken.get(target) is not None:
-                self.given_up_taken[target] = taken[target]
+            self.given_up_taken[target] = taken.get(target)
             why = "" if isinstance(err, multinode.Abandoned) else ": training outpaced persistence"
             self.event("skipped", target, f"{err}{why}; the next due step will be persisted", logging.WARNING)
             return

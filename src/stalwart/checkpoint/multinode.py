@@ -40,12 +40,13 @@ from stalwart.checkpoint.persist import (
     torch_save_without_crc,
     write_rank,
 )
-from stalwart.checkpoint.snapshot import SnapshotView
+from stalwart.checkpoint.snapshot import SnapshotView, captured_at
 from stalwart.checkpoint.storage import Storage, step_name
 
 STAGE = ".stage"
 REQUEST = "request.json"
 SETTLED = "settled.json"
+FAILURE = "failure.json"
 
 
 class MissingSnapshot(LookupError):
@@ -53,7 +54,8 @@ class MissingSnapshot(LookupError):
 
 
 class Abandoned(MissingSnapshot):
-    """Rank 0's node will never hold the step (it saves an older one on failure)."""
+    """This node's snapshot of the step belongs to an execution that failed before rank 0's node held
+    the step: no node can persist it (``declare_failure``)."""
 
 
 # -- small JSON files in storage ------------------------------------------------------------------
@@ -146,23 +148,37 @@ def _wait(
         value = probe()
         if value is not None:
             return value
-        _raise_if_aborted(storage, step, taken)
+        if (stop := _get(storage, *_stage(step, "abort.json"))) is not None:
+            raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
+        _raise_if_dead_end(storage, step, taken)
         if time.monotonic() > deadline:
             raise TimeoutError(f"persist of step {step}: timed out waiting for {what}")
         time.sleep(poll_s)
         storage.refresh()
 
 
-def _raise_if_aborted(storage: Storage, step: int, taken: float | None = None) -> None:
-    """``taken``: when this node's snapshot of ``step`` was taken. An abandonment names the snapshot it
-    abandons: the same step redone after a restart is another snapshot, to be persisted."""
-    if (stop := _get(storage, *_stage(step, "abort.json"))) is None:
-        return
-    if stop.get("abandoned"):  # for good: the keeper goes on to what it is asked for next
-        if taken is not None and stop.get("taken") == taken:
-            raise Abandoned(f"rank 0's node abandoned step {step}: {stop['reason']}")
-        return
-    raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
+def declare_failure(storage: Storage, started: float, newest: int) -> None:
+    """Rank 0's node saves on failure (from ``started``) and, its workers gone, will never hold a step
+    above ``newest``. A snapshot of a later step taken before then belongs to the failed execution: a
+    node persisting it waits for a plan that can never come, and its cursor would make every older step
+    look missing. It is a dead end; the same step redone after the restart is another snapshot."""
+    _put(storage, {"started": started, "newest": newest}, STAGE, FAILURE)
+
+
+def _dead_end(storage: Storage, step: int, taken: float | None) -> dict[str, Any] | None:
+    """The declared failure that makes this snapshot (``step``, ``taken``) a dead end, if one does."""
+    failure = _get(storage, STAGE, FAILURE)
+    if failure and taken is not None and step > int(failure["newest"]) and taken < float(failure["started"]):
+        return failure
+    return None
+
+
+def _raise_if_dead_end(storage: Storage, step: int, taken: float | None) -> None:
+    if (failure := _dead_end(storage, step, taken)) is not None:
+        raise Abandoned(
+            f"step {step} is a dead end: rank 0's node failed holding steps up to {failure['newest']} "
+            "and saves one of those"
+        )
 
 
 def _cursor(storage: Storage, rank: int) -> dict[str, Any] | None:
@@ -170,37 +186,31 @@ def _cursor(storage: Storage, rank: int) -> dict[str, Any] | None:
     return _get(storage, STAGE, "cursor", f"rank{rank}.json")
 
 
-def _abandoned(storage: Storage, cursor: dict[str, Any]) -> bool:
-    stop = _get(storage, *_stage(int(cursor["step"]), "abort.json")) or {}
-    return bool(stop.get("abandoned")) and stop.get("taken") == cursor.get("taken")
-
-
 def _moved_on(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
-    """A "missing" answer when ``rank``'s node has started persisting a later step than ``step`` (one
-    not abandoned: its keeper comes back from that)."""
+    """A "missing" answer when ``rank``'s node has started persisting a later step than ``step`` (not a
+    dead end: its keeper comes back from one)."""
     cursor = _cursor(storage, rank)
-    if cursor and int(cursor["step"]) > step and not _abandoned(storage, cursor):
+    if cursor and int(cursor["step"]) > step and not _dead_end(storage, int(cursor["step"]), cursor.get("taken")):
         return {"missing": f"its keeper moved on to step {cursor['step']}"}
     return None
 
 
-def _table_or_dead_end(storage: Storage, rank: int, step: int, final: set[int] | None) -> dict[str, Any] | None:
-    """Rank ``rank``'s entry table for ``step``, or a "missing" answer. ``final``: the steps this node
-    will ever hold (save-on-failure: its workers are gone). A node that moved on to a step not among
-    them waits for a plan that can never come, and its cursor would make every older step look missing:
-    that step is abandoned, and its keeper comes back for ``step``."""
+def _table(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s entry table for ``step`` (not one of a dead-end snapshot, left by a failed
+    execution of the step), or a "missing" answer."""
     table = _get(storage, *_stage(step, "plans", f"rank{rank}.json"))
-    if table is not None:
+    if table is not None and ("missing" in table or not _dead_end(storage, step, table.get("taken"))):
         return table
-    cursor = _cursor(storage, rank)
-    if final is not None and cursor and int(cursor["step"]) > step and int(cursor["step"]) not in final:
-        if not _abandoned(storage, cursor):
-            later = int(cursor["step"])
-            reason = f"rank 0's node saves step {step} on failure and will never hold step {later}"
-            stop = {"reason": reason, "abandoned": True, "taken": cursor.get("taken"), "time": time.time()}
-            _put(storage, stop, *_stage(later, "abort.json"))
-        return None
     return _moved_on(storage, rank, step)
+
+
+def _put_table(storage: Storage, step: int, rank: int, views: dict[int, SnapshotView]) -> None:
+    taken = captured_at(views[min(views)].info.header)
+    _put(
+        storage,
+        {**plan_table(views[rank]), "first": min(views), "taken": taken},
+        *_stage(step, "plans", f"rank{rank}.json"),
+    )
 
 
 # -- the protocol ---------------------------------------------------------------------------------
@@ -214,25 +224,30 @@ def persist(
     timeout_s: float = 120.0,
     poll_s: float = 0.05,
     answer_s: float = 10.0,
-    final: set[int] | None = None,
+    ask_others: bool = False,
 ) -> dict[str, Any]:
     """Take part in persisting ``step`` with this node's ranks (``views``: rank → pinned snapshot).
     Every node must answer (its entry tables) within ``answer_s`` — a lost node must not hold up a
-    save-on-failure for long — and the whole persist finish within ``timeout_s``. ``final``: the
-    coordinator's steps when they can no longer change (save-on-failure). Returns the committed
-    manifest; raises MissingSnapshot (also: the step was abandoned), RuntimeError (aborted) or
-    TimeoutError."""
+    save-on-failure for long — and the whole persist finish within ``timeout_s``. The coordinator asks
+    the others for the step (``ask_others``) once the stage is clean. Returns the committed manifest;
+    raises MissingSnapshot (``Abandoned``: a dead end), RuntimeError (aborted) or TimeoutError."""
     t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
+    taken = captured_at(views[min(views)].info.header)  # this node's snapshot of the step: what a dead end names
+    if not coordinator:
+        _raise_if_dead_end(storage, step, taken)
     for r in views:  # nodes skip steps (a keeper that started late): whoever waits for us sees we moved on
-        _put(storage, {"step": step, "taken": views[min(views)].info.header["time"]}, STAGE, "cursor", f"rank{r}.json")
+        _put(storage, {"step": step, "taken": taken}, STAGE, "cursor", f"rank{r}.json")
     if coordinator:
-        for name in ("go.json", "abort.json", "results"):  # a failed earlier attempt at this step
+        # A failed earlier attempt at this step (a table left by an execution that failed is a dead end).
+        for name in ("go.json", "abort.json", "results"):
             _remove(storage, *_stage(step, name))
         storage.remove(step)
-    for r, view in views.items():
-        _put(storage, {**plan_table(view), "first": min(views)}, *_stage(step, "plans", f"rank{r}.json"))
+        if ask_others:
+            request(storage, step)
+    for r in views:
+        _put_table(storage, step, r, views)
     if coordinator:
-        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s, answer_s, final)
+        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s, answer_s)
     return _participate(storage, step, views, t0, deadline, poll_s)
 
 
@@ -250,7 +265,6 @@ def _coordinate(
     deadline: float,
     poll_s: float,
     answer_s: float,
-    final: set[int] | None,
 ) -> dict[str, Any]:
     try:
         tables: dict[int, dict[str, Any]] = {}
@@ -263,7 +277,7 @@ def _coordinate(
                     answer_by,
                     poll_s,
                     f"rank {r}'s snapshot table (its node's keeper)",
-                    lambda r=r: _table_or_dead_end(storage, r, step, final),
+                    lambda r=r: _table(storage, r, step),
                 )
                 if "missing" in tables[r]:
                     raise MissingSnapshot(f"rank {r} does not hold step {step}: {tables[r]['missing']}")
@@ -313,16 +327,18 @@ def _coordinate(
 def _participate(
     storage: Storage, step: int, views: dict[int, SnapshotView], t0: float, deadline: float, poll_s: float
 ) -> dict[str, Any]:
-    taken = views[min(views)].info.header["time"]  # this node's snapshot: what an abandonment names
+    taken = captured_at(views[min(views)].info.header)
 
     def go_or_replan() -> Any:
-        _raise_if_aborted(storage, step, taken)  # before a re-put below
+        if (stop := _get(storage, *_stage(step, "abort.json"))) is not None:  # before a re-put below
+            raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
+        _raise_if_dead_end(storage, step, taken)
         go = _get(storage, *_stage(step, "go.json"))
         if go is None and _moved_on(storage, 0, step):
             raise MissingSnapshot(f"the coordinator moved on past step {step}")
-        for r, view in views.items():  # a coordinator that started later may have tidied the stage
+        for r in views:  # a coordinator that started later may have tidied the stage
             if go is None and not storage.fs.exists(storage.path(*_stage(step, "plans", f"rank{r}.json"))):
-                _put(storage, {**plan_table(view), "first": min(views)}, *_stage(step, "plans", f"rank{r}.json"))
+                _put_table(storage, step, r, views)
         return go
 
     go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan, taken)

@@ -26,7 +26,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,11 +220,10 @@ class NodeJob:
         source: str,
         ranks: list[int] | None = None,
         ask_others: bool = False,
-        final: set[int] | None = None,
     ) -> dict[str, Any]:
         """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
         checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
-        ``ask_others`` for a step they would not pick by themselves; ``final``: see ``multinode.persist``).
+        ``ask_others`` for a step they would not pick by themselves).
         Returns the manifest, with ``already: True`` when a committed checkpoint covers the step (the
         keeper and the agent's save-on-failure may race for it). Raises LookupError/BlockingIOError when
         a snapshot is gone."""
@@ -239,9 +238,9 @@ class NodeJob:
                     views[r] = self._pin(r, step)
                 if len(ranks) == world:
                     return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
-                if ask_others:
-                    multinode.request(storage, step)
-                return multinode.persist(storage, step, views, world, source, coordinator=0 in ranks, final=final)
+                return multinode.persist(
+                    storage, step, views, world, source, coordinator=0 in ranks, ask_others=ask_others
+                )
             except (LookupError, BlockingIOError) as err:
                 if len(ranks) < world and not isinstance(err, multinode.MissingSnapshot):  # nobody should wait
                     if 0 in ranks:
@@ -310,8 +309,26 @@ class NodeJob:
             return outcome(False, None, f"no snapshots under {self.root}")
         if 0 not in ranks:
             return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
+        try:
+            return self._save_agreed(storage, world, ranks, started, outcome, covered)
+        except Exception as err:  # a participant timed out, storage failed: over all the same, nothing saved
+            settle(None, f"save-on-failure failed: {err!r}")
+            raise
+
+    def _save_agreed(
+        self,
+        storage: Storage,
+        world: int,
+        ranks: list[int],
+        started: float,
+        outcome: Callable[..., dict[str, Any]],
+        covered: Callable[[int, object], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """``save_on_failure``'s search for the newest step every rank holds, on rank 0's node."""
         steps = self.snapshot_steps(world, ranks)
         common = agreed(steps)
+        if len(ranks) < world and not self.workers_attached():  # this node's steps are final now
+            multinode.declare_failure(storage, started, max(common, default=-1))
         if not common:
             held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
             return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
@@ -321,16 +338,10 @@ class NodeJob:
             if committed and committed[0] >= step:
                 return covered(step, committed[0])
             try:
-                # Its workers are gone: what it holds is final, and another node ahead of it is at a dead end.
-                manifest = self.persist_step(
-                    storage, step, world, "save-on-failure", ranks, ask_others=True, final=common
-                )
+                manifest = self.persist_step(storage, step, world, "save-on-failure", ranks, ask_others=True)
             except multinode.MissingSnapshot as err:
                 log.warning("save-on-failure: %s; trying an older step", err)
                 continue
-            except Exception as err:  # a participant timed out, storage failed: over, and nothing saved
-                settle(None, f"persisting step {step} failed: {err!r}")
-                raise
             if manifest.get("already"):
                 return covered(step, manifest.get("step"))
             return outcome(

@@ -241,6 +241,12 @@ class _Slot:
         self.pinned = False
 
 
+def captured_at(header: dict[str, Any]) -> float:
+    """When a snapshot's state was taken: before its step's execution could fail, even if its copy was
+    published after (a header without ``captured`` is older: its publication time)."""
+    return float(header.get("captured", header["time"]))
+
+
 class SnapshotWriter:
     """Writes this rank's snapshots, alternating slots; one copy in flight at a time."""
 
@@ -294,7 +300,7 @@ class SnapshotWriter:
         self._cuda_event = None
         if cuda:
             self._issue_cuda_copies(slot, entries, captured)
-        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, cuda)
+        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, cuda, time.time())
         return True
 
     def wait_copied(self) -> None:
@@ -370,6 +376,7 @@ class SnapshotWriter:
         captured: Captured,
         persist: bool,
         cuda: bool,
+        captured_at: float,
     ) -> None:
         s = self.slots[slot]
         t0 = time.perf_counter()
@@ -401,6 +408,7 @@ class SnapshotWriter:
                 "generation": self.generation,
                 "persist": persist,
                 "time": time.time(),
+                "captured": captured_at,  # when the step's state was taken (``time``: when it was published)
                 "data_bytes": size,
                 "objects_crc32": zlib.crc32(blob),
                 "entries": entries,

@@ -30,8 +30,8 @@ log = logging.getLogger("stalwart.preempt")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; Kubernetes podFailurePolicy can ignore it
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
 # How much earlier than this node another node may have taken the same notice (the scheduler signals
-# them all at once; clocks agree within NTP's milliseconds): a save-on-failure settled before that is
-# an earlier fault's, not this notice's.
+# them all at once; clocks agree within NTP's milliseconds): a save-on-failure begun before that is an
+# earlier fault's, not this notice's.
 SIGNAL_SPREAD_S = 2.0
 
 
@@ -148,11 +148,11 @@ def requeue(env: Mapping[str, str], timeout_s: float = 30.0) -> dict[str, Any]:
 
 def wait_committed(job: NodeJob, received: float, timeout_s: float = 60.0) -> dict[str, Any]:
     """On a node without rank 0: keep the keeper up (it writes this node's shards when asked) until
-    rank 0's node has committed the newest step this node holds, or has settled its save-on-failure
-    since the notice (``received``), or ``timeout_s`` passed. The settled word is what ends the wait
-    when this node holds a step that rank 0's node lacks: the newest step *every* rank holds is then
-    older, and waiting for this node's own would outlast the allocation (Slurm kills the step
-    ``KillWait`` seconds after a requeue)."""
+    rank 0's node has committed the newest step this node holds, or has settled a save-on-failure it
+    began about when this node took the notice (``received``), or ``timeout_s`` passed. The settled
+    word is what ends the wait when this node holds a step that rank 0's node lacks: the newest step
+    *every* rank holds is then older, and waiting for this node's own would outlast the allocation
+    (Slurm kills the step ``KillWait`` seconds after a requeue)."""
     from stalwart.checkpoint import multinode
     from stalwart.checkpoint.storage import Storage
 
@@ -161,19 +161,14 @@ def wait_committed(job: NodeJob, received: float, timeout_s: float = 60.0) -> di
         return {"persisted": False, "detail": "no snapshots on this node"}
     if not job.persists():
         return {"persisted": False, "detail": "memory-only checkpoints: nothing to persist"}
-    held = job.snapshot_steps(world, job.node_ranks(world))
     target = job.newest_agreed(world)
-    # A save begun after this node's newest snapshot, or about when the notice came, is this notice's:
-    # the snapshot's time bounds a notice whose handler ran late.
-    taken = min((h["time"] for steps in held.values() for s, h in steps.items() if s == target), default=received)
-    since = min(received - SIGNAL_SPREAD_S, taken)
     storage = Storage(spec["storage"], spec.get("storage_options"))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = storage.committed()
         if done and done[0] >= target:
             return {"persisted": True, "step": done[0], "detail": f"rank 0's node committed step {done[0]}"}
-        if (word := multinode.settled(storage, since)) is not None:  # its step is durable, if it names one
+        if (word := multinode.settled(storage, received - SIGNAL_SPREAD_S)) is not None:  # a durable step, or None
             return {
                 "persisted": word["step"] is not None,
                 "step": word["step"],
