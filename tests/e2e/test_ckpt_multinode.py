@@ -124,9 +124,9 @@ def test_killed_worker_on_two_nodes_resumes_bitwise(stdlib_data, tmp_path, refer
 def test_rank0_killed_copying_a_persisted_step_saves_the_step_before_it(stdlib_data, tmp_path, reference):
     """Rank 0 dies half-way through copying step 8, a step due for persistence; rank 1's copy finishes
     and its node's keeper begins persisting 8, which rank 0's node will never hold. Save-on-failure
-    abandons 8 and that keeper comes back for step 7, the newest step both ranks hold (it used to wait
-    120 s for 8, and its cursor made every older step look missing: nothing was saved). The redone step
-    8 is persisted: the abandonment named the old snapshot of 8, and the keeper gave up that one only."""
+    declares that snapshot a dead end and the keeper comes back for step 7, the newest step both ranks
+    hold (it used to wait 120 s for 8, and its cursor made every older step look missing: nothing was
+    saved). The redone step 8, captured after the failure, is persisted: only the old one was given up."""
     _, ref = reference
     summary = run_two_nodes(tmp_path, stdlib_data, "kill:rank=0:step=8:at=copy")
     assert summary["final_hash"] == ref["final_hash"] and summary["optim_hash"] == ref["optim_hash"]

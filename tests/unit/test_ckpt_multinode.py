@@ -5,6 +5,7 @@ step makes the coordinator give up quickly instead of waiting out the timeout.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -279,3 +280,24 @@ def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_
     NodeJob(nodes[0].root).persist_step(storage, 9, WORLD, "keeper", [0])
     thread.join(30)
     assert redone and storage.latest() == 9 and storage.verify(9) == [], redone
+
+
+def test_a_save_on_failure_while_a_worker_of_rank_0s_node_still_runs_declares_and_settles_nothing(nodes, tmp_path):
+    """A sibling of the rank that died may still publish a newer step: that save is not final (the agent's
+    save after it stops the workers is), so it neither declares the failure nor tells a waiting node."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    received = preempted(nodes, storage)
+    assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]
+    sibling = NodeJob(nodes[0].root).attach()  # a worker still attached on rank 0's node
+    try:
+        said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)
+        assert said["step"] == 8, said
+        assert (
+            multinode.settled(storage, received - 60) is None
+            and multinode._get(storage, ".stage", "failure.json") is None
+        )
+    finally:
+        os.close(sibling)
+    NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)  # the final one
+    assert multinode.settled(storage, received - 60)["step"] == 8
+    assert multinode._get(storage, ".stage", "failure.json")["newest"] == 8

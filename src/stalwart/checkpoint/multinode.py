@@ -141,16 +141,13 @@ def answer_missing(storage: Storage, step: int, ranks: list[int], why: str) -> N
         _put(storage, {"missing": why}, *_stage(step, "plans", f"rank{r}.json"))
 
 
-def _wait(
-    storage: Storage, step: int, deadline: float, poll_s: float, what: str, probe: Any, taken: float | None = None
-) -> Any:
+def _wait(storage: Storage, step: int, deadline: float, poll_s: float, what: str, probe: Any) -> Any:
     while True:
         value = probe()
         if value is not None:
             return value
         if (stop := _get(storage, *_stage(step, "abort.json"))) is not None:
             raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
-        _raise_if_dead_end(storage, step, taken)
         if time.monotonic() > deadline:
             raise TimeoutError(f"persist of step {step}: timed out waiting for {what}")
         time.sleep(poll_s)
@@ -167,8 +164,10 @@ def declare_failure(storage: Storage, started: float, newest: int) -> None:
 
 def _dead_end(storage: Storage, step: int, taken: float | None) -> dict[str, Any] | None:
     """The declared failure that makes this snapshot (``step``, ``taken``) a dead end, if one does."""
+    if taken is None:
+        return None
     failure = _get(storage, STAGE, FAILURE)
-    if failure and taken is not None and step > int(failure["newest"]) and taken < float(failure["started"]):
+    if failure and step > int(failure["newest"]) and taken < float(failure["started"]):
         return failure
     return None
 
@@ -341,7 +340,7 @@ def _participate(
                 _put_table(storage, step, r, views)
         return go
 
-    go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan, taken)
+    go = _wait(storage, step, deadline, poll_s, "the coordinator's plan", go_or_replan)
     attempt = go["attempt"]
     hook = chaos_hook(step)
     with _Heartbeat(storage, step, min(views)):

@@ -288,9 +288,12 @@ class NodeJob:
         world = world_size or self.world()
         ranks = self.node_ranks(world) if world else []
         started = time.time()
+        # Rank 0's node of a job across nodes, none of its workers left: what it holds is final. While
+        # one still runs (a sibling of a rank that died), a later save follows, and this one says nothing.
+        final = 0 in ranks and len(ranks) < world and not self.workers_attached()
 
         def settle(step: int | None, detail: str) -> None:
-            if 0 in ranks and len(ranks) < world:  # the other nodes' agents may wait for this word
+            if final:  # the other nodes' agents may wait for this word
                 try:
                     multinode.settle(storage, started, step, detail)
                 except Exception as err:  # fsspec backends raise their own types; the save's result stands
@@ -310,7 +313,7 @@ class NodeJob:
         if 0 not in ranks:
             return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
         try:
-            return self._save_agreed(storage, world, ranks, started, outcome, covered)
+            return self._save_agreed(storage, world, ranks, started if final else None, outcome, covered)
         except Exception as err:  # a participant timed out, storage failed: over all the same, nothing saved
             settle(None, f"save-on-failure failed: {err!r}")
             raise
@@ -320,15 +323,19 @@ class NodeJob:
         storage: Storage,
         world: int,
         ranks: list[int],
-        started: float,
+        final_since: float | None,
         outcome: Callable[..., dict[str, Any]],
         covered: Callable[[int, object], dict[str, Any]],
     ) -> dict[str, Any]:
-        """``save_on_failure``'s search for the newest step every rank holds, on rank 0's node."""
+        """``save_on_failure``'s search for the newest step every rank holds, on rank 0's node; with
+        ``final_since`` (its steps are final) it first declares the failure to the other nodes."""
         steps = self.snapshot_steps(world, ranks)
         common = agreed(steps)
-        if len(ranks) < world and not self.workers_attached():  # this node's steps are final now
-            multinode.declare_failure(storage, started, max(common, default=-1))
+        if final_since is not None:
+            try:
+                multinode.declare_failure(storage, final_since, max(common, default=-1))
+            except Exception as err:  # the save goes on; a node in a dead end may then make it fail
+                log.warning("save-on-failure: could not declare the failure to the other nodes: %r", err)
         if not common:
             held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
             return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
