@@ -1,6 +1,6 @@
 """Claim: the Pollux simulator reproduces Pollux (OSDI'21) Fig. 8a at load 1.0 (issue 15, item 2).
 
-Runs every policy over the artifact's workloads 1–8 (../shared/data/pollux) and prints, per workload
+Runs every policy over the artifact's workloads 1–8 (the shipped data, or --data) and prints, per workload
 and on the mean, our average JCT against the published one (``results-jobload/<policy>-1.0``), the
 ratio, whether the three published policies come out in the published order, stalwart's policy
 against the Pollux-like one, and the wall time. Acceptance: each published policy's mean within
@@ -18,8 +18,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from stalwart.sched.pollux_sim import POLICIES, simulate
+from stalwart.sched.pollux_workload import DEFAULT_ROOT as DATA
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pollux"
 PUBLISHED = ("pollux", "optimus", "tiresias")
 TOLERANCE = 0.15
 

@@ -1,7 +1,7 @@
 """Claim: the throughput model refits in < 50 ms (issue 15: refit online every ~30 s in < 50 ms).
 
 Fits the Pollux-style model (stalwart.sched.throughput) to a few hundred measured configurations of
-each Pollux application (../shared/data/pollux/traces, ≤ 8 replicas), several times each, and prints
+each Pollux application (the shipped Pollux traces, ≤ 8 replicas), several times each, and prints
 the median fit time against the 50 ms budget, plus the fit's error at 9–16 replicas.
 
     python benchmarks/throughput_fit.py [--repeats 7] [--json]
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.sched.throughput import fit
-from stalwart.sched.traces import APPS, load_app
+from stalwart.sched.traces import APPS, DEFAULT_TRACES, load_app
 
 BUDGET_S = 0.050
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "pollux" / "traces"
+TRACES = DEFAULT_TRACES
 
 
 def main() -> None:

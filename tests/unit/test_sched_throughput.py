@@ -1,8 +1,6 @@
-"""The Pollux-style throughput model on the Pollux artifact's measurements (../shared/data/pollux)."""
+"""The Pollux-style throughput model on the Pollux artifact's measurements (shipped package data)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,12 +8,9 @@ import pytest
 pytest.importorskip("scipy")
 from stalwart.sched.throughput import Sample, fit
 from stalwart.sched.traces import APPS, load_app
-
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "pollux" / "traces"
-needs_data = pytest.mark.skipif(not TRACES.is_dir(), reason=f"the Pollux traces are not at {TRACES}")
+from stalwart.sched.traces import DEFAULT_TRACES as TRACES
 
 
-@needs_data
 @pytest.mark.parametrize("app", APPS)
 def test_fitted_on_up_to_8_replicas_it_predicts_9_to_16_within_10_percent(app: str):
     samples = load_app(TRACES, app)

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
-import pytest
 
 from stalwart.cli import main
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-pytestmark = pytest.mark.skipif(not (DATA / "pollux").is_dir(), reason=f"no simulator data at {DATA}")
 
 
 def test_sim_prints_one_json_summary_per_run_and_draws_the_figure(tmp_path, capsys):

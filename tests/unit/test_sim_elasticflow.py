@@ -11,13 +11,10 @@ import pytest
 from stalwart.sched.elasticflow_place import Placement
 from stalwart.sched.elasticflow_plan import Profile, plan_job
 from stalwart.sched.elasticflow_sim import POLICIES, simulate
+from stalwart.sched.elasticflow_trace import DEFAULT_DATA_ROOT as DATA
 from stalwart.sched.elasticflow_trace import load_throughputs, load_trace, scaling
 from stalwart.sched.sim_result import JobOutcome, SimResult
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "elasticflow"
-needs_data = pytest.mark.skipif(
-    not (DATA / "traces" / "cluster10.csv").exists(), reason=f"ElasticFlow data not found under {DATA}"
-)
 COLUMNS = ["job_id", "submission_time", "num_iteration", "model_name", "deadline", "batch_size", "num_gpu", "duration"]
 
 
@@ -95,9 +92,7 @@ def test_deadline_accounting_counts_late_finishes_as_misses(tmp_path: Path) -> N
 
 def test_minimum_satisfactory_share_prefers_fewer_gpus() -> None:
     prof = Profile(0.0, 8)
-    sc = scaling(DATA if DATA.exists() else Path("/nonexistent"), "bert", 64, 8, 8) if DATA.exists() else None
-    if sc is None:
-        pytest.skip("needs the ElasticFlow throughput tables")
+    sc = scaling(DATA, "bert", 64, 8, 8)
     one_gpu_rate = float(sc.rate[1])
     plan = plan_job(prof, sc, iters=one_gpu_rate * 1000, deadline=1000.0)
     assert plan is not None and plan.feasible and plan.alloc_now == 1 and plan.finish == pytest.approx(1000)
@@ -148,14 +143,12 @@ def test_bad_inputs_raise_actionable_errors(tmp_path: Path) -> None:
         simulate(_trace(root, [("a", 0, 10, 100, 1)]), "edf", data_root=root)
 
 
-@needs_data
 def test_deterministic() -> None:
     a = simulate("cluster10", "stalwart", data_root=DATA, seed=1).summary()
     b = simulate("cluster10", "stalwart", data_root=DATA, seed=1).summary()
     assert a == b
 
 
-@needs_data
 def test_trace_loader_reads_the_published_trace() -> None:
     jobs = load_trace("cluster10", DATA)
     assert len(jobs) == 260 and all(j.deadline > j.submit for j in jobs)
@@ -169,21 +162,18 @@ PAPER = {  # Fig. 8b, plot_fig8b.py: (cluster01, cluster10)
 }
 
 
-@needs_data
 @pytest.mark.parametrize("policy", sorted(PAPER))
 def test_reproduces_fig8b_on_cluster10(policy: str) -> None:
     dsr = simulate("cluster10", policy, data_root=DATA).summary()["dsr"]
     assert dsr == pytest.approx(PAPER[policy][1], abs=0.05)
 
 
-@needs_data
 def test_elasticflow_matches_the_published_simulator_on_cluster10() -> None:
     # ElasticFlow's own simulator (commit 04a0109, run_fig8b.sh settings) gives 250/260 = 0.962 here.
     dsr = simulate("cluster10", "elasticflow", data_root=DATA).summary()["dsr"]
     assert dsr == pytest.approx(250 / 260, abs=0.01)
 
 
-@needs_data
 def test_stalwart_at_least_matches_elasticflow_on_cluster10() -> None:
     ours = simulate("cluster10", "stalwart", data_root=DATA).summary()["dsr"]
     ef = simulate("cluster10", "elasticflow", data_root=DATA).summary()["dsr"]
@@ -191,7 +181,6 @@ def test_stalwart_at_least_matches_elasticflow_on_cluster10() -> None:
     assert set(POLICIES) >= {"elasticflow", "edf", "tiresias", "fifo", "stalwart"}
 
 
-@needs_data
 @pytest.mark.parametrize("policy", ["edf", "tiresias"])
 def test_reproduces_fig8b_on_cluster01(policy: str) -> None:
     # ElasticFlow itself is left out here: our cluster01 run lands +0.10 above the paper, and the

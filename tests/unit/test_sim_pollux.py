@@ -1,5 +1,5 @@
 """The Pollux-workload cluster simulator (stalwart.sched.pollux_sim) on hand-made workloads, and its
-reproduction of Pollux (OSDI'21) Fig. 8a cells on the artifact's workloads (../shared/data/pollux)."""
+reproduction of Pollux (OSDI'21) Fig. 8a cells on the artifact's workloads (shipped package data)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from stalwart.sched.goodput import efficiency
 from stalwart.sched.pollux_alloc import greedy, nodes_needed
 from stalwart.sched.pollux_goodput import gain
 from stalwart.sched.pollux_sim import POLICIES, fixed_batch_config, simulate
+from stalwart.sched.pollux_workload import DEFAULT_ROOT as DATA
 from stalwart.sched.pollux_workload import load_application, load_workload
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "pollux"
-needs_data = pytest.mark.skipif(not (DATA / "workloads").is_dir(), reason=f"the Pollux artifact data is not at {DATA}")
 HEADER = "name,time,application,num_replicas,batch_size\n"
 
 
@@ -42,7 +41,6 @@ def _solo_seconds(app_name: str, replicas: int, batch: int) -> float:
     return total
 
 
-@needs_data
 def test_a_lone_job_takes_its_wait_plus_restart_plus_work_over_throughput(tmp_path: Path):
     path = _csv(tmp_path, ["c,10,cifar10,4,512"])
     for restart in (0.0, 30.0):
@@ -54,7 +52,6 @@ def test_a_lone_job_takes_its_wait_plus_restart_plus_work_over_throughput(tmp_pa
     assert result.reallocations == 0 and result.summary()["finished"] == 1
 
 
-@needs_data
 def test_fifo_runs_jobs_in_arrival_order_and_a_blocked_head_holds_back_the_rest(tmp_path: Path):
     path = _csv(tmp_path, ["a,0,cifar10,64,4096", "b,1,bert,64,384", "c,2,ncf,1,32768"])
     jobs = {j.name: j for j in simulate(path, "fifo", data_root=DATA, restart_cost_s=0).jobs}
@@ -65,7 +62,6 @@ def test_fifo_runs_jobs_in_arrival_order_and_a_blocked_head_holds_back_the_rest(
     assert jobs["c"].finish - jobs["b"].finish >= _solo_seconds("ncf", 1, 32768)
 
 
-@needs_data
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_finishes_every_job_and_is_deterministic(tmp_path: Path, policy: str):
     rows = (DATA / "workloads" / "workload-1.csv").read_text().splitlines()[1:25]
@@ -94,7 +90,6 @@ def test_gain_is_scale_times_pollux_efficiency():
         assert gain(np.array([scale]), 3.0, 7.0)[0] == pytest.approx(scale * efficiency(scale * 64, 64, 3.0, 7.0))
 
 
-@needs_data
 def test_bad_input_is_rejected_with_an_actionable_message(tmp_path: Path):
     with pytest.raises(ValueError, match="unknown policy"):
         simulate(1, "drf", data_root=DATA)
@@ -119,7 +114,6 @@ def fig8a() -> dict[str, dict[int, float]]:
     }
 
 
-@needs_data
 def test_workload_3_reproduces_fig8a_within_15_percent_and_in_order(fig8a: dict[str, dict[int, float]]):
     # Workload 3 has the closest published pair (Tiresias 3876 s vs Optimus 3944 s): order is a real test.
     ours = {p: simulate(3, p, data_root=DATA).summary()["avg_jct_s"] for p in fig8a}
@@ -128,7 +122,6 @@ def test_workload_3_reproduces_fig8a_within_15_percent_and_in_order(fig8a: dict[
     assert sorted(ours, key=ours.__getitem__) == sorted(fig8a, key=lambda p: fig8a[p][3])
 
 
-@needs_data
 def test_stalwart_policy_is_at_most_5_percent_worse_than_pollux_on_workload_1(fig8a: dict[str, dict[int, float]]):
     pollux = simulate(1, "pollux", data_root=DATA).summary()["avg_jct_s"]
     stalwart = simulate(1, "stalwart", data_root=DATA).summary()["avg_jct_s"]

@@ -6,7 +6,8 @@ Two sources, each with its published figure to compare against:
   - ``pollux``: the 8 synthetic workloads of Pollux (OSDI'21) on 64 GPUs, with measured throughput
     and statistical efficiency; average JCT per workload, as in their Fig. 8a.
 The simulators are ``stalwart.sched.elasticflow_sim`` and ``stalwart.sched.pollux_sim``; the data
-lives in ``../shared/data`` of a stalwart checkout (or ``--data``)."""
+they read ships with stalwart (``stalwart/sched/data/<source>``, with each source's licence and
+PROVENANCE.md); ``--data`` points at another copy with the same layout."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 SOURCES = ("elasticflow", "pollux")
+LAYOUT = {"elasticflow": ("traces", "throughputs_A100"), "pollux": ("traces", "workloads")}  # what --data holds
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", help="comma-separated policies (default: every policy of the source)")
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same answer (default 0)")
     p.add_argument("--restart-cost", type=float, default=None, help="seconds each reallocation costs stalwart's policy")
-    p.add_argument("--data", type=Path, help="the source's data folder (default: ../shared/data/<source>)")
+    p.add_argument(
+        "--data", type=Path, help="the source's data folder (default: the copy shipped in stalwart/sched/data/<source>)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON summary on stdout")
     p.add_argument("--plot", metavar="PNG", help="write a figure: DSR per trace or average JCT per workload")
     p.set_defaults(handler=run)
@@ -79,6 +83,12 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     if args.data is not None:
         if not args.data.is_dir():
             raise ValueError(f"--data {args.data} is not a directory")
+        missing = [d for d in LAYOUT[args.source] if not (args.data / d).is_dir()]
+        if missing:
+            raise ValueError(
+                f"--data {args.data} has no {', '.join(f'{d}/' for d in missing)} folder: it needs the layout of "
+                f"the shipped {args.source} data ({', '.join(f'{d}/' for d in LAYOUT[args.source])})"
+            )
         kwargs["data_root"] = args.data
     rows = []
     from rich.progress import Progress

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from stalwart.sched.elasticflow_policies import POLICY_CLASSES, Policy, SimJob
-from stalwart.sched.elasticflow_trace import DEFAULT_DATA_ROOT, cluster_gpus, load_trace, resolve_trace
+from stalwart.sched.elasticflow_trace import DEFAULT_DATA_ROOT, cluster_gpus, load_trace, resolve_trace, trace_name
 from stalwart.sched.sim_result import JobOutcome, Progress, SimResult
 
 POLICIES: tuple[str, ...] = tuple(POLICY_CLASSES)
@@ -56,7 +56,7 @@ def simulate(
     _run(jobs, sched, n_gpus, progress)
     outcomes = [JobOutcome(j.row.name, j.row.submit, j.finish, j.row.deadline, gpu_seconds=j.gpu_seconds) for j in jobs]
     return SimResult(
-        trace=path.stem,
+        trace=trace_name(path),
         policy=policy,
         gpus=n_gpus,
         jobs=outcomes,

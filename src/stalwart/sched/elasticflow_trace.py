@@ -1,16 +1,18 @@
-"""ElasticFlow (ASPLOS'23) ITP traces and A100 throughput tables (../shared/data/elasticflow, see its
-README): what ``stalwart sim`` replays to compare deadline-aware schedulers against the paper's Fig. 8b."""
+"""ElasticFlow (ASPLOS'23) ITP traces and A100 throughput tables (shipped in ``stalwart/sched/data/elasticflow``,
+see its PROVENANCE.md): what ``stalwart sim`` replays to compare deadline-aware schedulers against the
+paper's Fig. 8b. A trace is ``traces/<name>.csv`` or, as shipped, ``traces/<name>.csv.gz``."""
 
 from __future__ import annotations
 
 import csv
+import gzip
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 
-DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[4] / "shared" / "data" / "elasticflow"
+DEFAULT_DATA_ROOT = Path(__file__).resolve().parent / "data" / "elasticflow"  # package data
 GPUS_PER_NODE = 8
 # The paper's cluster sizes per trace (run_fig8b.sh: n64g8, n128g8, n32g8).
 CLUSTER_GPUS: dict[str, int] = {
@@ -53,18 +55,31 @@ class Scaling:
 
 
 def resolve_trace(trace: str | Path, data_root: Path = DEFAULT_DATA_ROOT) -> Path:
-    """A trace name (``cluster04``) or path to its CSV file."""
+    """A trace name (``cluster04``: ``traces/cluster04.csv``, else ``.csv.gz``, under ``data_root``) or
+    path to its CSV file (``.csv`` or ``.csv.gz``)."""
     path = Path(trace)
-    if path.suffix != ".csv":
-        path = Path(data_root) / "traces" / f"{trace}.csv"
-    if not path.exists():
-        raise ValueError(f"no ElasticFlow trace {trace!r}: {path} does not exist (names: {', '.join(CLUSTER_GPUS)})")
-    return path
+    if path.name.endswith((".csv", ".csv.gz")):
+        if not path.exists():
+            raise ValueError(f"no ElasticFlow trace {trace!r}: {path} does not exist")
+        return path
+    folder = Path(data_root) / "traces"
+    for path in (folder / f"{trace}.csv", folder / f"{trace}.csv.gz"):
+        if path.exists():
+            return path
+    raise ValueError(
+        f"no ElasticFlow trace {trace!r}: neither {trace}.csv nor {trace}.csv.gz in {folder} "
+        f"(names: {', '.join(CLUSTER_GPUS)})"
+    )
+
+
+def trace_name(trace: str | Path) -> str:
+    """``cluster04`` for ``cluster04``, ``.../cluster04.csv`` or ``.../cluster04.csv.gz``."""
+    return Path(trace).name.removesuffix(".gz").removesuffix(".csv")
 
 
 def cluster_gpus(trace: str | Path) -> int:
     """The paper's cluster size for a named trace; pass ``gpus=`` explicitly for other traces."""
-    name = Path(trace).stem
+    name = trace_name(trace)
     if name not in CLUSTER_GPUS:
         raise ValueError(f"no published cluster size for trace {name!r}; pass gpus= (known: {', '.join(CLUSTER_GPUS)})")
     return CLUSTER_GPUS[name]
@@ -73,7 +88,7 @@ def cluster_gpus(trace: str | Path) -> int:
 def load_trace(trace: str | Path, data_root: Path = DEFAULT_DATA_ROOT) -> list[TraceJob]:
     """Rows of a trace sorted by submission time (stable, so ties keep file order)."""
     path = resolve_trace(trace, data_root)
-    with open(path, newline="") as f:
+    with gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:

@@ -1,5 +1,5 @@
 """The Pollux (OSDI'21) artifact's workloads and per-application measurements, as the cluster simulator
-(``pollux_sim``) needs them (data: ``shared/data/pollux``, see its README).
+(``pollux_sim``) needs them (data: shipped in ``stalwart/sched/data/pollux``, see its PROVENANCE.md).
 
 An application is what the artifact measured for one model: step and sync times per placement and
 local batch (``placements.csv``, ``scalability.csv``), and, per global batch size it was trained at, a
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_ROOT = Path(__file__).resolve().parents[4] / "shared" / "data" / "pollux"  # beside the checkout
+DEFAULT_ROOT = Path(__file__).resolve().parent / "data" / "pollux"  # package data
 
 # Epochs each model trains for, and the local-batch cap, as the artifact's simulator sets them (its
 # applications.py); everything else is read from the traces.
@@ -135,7 +135,7 @@ def load_application(root: Path, name: str) -> Application:
     """One application's measurements under ``root/traces/<name>``; ValueError if missing."""
     folder = Path(root) / "traces" / name
     if not (folder / "placements.csv").exists():
-        raise ValueError(f"no Pollux traces for {name!r}: expected {folder}/placements.csv (see shared/data/pollux)")
+        raise ValueError(f"no Pollux traces for {name!r}: expected {folder}/placements.csv")
     validation = {}
     for path in folder.glob("validation-*.csv"):
         rows = _read_csv(path)

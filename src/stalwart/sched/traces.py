@@ -1,6 +1,6 @@
-"""Measured step times from the Pollux artifact (``pollux/traces/<app>/``, see ../shared/data/pollux)
-as ``throughput.Sample`` rows: ``placements.csv`` (a placement such as ``1124`` is four nodes holding
-1, 1, 2 and 4 replicas) and ``scalability.csv`` (nodes, replicas)."""
+"""Measured step times from the Pollux artifact (``traces/<app>/``; shipped: ``DEFAULT_TRACES``, see
+``data/pollux/PROVENANCE.md``) as ``throughput.Sample`` rows: ``placements.csv`` (a placement such as
+``1124`` is four nodes holding 1, 1, 2 and 4 replicas) and ``scalability.csv`` (nodes, replicas)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from stalwart.sched.throughput import Sample
 
 APPS = ("bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3")
+DEFAULT_TRACES = Path(__file__).resolve().parent / "data" / "pollux" / "traces"  # package data
 
 
 def load_app(root: str | Path, app: str) -> list[Sample]:
