@@ -15,7 +15,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "faulty.py"
 EXPECTED_X = sum((0 + s) + (1 + s) for s in range(1, 13))  # the job's result for 12 steps, 2 ranks
 
 
-def launch(tmp_path: Path, *script_args: str, run_args: tuple[str, ...] = (), timeout: float = 240):
+def launch(
+    tmp_path: Path, *script_args: str, run_args: tuple[str, ...] = (), timeout: float = 240, script: str = SCRIPT.name
+):
     out = tmp_path / "job"
     out.mkdir(exist_ok=True)
     summary = tmp_path / "summary.json"
@@ -32,7 +34,7 @@ def launch(tmp_path: Path, *script_args: str, run_args: tuple[str, ...] = (), ti
         "--summary-json",
         str(summary),
         *run_args,
-        str(SCRIPT),
+        str(SCRIPT.parent / script),
         "--out",
         str(out),
         *script_args,

@@ -59,6 +59,43 @@ def test_hang_spares_ranks_in_startup_or_done():
     detector = HangDetector(HangPolicy(timeout_s=1, startup_s=60, warmup_steps=2))
     assert detect.hang(detector, [p(0, -1, 0.0, reports=0, phase="init")], 30.0, NO_FAULT) is None
     assert detect.hang(detector, [p(0, 9, 0.0, phase="done")], 1000.0, NO_FAULT) is None
+    assert detect.hang(detector, [p(0, 9, 0.0, phase="returned")], 1000.0, NO_FAULT) is None
+
+
+def test_returned_ranks_are_ended_only_once_every_rank_returned_and_the_grace_passed():
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    from stalwart.launch.returned import MARGIN_S, ReturnedRanks
+
+    ranks = ReturnedRanks(grace_s=10.0)
+    late = 100.0 + 10.0 + MARGIN_S + 0.1
+    running = {0: True, 1: True}.get
+    # rank 1 still works (e.g. persists its final state): nobody is ended, whatever the age
+    assert ranks.overdue([p(0, 9, 100.0, phase="returned"), p(1, 9, 100.0, phase="done")], late, running) == []
+    both = [p(0, 9, 100.0, phase="returned"), p(1, 9, 104.0, phase="returned")]
+    assert ranks.overdue(both, late - 0.2, running) == []  # within the grace and margin
+    assert ranks.overdue(both, late, running) == [0]
+    assert ranks.overdue(both, late, {0: False, 1: True}.get) == [], "a rank whose process ended is left alone"
+    ranks.note_ended([0], {0: 'Thread 7 (idle): "MainThread"\nThread 8 (active): "user-loader"\n'})
+    assert ranks.overdue(both, late, running) == [], "ended once"
+    # TorchElastic's view of the kill: a failure of rank 0 only, which is the job finishing
+    failed = RunResult(state=WorkerState.FAILED, failures={0: Failure(-signal.SIGKILL, 1)})
+    assert ranks.absorb(failed, [0, 1]).state == WorkerState.SUCCEEDED
+    assert ranks.absorb(failed, [0, 1]).return_values == {0: None, 1: None}
+    other = RunResult(state=WorkerState.FAILED, failures={0: Failure(-9, 1), 1: Failure(1, 1)})
+    assert ranks.absorb(other, [0, 1]) is other, "a real failure beside it stays a failure"
+    ranks.reset()
+    assert ranks.absorb(failed, [0, 1]) is failed
+
+
+def test_the_threads_still_running_are_named_from_the_stack_dump():
+    from stalwart.launch.returned import user_threads
+
+    dump = (
+        'Process 5 "python x.py"\nThread 0x1 (idle): "MainThread"\n    _shutdown (threading.py:1590)\n'
+        'Thread 0x2 (active+gil): "user-never-ends"\n    hog (x.py:3)\nThread 0x3 (idle): "stalwart-exit-watchdog"\n'
+    )
+    assert user_threads(dump) == ["user-never-ends"]
 
 
 def test_worker_exit_prefers_the_cause_over_its_consequences():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stalwart import runtime
@@ -200,3 +202,83 @@ def test_exit_process_ends_as_the_interpreter_would_but_does_not_finalize(tmp_pa
     # the same object does speak when the interpreter finalizes (the check above can fail)
     plain = subprocess.run([sys.executable, "-c", code.replace("runtime.exit_process(3)\n", "")], timeout=60)
     assert plain.returncode == 0 and (tmp_path / "finalized").exists()
+
+
+def _run_exit(tmp_path, body: str, grace: str = "30", timeout: float = 60):
+    """Run ``body`` then ``runtime.exit_process(0)`` as a worker under an agent (a progress record)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import threading, time\nfrom concurrent.futures import ThreadPoolExecutor\nfrom stalwart import runtime\n"
+    code += "runtime.report(1)\n" + body + "\nruntime.exit_process(0)\n"
+    env = {**os.environ, "STALWART_PROGRESS_DIR": str(tmp_path), "RANK": "1", "STALWART_EXIT_GRACE_S": grace}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    return out, time.monotonic() - t0
+
+
+def test_exit_process_stops_an_open_executor_first_as_the_interpreter_does(tmp_path) -> None:
+    """An executor never shut down (its idle worker waits for work): threading's exit hooks stop it
+    before the join, so the process ends at once (joining first never ended: seen with nanoGPT), and
+    the progress record says the script returned — finished, not hung."""
+    from stalwart.launch.progress import ProgressReader
+
+    out, took = _run_exit(tmp_path, "pool = ThreadPoolExecutor(2)\npool.submit(time.sleep, 0.01).result()")
+    assert out.returncode == 0, out.stderr
+    assert took < 20 and "did not" not in out.stderr, (took, out.stderr)
+    assert ProgressReader(tmp_path).read(1).phase == "returned"
+
+
+def test_a_thread_that_never_ends_is_named_with_its_stack_and_ended_after_the_grace(tmp_path) -> None:
+    out, took = _run_exit(
+        tmp_path,
+        "def wait_forever():\n    threading.Event().wait()\n"
+        "threading.Thread(target=wait_forever, name='never-ends').start()",
+        grace="1",
+    )
+    assert out.returncode == 0, out.stderr  # the script's own code: its work is done
+    assert 1 <= took < 20, took
+    assert "rank 1: the script ended (exit code 0) 1 s ago" in out.stderr and "'never-ends'" in out.stderr, out.stderr
+    assert "in wait_forever" in out.stderr, "the stuck thread's stack"
+
+
+def test_a_failed_script_keeps_its_exit_code_and_is_not_marked_returned(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from stalwart.launch.progress import ProgressReader
+
+    code = "from stalwart import runtime\nruntime.report(1)\nruntime.exit_process(7)\n"
+    env = {**__import__("os").environ, "STALWART_PROGRESS_DIR": str(tmp_path), "RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 7, out.stderr
+    assert ProgressReader(tmp_path).read(0).phase == "train"
+
+
+def test_a_cold_started_worker_bounds_the_interpreters_own_exit_too(tmp_path) -> None:
+    """No exit_process (``--warm-start off``): the hook threading runs before its join marks the record
+    and arms the same watchdog."""
+    import os
+    import subprocess
+    import sys
+
+    from stalwart.launch.progress import ProgressReader
+
+    code = (
+        "import threading\nfrom stalwart import runtime\nruntime.report(1)\n"
+        "threading.Thread(target=threading.Event().wait, name='never-ends').start()\n"
+    )
+    env = {**os.environ, "STALWART_PROGRESS_DIR": str(tmp_path), "RANK": "0", "STALWART_EXIT_GRACE_S": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "'never-ends'" in out.stderr, out.stderr
+    assert ProgressReader(tmp_path).read(0).phase == "returned"
+
+
+def test_exit_grace_must_be_a_positive_number() -> None:
+    from stalwart.runtime import WorkerEnv
+
+    assert WorkerEnv.from_environ({"STALWART_EXIT_GRACE_S": "2.5"}).exit_grace_s == 2.5
+    for bad in ("soon", "0", "-1"):
+        with pytest.raises(ValueError, match="STALWART_EXIT_GRACE_S"):
+            WorkerEnv.from_environ({"STALWART_EXIT_GRACE_S": bad})

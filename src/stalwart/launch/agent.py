@@ -36,23 +36,23 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from stalwart import _compat, runtime
-from stalwart.health.precheck import PrecheckConfig, run_precheck
+from stalwart.health.precheck import PrecheckConfig
 from stalwart.health.throttle import Throttle
-from stalwart.launch import detect, presence
+from stalwart.launch import admission, detect, evidence, presence
 from stalwart.launch.agent_journal import AgentJournal
-from stalwart.launch.client import MasterClient, MasterError
+from stalwart.launch.client import MasterClient
 from stalwart.launch.decide import Decision, decide, restarts_left
 from stalwart.launch.detect import Incident
-from stalwart.launch.evidence import IncidentTail, dump_stacks_and_kill, fault_time, log_tail, stack_dump
 from stalwart.launch.hang import HangDetector, HangPolicy
 from stalwart.launch.heartbeat import ChaosInbox, Heartbeat, NodeStatus
 from stalwart.launch.preempt import Preemption
 from stalwart.launch.progress import Progress, ProgressReader
 from stalwart.launch.rendezvous import RoundStoreHandler, serve_worker_store
+from stalwart.launch.returned import ReturnedRanks
 from stalwart.launch.zygote import Zygote
 from stalwart.observe.hangdiag import hang_collectives
 
-__all__ = ["Incident", "NodeEvicted", "StalwartAgent", "stack_dump"]
+__all__ = ["Incident", "NodeEvicted", "StalwartAgent"]
 log = logging.getLogger("stalwart.agent")
 
 
@@ -86,6 +86,7 @@ class StalwartAgent(LocalElasticAgent):
         join_info: dict[str, Any] | None = None,
         zygote: Zygote | None = None,
         storage_watch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any] | None]] | None = None,
+        exit_grace_s: float = runtime.EXIT_GRACE_S,
     ) -> None:
         # Before TorchElastic keeps a reference to the handler: ours tells workers which store to use.
         if not isinstance(spec.rdzv_handler, RoundStoreHandler):
@@ -98,6 +99,7 @@ class StalwartAgent(LocalElasticAgent):
         self.progress_dir = self.run_dir / "progress" / node_id
         self.reader = ProgressReader(self.progress_dir)
         self.hang = HangDetector(hang_policy)
+        self.returned = ReturnedRanks(exit_grace_s)  # finished ranks whose process would not end
         self.on_failure = on_failure
         self.incidents: list[Incident] = []
         self._pending: Incident | None = None  # set when detected, completed after the first step
@@ -105,7 +107,7 @@ class StalwartAgent(LocalElasticAgent):
         self._restart_round = 0  # same on every agent of a job: they restart together
         self._failure_restarts = 0  # restarts after a fault (membership changes do not count)
         self._progressed = False  # any step completed in any attempt (user-error rules need it)
-        self.worker_incidents = IncidentTail()
+        self.worker_incidents = evidence.IncidentTail()
         self.storage_watch = storage_watch  # the keeper's storage incidents and status (launch.storage_watch)
         self.precheck = precheck  # None: no node check before rendezvous
         self.prechecks: list[dict[str, Any]] = []  # every precheck's result, for the run summary
@@ -194,16 +196,18 @@ class StalwartAgent(LocalElasticAgent):
         """One tick: TorchElastic's view of the processes plus the progress records; an incident when
         a rank failed or hung (a hung group is killed here and reported as failed)."""
         self._check_evicted()  # raised out of run(): TorchElastic stops the workers on the way out
-        result = _compat.poll_workers(self, group)
+        result = self.returned.absorb(_compat.poll_workers(self, group), [w.global_rank for w in group.workers])
         now = time.time()
         progress = self._read_progress(group)
         self.status.observe(progress)
         self._progressed = self._progressed or any(p.reports > 0 for p in progress)
         self._check_first_step(progress)
         self._forward_worker_incidents()
-        fault_of = partial(fault_time, self.progress_dir)
+        fault_of = partial(evidence.fault_time, self.progress_dir)
         incident = None
         if result.state == WorkerState.HEALTHY:
+            if overdue := self.returned.overdue(progress, now, self._running):
+                self.returned.note_ended(overdue, self._dump_and_kill(group, overdue))
             incident = detect.hang(self.hang, progress, now, fault_of)
             if incident is not None:
                 self._kill_hung(group, incident)
@@ -263,6 +267,7 @@ class StalwartAgent(LocalElasticAgent):
         group.state = WorkerState.STOPPED
         self._restart_round += 1
         self.hang.reset()
+        self.returned.reset()
         self._initialize_workers(group)
         self.journal.restarted(incident, stopped, time.time(), saved)
 
@@ -337,10 +342,15 @@ class StalwartAgent(LocalElasticAgent):
             self.progress_dir, [w.global_rank for w in group.workers]
         )
         log.error("hang diagnosis:\n%s", collectives["summary"])
+        incident.details["stacks"] = self._dump_and_kill(group)
+
+    def _dump_and_kill(self, group: WorkerGroup, ranks: list[int] | None = None) -> dict[int, str]:
+        """Python stacks of the group's workers (or of ``ranks`` only), then SIGKILL them."""
         pcontext = _compat.worker_processes(self)
         started = pcontext.pids() if pcontext is not None else {}
-        ranks = {w.local_rank: w.global_rank for w in group.workers}
-        incident.details["stacks"] = dump_stacks_and_kill(ranks, started, self.worker_pid)
+        of = {w.local_rank: w.global_rank for w in group.workers if ranks is None or w.global_rank in ranks}
+        started = {local: pid for local, pid in started.items() if local in of}
+        return evidence.dump_stacks_and_kill(of, started, self.worker_pid)
 
     def _check_first_step(self, progress: list[Progress]) -> None:
         """Close the pending incident when every rank has reported a step since the restart."""
@@ -366,6 +376,13 @@ class StalwartAgent(LocalElasticAgent):
         pcontext = _compat.worker_processes(self)
         return [self.worker_pid(p) for p in pcontext.pids().values()] if pcontext is not None else []
 
+    def _running(self, rank: int) -> bool:
+        """Whether the worker of global ``rank`` (the real one behind a warm start's stand-in) still runs."""
+        pcontext = _compat.worker_processes(self)
+        local = {w.global_rank: w.local_rank for w in self.get_worker_group().workers}.get(rank)
+        pid = pcontext.pids().get(local) if pcontext is not None and local is not None else None
+        return pid is not None and evidence.process_running(self.worker_pid(pid))
+
     def _read_progress(self, group: WorkerGroup) -> list[Progress]:
         return detect.progress_of(
             {w.global_rank: self.reader.read(w.global_rank) for w in group.workers}, self._started_at
@@ -375,7 +392,7 @@ class StalwartAgent(LocalElasticAgent):
         local_of = {w.global_rank: w.local_rank for w in group.workers}
         pcontext = _compat.worker_processes(self)
         return {
-            rank: log_tail(pcontext.stderrs.get(local_of[rank]) if pcontext is not None else None)
+            rank: evidence.log_tail(pcontext.stderrs.get(local_of[rank]) if pcontext is not None else None)
             for rank in result.failures
         }
 
@@ -385,23 +402,10 @@ class StalwartAgent(LocalElasticAgent):
             raise NodeParked(reason) if self.status.parked else NodeEvicted(reason)
 
     def _run_precheck(self) -> None:
-        """Burn in this node's devices; the master judges (it also compares nodes) and journals. A node
-        it does not admit leaves before joining the round; without a master, the local verdict holds."""
+        """A node the master does not admit after its precheck leaves before joining the round."""
         assert self.precheck is not None
-        result = run_precheck(self.get_worker_group().spec.local_world_size, self.precheck)
-        self.prechecks.append(result.to_json())
-        log.info(
-            "precheck: %s in %.2f s (matmul %.2f ms)%s",
-            "ok" if result.ok else "FAILED",
-            result.seconds,
-            result.matmul_s * 1e3,
-            f": {'; '.join(result.reasons)}" if result.reasons else "",
-        )
-        try:
-            verdict = self.master.call("POST", "/v1/nodes/precheck", {"node_id": self.node_id, **result.to_json()})
-        except (MasterError, OSError) as err:
-            log.error("no precheck verdict from the master (%s); judging locally", err)
-            verdict = {"admit": result.ok, "reason": f"precheck failed: {'; '.join(result.reasons)}"}
-        if not verdict.get("admit", result.ok):
-            self.status.evict(str(verdict.get("reason") or "the master did not admit this node after its precheck"))
+        local_world = self.get_worker_group().spec.local_world_size
+        reason = admission.precheck_refusal(self.master, self.node_id, local_world, self.precheck, self.prechecks)
+        if reason is not None:
+            self.status.evict(reason)
             self._check_evicted()

@@ -20,11 +20,21 @@ log = logging.getLogger("stalwart.agent")
 LOG_TAIL_BYTES = 256 << 10
 
 
-def _stopped(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter from /proc ("" when it is gone or unreadable)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return ""
+
+
+def _stopped(pid: int) -> bool:
+    return _state(pid) in ("T", "t")
+
+
+def process_running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting to be reaped has)."""
+    return _state(pid) not in ("", "Z", "X")
 
 
 def stack_dump(pid: int, timeout_s: float = 10.0) -> str:

@@ -72,7 +72,7 @@ class HangDetector:
             self.observe(progress)
             allowance = self.allowance(progress)
             silent = now - progress.time
-            if progress.phase != "done" and silent > allowance:
+            if progress.phase not in ("done", "returned") and silent > allowance:
                 out.append((progress.rank, silent, allowance))
         return out
 

@@ -137,6 +137,7 @@ def run(argv: list[str]) -> int:
         os.environ.setdefault(runtime.ENV_SNAPSHOT_SLOTS, "3")
     if replica_sync(args):  # the workers' saves wait for their copies (the keeper learns it from replica_env)
         os.environ[runtime.ENV_REPLICA_SYNC] = "1"
+    os.environ[runtime.ENV_EXIT_GRACE] = repr(args.exit_grace)  # a returned script's process ends within it
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
     storage_watch = StorageWatch(keeper.status_copy)
 
@@ -170,6 +171,7 @@ def run(argv: list[str]) -> int:
             join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
             zygote=warm,
             storage_watch=storage_watch,
+            exit_grace_s=args.exit_grace,
         )
         agent.notice = notice
         return spec, agent

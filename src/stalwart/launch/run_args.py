@@ -19,6 +19,16 @@ from stalwart.launch.store import client_rdzv_conf
 EXIT_EVICTED = 3  # this node left the job (evicted, or its precheck failed); the job goes on without it
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = torchrun.get_args_parser()
     parser.prog = "stalwart run"
@@ -57,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="allowance in seconds before the first steps report (default 120)",
+    )
+    g.add_argument(
+        "--exit-grace",
+        type=_positive_seconds,
+        default=runtime.EXIT_GRACE_S,
+        metavar="SECONDS",
+        help="how long a worker whose script returned may take to end (threads it left running, exit "
+        "handlers); then it names what still runs, with stacks, and ends with the script's exit code: "
+        f"the job has finished, nothing is redone (default {runtime.EXIT_GRACE_S:g})",
     )
     g.add_argument(
         "--chaos",

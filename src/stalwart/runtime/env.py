@@ -44,6 +44,9 @@ ENV_REPLICA_KEY = "STALWART_REPLICA_KEY"
 ENV_REPLICA_SYNC = "STALWART_REPLICA_SYNC"  # "1": a step's save returns once its snapshot is in a peer's memory
 ENV_FAILURE_DOMAIN = "STALWART_FAILURE_DOMAIN"  # the user's: --replica-domain's default
 ENV_SNAPSHOT_SLOTS = "STALWART_SNAPSHOT_SLOTS"
+# How long a worker whose script returned may take to end (threads, exit handlers) before it is ended.
+ENV_EXIT_GRACE = "STALWART_EXIT_GRACE_S"
+EXIT_GRACE_S = 30.0
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -54,6 +57,19 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    value = environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be a number of seconds") from None
+    if not number > 0:
+        raise ValueError(f"environment variable {name}={value!r} must be positive")
+    return number
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,7 @@ class WorkerEnv:
     ranks_per_node: int = 0  # 0: not set (one node = local_world_size ranks)
     check_serial: bool = False
     check_fault: str = ""
+    exit_grace_s: float = EXIT_GRACE_S  # a returned script's process ends within this (``lifetime``)
 
     @property
     def under_agent(self) -> bool:
@@ -108,6 +125,7 @@ class WorkerEnv:
             ranks_per_node=_int(e, ENV_RANKS_PER_NODE, 0),
             check_serial=bool(e.get(ENV_CHECK_SERIAL)),
             check_fault=e.get(ENV_CHECK_FAULT, ""),
+            exit_grace_s=_float(e, ENV_EXIT_GRACE, EXIT_GRACE_S),
         )
 
 

@@ -30,7 +30,9 @@ from typing import Any
 from stalwart.runtime.env import worker_env
 
 # -- the record format (shared with the agent's reader) ---------------------------------------------
-PHASES = ("init", "train", "checkpoint", "eval", "done")
+# "done": the rank reports no more steps (``finished``); "returned": its script returned with exit code 0
+# and the process is ending (``lifetime``): neither is a hang, and a finished job is never redone.
+PHASES = ("init", "train", "checkpoint", "eval", "done", "returned")
 # The sequence number (offset 0, 8-byte aligned) is stored and loaded through a memoryview cast to "Q":
 # one 8-byte machine store/load. Not struct.pack_into: it zero-fills its target before writing, so a
 # reader could catch seq = 0 (even, "consistent") twice around a half-written body and accept it.
@@ -139,6 +141,9 @@ def writer() -> ProgressWriter | None:
         env = worker_env()
         if env.progress_dir:
             _writer = ProgressWriter(env.progress_dir, env.rank)
+            from stalwart.runtime.lifetime import watch_interpreter_exit  # lifetime imports this module
+
+            watch_interpreter_exit()  # a cold-started worker's end is bounded too
     return _writer
 
 
@@ -177,6 +182,13 @@ def finished() -> None:
     w = writer()
     if w is not None:
         w.set_phase("done")
+
+
+def returned() -> None:
+    """The script returned with exit code 0: what is left is the process's end, not training (called
+    by ``lifetime`` only; a process that never reported gets no record)."""
+    if _writer is not None:
+        _writer.set_phase("returned")
 
 
 def _strict(value: Any) -> Any:

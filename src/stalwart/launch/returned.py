@@ -1,0 +1,66 @@
+"""Ranks whose script returned: finished, not hung — and ended if their process will not end.
+
+A worker marks its progress record "returned" once its script returned with exit code 0
+(``runtime.lifetime``); it then ends itself within ``--exit-grace`` even if a thread of the user's never
+stops. This is the agent's backstop for a process that cannot (stopped, or a thread holding the GIL in C):
+once every local rank has returned and one is still there ``MARGIN_S`` after its grace, the agent dumps
+its stacks and kills it, and the job counts as finished — its training is never redone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+from stalwart.launch.progress import Progress
+
+log = logging.getLogger("stalwart.agent")
+MARGIN_S = 5.0  # after the worker's own grace: its watchdog speaks first
+
+
+def user_threads(dump: str) -> list[str]:
+    """The threads named in a py-spy dump, less the main thread and stalwart's exit watchdog."""
+    names = re.findall(r'^Thread [^\n]*?: "([^"]*)"$', dump, flags=re.MULTILINE)
+    return [n for n in names if n not in ("MainThread", "stalwart-exit-watchdog")]
+
+
+@dataclass
+class ReturnedRanks:
+    grace_s: float
+    ended: set[int] = field(default_factory=set)  # global ranks the agent ended after they returned
+
+    def overdue(self, progress: list[Progress], now: float, running: Callable[[int], bool]) -> list[int]:
+        """Ranks to end: all local ranks returned (none is still working, e.g. persisting its final
+        state), and these, still ``running``, have been ending for longer than the grace."""
+        if not progress or any(p.phase != "returned" for p in progress):
+            return []
+        late = now - self.grace_s - MARGIN_S
+        return [p.rank for p in progress if p.rank not in self.ended and p.time < late and running(p.rank)]
+
+    def note_ended(self, ranks: list[int], stacks: dict[int, str]) -> None:
+        self.ended.update(ranks)
+        for rank in ranks:
+            names = ", ".join(repr(n) for n in user_threads(stacks.get(rank, ""))) or "unknown (no stack dump)"
+            print(
+                f"stalwart: rank {rank} returned from its script more than {self.grace_s + MARGIN_S:g} s ago but "
+                f"its process did not end (thread(s) {names}: stacks above); ended it. The job's work is done: "
+                f"it counts as finished, nothing is redone.",
+                file=sys.stderr,
+                flush=True,
+            )
+        log.warning("ended rank(s) %s stuck after their script returned", ranks)
+
+    def absorb(self, result: RunResult, ranks: list[int]) -> RunResult:
+        """TorchElastic sees the killed ranks as failed: a group (global ``ranks``) whose only failures
+        are ranks ended here after they returned has succeeded."""
+        if result.state == WorkerState.FAILED and result.failures and set(result.failures) <= self.ended:
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(ranks))
+        return result
+
+    def reset(self) -> None:
+        self.ended.clear()

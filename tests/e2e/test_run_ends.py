@@ -1,0 +1,54 @@
+"""A script's end under `stalwart run`: what plain `python` ends ends here too, and a finished job is never
+redone (issue 27: a NCCL script with an open executor never exited, the hang detector restarted it)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.e2e.test_run import launch
+
+pytestmark = pytest.mark.e2e
+SCRIPT = "open_ends.py"
+
+
+def _run(tmp_path, *script_args: str, run_args: tuple[str, ...] = ()):
+    t0 = time.monotonic()
+    proc, summary, out = launch(
+        tmp_path, *script_args, run_args=("--max-restarts", "1", *run_args), script=SCRIPT, timeout=180
+    )
+    return proc, summary, out, time.monotonic() - t0
+
+
+def _finished_once(proc, summary, out) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((out / "result.json").read_text())["step"] == 20
+    assert summary["incidents"] == [] and summary["restarts_used"] == 0, summary
+    attempts = sorted(p.name for p in out.glob("attempt-*"))
+    assert attempts == ["attempt-rank0-0", "attempt-rank1-0"], "the script ran once"
+
+
+@pytest.mark.parametrize("warm", ["on", "off"])
+def test_a_script_leaving_an_executor_and_a_checkpointer_open_ends_once(tmp_path, warm):
+    proc, summary, out, took = _run(tmp_path, run_args=("--warm-start", warm))
+    _finished_once(proc, summary, out)
+    assert "silent for" not in proc.stderr and "did not" not in proc.stderr, proc.stderr[-3000:]
+    assert took < 30 + 9, "it ended by itself: neither the exit grace nor the hang allowance ran out"
+
+
+def test_a_thread_that_never_ends_is_named_and_the_job_still_finishes(tmp_path):
+    proc, summary, out, _ = _run(tmp_path, "--stuck-thread", run_args=("--exit-grace", "2"))
+    _finished_once(proc, summary, out)
+    assert "rank 1: the script ended (exit code 0) 2 s ago" in proc.stderr, proc.stderr[-3000:]
+    assert "still running: 'user-never-ends'" in proc.stderr
+
+
+def test_a_rank_stuck_in_c_after_its_script_returned_is_ended_by_the_agent(tmp_path):
+    """The thread holds the GIL, so the worker's own watchdog cannot run: the agent dumps its stacks and
+    ends it, and the job counts as finished."""
+    proc, summary, out, _ = _run(tmp_path, "--gil-stuck", run_args=("--exit-grace", "2"))
+    _finished_once(proc, summary, out)
+    assert "rank 1 returned from its script" in proc.stderr, proc.stderr[-3000:]
+    assert "thread(s) 'user-never-ends'" in proc.stderr
