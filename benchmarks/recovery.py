@@ -49,7 +49,9 @@ steps and goodput are ``stalwart.demo.recovery_metrics``' (the same as ``stalwar
 ``detected``), ``stop`` (→ ``stopped``), ``respawn`` (→ the new worker process starts: the agent's
 save-on-failure hook, rendezvous, spawn), ``imports`` (→ torch/stalwart imported in the slowest rank,
 torch._dynamo included), ``pg_init`` (→ gloo process group up), ``build`` (model, DDP, optimizer),
-``restore`` (checkpointer set-up and restore), ``first_step``; the first three come from the incident
+``restore`` (checkpointer set-up and restore: host → device on a GPU), ``first_step``; with ``--device
+cuda``, ``cuda_init`` (the CUDA context) comes between imports and ``pg_init`` (which then includes
+NCCL's communicator); the first three come from the incident
 journal, so torchrun gets one ``detect_stop_respawn`` interval. Medians over ``--repeats``, and every
 run's values under ``runs``.
 
@@ -87,6 +89,7 @@ PHASES = (
     "respawn",
     "detect_stop_respawn",
     "imports",
+    "cuda_init",
     "pg_init",
     "build",
     "restore",
@@ -116,6 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "stalwart_cold = stalwart with --warm-start off)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launched job")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the job on GPUs (NCCL with a GPU per rank); the breakdown then shows cuda_init (context) "
+        "apart from pg_init (NCCL communicator) and restore (host → device); e.g. --device cuda --nproc 1",
+    )
     p.add_argument("--dir", type=Path, default=None, help="keep every run's logs here (default: a temp dir)")
     return p.parse_args(argv)
 
@@ -156,6 +166,8 @@ def launch(config: str, args: argparse.Namespace, work: Path, chaos: str, steps:
         str(args.batch),
         "--seq-len",
         str(args.seq_len),
+        "--device",
+        args.device,
     ]
     common = ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "3"]
     if config.startswith("stalwart"):
@@ -295,6 +307,7 @@ def analyse(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         {
             "proc_start": t_proc,
             "imported": max(e["t_import"] for e in r0.values()),
+            "cuda_up": max(e.get("t_cuda", e["t_import"]) for e in r0.values()),
             "pg_up": max(e["t_pg"] for e in r0.values()),
             "built": max(e["t_built"] for e in r0.values()),
             "restored": max(e["t_restored"] for e in r0.values()),
@@ -314,6 +327,7 @@ def breakdown(m: dict[str, float]) -> dict[str, float]:
         ("stop", "stopped"),
         ("respawn", "proc_start"),
         ("imports", "imported"),
+        ("cuda_init", "cuda_up"),
         ("pg_init", "pg_up"),
         ("build", "built"),
         ("restore", "restored"),

@@ -17,9 +17,10 @@ right after step *s* completed and was checkpointed (as ``stalwart train`` does)
 fault time itself just before firing, so the benchmark measures both launchers the same way.
 
 Every rank appends JSON lines to ``LOG_DIR/rank<r>.jsonl`` (append mode, all attempts in one file):
-``{"ev": "start", "attempt", "t_proc" (script started), "t_import" (imports done), "t_pg" (process
-group up), "t_built" (model, DDP, optimizer), "t_restored", "resume_step", "restore_s", "source"}`` once
-per process, then rank 0 only ``{"ev": "step", "step", "t", "dt",
+``{"ev": "start", "attempt", "t_proc" (script started), "t_import" (imports done), "t_cuda" (CUDA
+context up; = t_import on the CPU), "t_pg" (process group up, NCCL's communicator included), "t_built"
+(model, DDP, optimizer), "t_restored", "resume_step", "restore_s", "source"}`` once per process, then
+rank 0 only ``{"ev": "step", "step", "t", "dt",
 "save_s", "attempt"}`` per step (``t`` = time.time() when the step and its checkpoint call finished,
 ``dt`` = forward+backward+all-reduce+optimizer seconds, ``save_s`` = seconds in the checkpoint call),
 ``{"ev": "fault", "step", "t", "action"}`` from the rank that fires a fault, and ``{"ev": "end"}``.
@@ -80,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: cuda:LOCAL_RANK, NCCL with a GPU per local rank (gloo on shared GPUs); the restart's "
+        "CUDA context creation and NCCL communicator set-up are logged apart (t_cuda, t_pg)",
+    )
     return p.parse_args(argv)
 
 
@@ -136,7 +144,16 @@ class DcpCheckpoints:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    device, backend = torch.device("cpu"), "gloo"
+    if args.device == "cuda":  # the CUDA context first, so its cost is seen apart from NCCL's
+        local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        device = torch.device("cuda", local % gpus)
+        torch.cuda.set_device(device)
+        torch.empty(1, device=device)
+        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo"
+    t_cuda = time.time()
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    dist.barrier()  # NCCL creates its communicator at the first collective: count it as process-group set-up
     t_pg = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -145,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     margs = model_args("debug", **GPT, max_seq_len=args.seq_len)
     model = Transformer(margs)
     model.init_weights(args.seed)
+    model.to(device)
     if args.fsdp:  # FSDP2: each block and the root sharded over every rank (a lost node's shards: only there)
         from torch.distributed.fsdp import fully_shard
 
@@ -152,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             fully_shard(block)
         ddp = fully_shard(model)
     else:
-        ddp = DDP(model)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
     t_built = time.time()
 
@@ -185,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         pid=os.getpid(),
         t_proc=T_PROC,
         t_import=T_IMPORT,
+        t_cuda=t_cuda,
         t_pg=t_pg,
         t_built=t_built,
         t_restored=t_restored,
@@ -197,12 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
-            tokens = batch(step, rank, args)
+            tokens = batch(step, rank, args).to(device, non_blocking=True)
             logits = ddp(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             optim.step()
             optim.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step's time, not its launch's
             dt = time.perf_counter() - t0
             t1 = time.perf_counter()
             if args.ckpt == "flash":

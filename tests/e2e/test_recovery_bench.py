@@ -52,3 +52,8 @@ def test_recovery_benchmark_smoke(tmp_path):
     assert run["restore_source"] == "memory" and run["journal"]["kind"] == "sigkill"
     assert all(v > 0 for v in (s["mttr_s"], s["regain_s"], d["mttr_s"], d["regain_s"], s["hang_detect_s"]))
     assert 0 < s["goodput"] < 1 and 0 < d["goodput"] < 1
+    # the MTTR split into consecutive intervals, CUDA's own (0 here) between the imports and the process group
+    phases = ["detect", "stop", "respawn", "imports", "cuda_init", "pg_init", "build", "restore", "first_step"]
+    assert [p for p in run["breakdown_s"] if p in phases] == phases
+    assert all(run["breakdown_s"][p] >= 0 for p in phases[1:]), run["breakdown_s"]
+    assert sum(run["breakdown_s"][p] for p in phases) == pytest.approx(run["mttr_s"], abs=2e-3)  # each rounded
