@@ -24,6 +24,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.storage import WriteResult
@@ -224,12 +225,15 @@ def persist(
     poll_s: float = 0.05,
     answer_s: float = 10.0,
     ask_others: bool = False,
+    on_planned: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Take part in persisting ``step`` with this node's ranks (``views``: rank → pinned snapshot).
     Every node must answer (its entry tables) within ``answer_s`` — a lost node must not hold up a
     save-on-failure for long — and the whole persist finish within ``timeout_s``. The coordinator asks
     the others for the step (``ask_others``) once the stage is clean. Returns the committed manifest;
-    raises MissingSnapshot (``Abandoned``: a dead end), RuntimeError (aborted) or TimeoutError."""
+    raises MissingSnapshot (``Abandoned``: a dead end), RuntimeError (aborted) or TimeoutError.
+    ``on_planned(step)``: the coordinator's word that every node holds the step pinned (its table is in),
+    so the rest of the persist can no longer lose it to a restarted worker's snapshot."""
     t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
     taken = captured_at(views[min(views)].info.header)  # this node's snapshot of the step: what a dead end names
     if not coordinator:
@@ -246,7 +250,7 @@ def persist(
     for r in views:
         _put_table(storage, step, r, views)
     if coordinator:
-        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s, answer_s)
+        return _coordinate(storage, step, views, world, source, t0, deadline, poll_s, answer_s, on_planned)
     return _participate(storage, step, views, t0, deadline, poll_s)
 
 
@@ -264,6 +268,7 @@ def _coordinate(
     deadline: float,
     poll_s: float,
     answer_s: float,
+    on_planned: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     try:
         tables: dict[int, dict[str, Any]] = {}
@@ -280,6 +285,8 @@ def _coordinate(
                 )
                 if "missing" in tables[r]:
                     raise MissingSnapshot(f"rank {r} does not hold step {step}: {tables[r]['missing']}")
+        if on_planned is not None:
+            on_planned(step)
         every = [views[r] if r in views else PlanOnlyView(tables[r]) for r in range(world)]
         planners, plans, metadata = global_plan(storage, step, every)
         attempt = uuid.uuid4().hex[:12]

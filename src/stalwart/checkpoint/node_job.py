@@ -220,6 +220,7 @@ class NodeJob:
         source: str,
         ranks: list[int] | None = None,
         ask_others: bool = False,
+        on_planned: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
         checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
@@ -228,6 +229,7 @@ class NodeJob:
         keeper and the agent's save-on-failure may race for it). Raises LookupError/BlockingIOError when
         a snapshot is gone."""
         ranks = list(range(world)) if ranks is None else ranks
+        asked = {"ask_others": ask_others, "on_planned": on_planned}
         views: dict[int, SnapshotView] = {}
         with self.persist_lock():
             try:
@@ -238,9 +240,8 @@ class NodeJob:
                     views[r] = self._pin(r, step)
                 if len(ranks) == world:
                     return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
-                return multinode.persist(
-                    storage, step, views, world, source, coordinator=0 in ranks, ask_others=ask_others
-                )
+                coordinator = 0 in ranks
+                return multinode.persist(storage, step, views, world, source, coordinator, **asked)
             except (LookupError, BlockingIOError) as err:
                 if len(ranks) < world and not isinstance(err, multinode.MissingSnapshot):  # nobody should wait
                     if 0 in ranks:
@@ -274,12 +275,13 @@ class NodeJob:
         storage_options: dict[str, Any] | None = None,
         world_size: int | None = None,
         quiet: bool = False,
+        on_planned: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         """Persist the newest snapshot that every rank holds, unless it is already committed.
 
         Run when a worker dies (by the keeper, or the agent). It never persists a step that some rank
         lacks (that would mix states of different steps) and says in the result and the log why it did
-        nothing."""
+        nothing. ``on_planned``: see :func:`multinode.persist` (across nodes only)."""
         job = self.job()
         storage = Storage(
             storage_url or job["storage"],
@@ -313,7 +315,7 @@ class NodeJob:
         if 0 not in ranks:
             return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
         try:
-            return self._save_agreed(storage, world, ranks, started if final else None, outcome, covered)
+            return self._save_agreed(storage, world, ranks, started if final else None, outcome, covered, on_planned)
         except Exception as err:  # a participant timed out, storage failed: over all the same, nothing saved
             settle(None, f"save-on-failure failed: {err!r}")
             raise
@@ -326,6 +328,7 @@ class NodeJob:
         final_since: float | None,
         outcome: Callable[..., dict[str, Any]],
         covered: Callable[[int, object], dict[str, Any]],
+        on_planned: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         """``save_on_failure``'s search for the newest step every rank holds, on rank 0's node; with
         ``final_since`` (its steps are final) it first declares the failure to the other nodes."""
@@ -345,7 +348,9 @@ class NodeJob:
             if committed and committed[0] >= step:
                 return covered(step, committed[0])
             try:
-                manifest = self.persist_step(storage, step, world, "save-on-failure", ranks, ask_others=True)
+                manifest = self.persist_step(
+                    storage, step, world, "save-on-failure", ranks, ask_others=True, on_planned=on_planned
+                )
             except multinode.MissingSnapshot as err:
                 log.warning("save-on-failure: %s; trying an older step", err)
                 continue

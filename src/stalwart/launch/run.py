@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +28,9 @@ from stalwart import _compat, runtime
 from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
 from stalwart.launch import autoscale, die_with_agent, eviction, park, preempt, slurm, stragglers, zygote
-from stalwart.launch.agent import Incident, NodeEvicted, NodeParked, StalwartAgent
+from stalwart.launch.agent import NodeEvicted, NodeParked, StalwartAgent
 from stalwart.launch.client import MasterClient, MasterError, write_address
+from stalwart.launch.failure_save import FailureSave
 from stalwart.launch.master import Master, load_or_create_token
 from stalwart.launch.run_args import (
     EXIT_EVICTED,
@@ -139,6 +139,7 @@ def run(argv: list[str]) -> int:
         os.environ[runtime.ENV_REPLICA_SYNC] = "1"
     os.environ[runtime.ENV_EXIT_GRACE] = repr(args.exit_grace)  # a returned script's process ends within it
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
+    failure_save = FailureSave(node_job)
     storage_watch = StorageWatch(keeper.status_copy)
 
     def new_agent() -> tuple[WorkerSpec, StalwartAgent]:
@@ -164,7 +165,7 @@ def run(argv: list[str]) -> int:
             hang_policy=policy,
             start_method=config.start_method,
             window_s=args.straggler_window,
-            on_failure=_save_on_failure(node_job),
+            on_failure=failure_save,
             chaos_file=chaos_file,
             precheck=PrecheckConfig() if args.precheck else None,
             slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
@@ -215,7 +216,7 @@ def run(argv: list[str]) -> int:
         exit_code = 1
     except preempt.Preempted as err:  # TorchElastic stopped the workers: persist what they left in memory
         exit_code = preempt.EXIT_PREEMPTED
-        preempted = preempt.persist_on_preempt(err, node_job, _save_on_failure(node_job), time.time())
+        preempted = preempt.persist_on_preempt(err, node_job, failure_save, time.time())
         preempt.journal(client, node_id, preempted)
         print(f"stalwart run: node {node_id} preempted ({preempted['signal']}): {preempted['save']}", file=sys.stderr)
     finally:
@@ -224,6 +225,7 @@ def run(argv: list[str]) -> int:
             spec.rdzv_handler.shutdown()
         if warm is not None:
             warm.stop(wait=preempted is None)
+        failure_save.wait()  # a save-on-failure finishing in the background commits before the keeper stops
         if preempted is None:
             keeper.stop()  # after the workers: it saves on failure for those that did not finish
         elif keeper.proc is not None:  # the step is committed: let it tidy up while this agent exits
@@ -289,30 +291,6 @@ def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str])
 
     job = NodeJob.of_agent(job_id, node_id)
     return job, KeeperProcess(job, run_dir.absolute() / "keeper.log", env=env).start()
-
-
-def _save_on_failure(job: NodeJob) -> Callable[[Incident | None], dict[str, Any]]:
-    """The agent's hook: persist the newest snapshot all ranks agree on before workers restart.
-    ``incident`` is None for a membership change: the new world size restores from storage, so the save
-    is made here and waited for, even where the keeper would make it."""
-
-    def hook(incident: Incident | None) -> dict[str, Any]:
-        if not job.paths.job.exists():
-            return {"persisted": False, "detail": "no flash checkpoints in this job"}
-        if not job.persists():
-            # Memory-only (no keeper on any node; multi-node waits would time out): nothing to persist,
-            # the restarted workers restore from memory.
-            return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
-        if incident is not None and job.keeper_alive() and not job.spans_nodes():
-            # It saw the worker die and saves on failure itself, in parallel with the restart (which
-            # restores from memory); waiting for it here would only delay the restart. Not across nodes:
-            # a keeper busy persisting when the worker died looks only after the restarted worker has
-            # replaced its owner record, and misses the death (the restarted job may also overwrite the
-            # step first); the rendezvous waits for this agent, so no rank trains before the save.
-            return {"persisted": False, "detail": "the node's keeper saves on failure"}
-        return job.save_on_failure(quiet=True)
-
-    return hook
 
 
 def _summary(client: MasterClient, node_id: str, exit_code: int, agent: StalwartAgent) -> dict[str, Any]:
