@@ -120,6 +120,33 @@ def rendezvous_addr_and_port(params: Any) -> tuple[str | None, int | None]:
     return _get_addr_and_port(params)
 
 
+def rendezvous_poll(max_nodes: int) -> float:
+    """Make a dynamic rendezvous that waits for other nodes look again every ``min(1, max(0.05,
+    max_nodes / 1000))`` seconds instead of torch's second: it sleeps a fixed second between polls
+    (``_Action.SYNC``: ``_delay(seconds=1)``) and its state holder answers from a cache for a second
+    (``cache_duration=1``), so the node that reached a restart's round first joined up to ~1 s after the
+    last one — what a job across nodes lost per recovery against one node. The load on the store stays
+    at about a thousand reads a second at any size. Returns the interval; idempotent."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    poll_s = min(1.0, max(0.05, max_nodes / 1000))
+    delay = getattr(dr._delay, "__wrapped__", dr._delay)
+    holder_init = getattr(dr._BackendRendezvousStateHolder.__init__, "__wrapped__", None)
+    holder_init = holder_init or dr._BackendRendezvousStateHolder.__init__
+
+    def polled(seconds: float | tuple[float, float]) -> None:
+        delay(poll_s if seconds == 1 else seconds)  # the SYNC wait is the only one of exactly a second
+
+    def init(self: Any, backend: Any, settings: Any, cache_duration: float = 1) -> None:
+        holder_init(self, backend, settings, min(cache_duration, poll_s))
+
+    polled.__wrapped__ = delay  # type: ignore[attr-defined]
+    init.__wrapped__ = holder_init  # type: ignore[attr-defined]
+    dr._delay = polled
+    dr._BackendRendezvousStateHolder.__init__ = init
+    return poll_s
+
+
 # Warm start (launch/zygote.py): torch.compile, torch.use_deterministic_algorithms and others import
 # dynamo (0.5-3 s), so the zygote preloads it for scripts.
 DYNAMO_MODULES = ("torch._dynamo",)

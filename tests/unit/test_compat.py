@@ -5,6 +5,7 @@ A failure here means the installed torch changed an internal stalwart relies on:
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -160,6 +161,49 @@ def test_a_lost_node_is_expired_from_the_rendezvous_at_once() -> None:
     assert len(state.participants) == 1, "only the survivor is left in the round"
     assert _compat.expire_rendezvous_nodes(survivor, [_compat.rendezvous_node(lost)]) == 0, "already gone"
     survivor.shutdown()
+
+
+def test_rendezvous_waits_for_the_last_node_by_polling_faster_than_torchs_second() -> None:
+    """The node that reaches a round first polls the state; torch waits a second between polls
+    (``_delay(seconds=1)`` for ``_Action.SYNC``) and caches the state for a second, so it joined up to a
+    second after the last node (~1 s of every recovery across nodes)."""
+    import datetime
+    import inspect
+    import threading
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    assert "_delay(seconds=1)" in inspect.getsource(dr._DistributedRendezvousOpExecutor.run), "torch changed"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+
+    def handler() -> dr.DynamicRendezvousHandler:
+        client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        return dr.DynamicRendezvousHandler.from_backend("poll", client, C10dRendezvousBackend(client, "poll"), 2, 2)
+
+    original = dr._delay, dr._BackendRendezvousStateHolder.__init__
+    try:
+        assert _compat.rendezvous_poll(max_nodes=10_000) == 1.0  # at scale: torch's own second
+        assert _compat.rendezvous_poll(max_nodes=2) == 0.05
+        assert dr._delay.__wrapped__ is original[0], "idempotent: one wrapper"
+        t0 = time.monotonic()
+        dr._delay(seconds=1)
+        assert time.monotonic() - t0 < 0.5
+        first, second, done = handler(), handler(), {}
+        assert first._state_holder._cache_duration == 0.05
+        waiting = threading.Thread(target=lambda: done.setdefault("first", (first.next_rendezvous(), time.monotonic())))
+        waiting.start()  # the first node waits in the round ...
+        time.sleep(0.3)
+        t_last = time.monotonic()  # ... until the last one comes
+        second.next_rendezvous()
+        waiting.join(10)
+        first.shutdown()
+        second.shutdown()
+    finally:
+        dr._delay, dr._BackendRendezvousStateHolder.__init__ = original
+    # The last node's own start-up spread (up to 0.3 s in a first round) plus a poll; torch's: ≥ 0.7 s.
+    assert done["first"][1] - t_last < 0.6, done["first"][1] - t_last
 
 
 def test_rendezvous_addr_and_port() -> None:
