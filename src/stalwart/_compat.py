@@ -122,14 +122,16 @@ def rendezvous_addr_and_port(params: Any) -> tuple[str | None, int | None]:
 
 def rendezvous_poll(max_nodes: int) -> float:
     """Make a dynamic rendezvous that waits for other nodes look again every ``min(1, max(0.05,
-    max_nodes / 1000))`` seconds instead of torch's second: it sleeps a fixed second between polls
+    max_nodes / 100))`` seconds instead of torch's second: it sleeps a fixed second between polls
     (``_Action.SYNC``: ``_delay(seconds=1)``) and its state holder answers from a cache for a second
     (``cache_duration=1``), so the node that reached a restart's round first joined up to ~1 s after the
-    last one — what a job across nodes lost per recovery against one node. The load on the store stays
-    at about a thousand reads a second at any size. Returns the interval; idempotent."""
+    last one — what a job across nodes lost per recovery against one node. The holder's cache also
+    paces the agent's ``num_nodes_waiting`` every monitor tick, so the store's load (each read is the
+    whole O(nodes) state) stays at most a hundred reads a second below 100 nodes, and torch's own from
+    there on. Returns the interval; idempotent."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    poll_s = min(1.0, max(0.05, max_nodes / 1000))
+    poll_s = min(1.0, max(0.05, max_nodes / 100))
     delay = getattr(dr._delay, "__wrapped__", dr._delay)
     holder_init = getattr(dr._BackendRendezvousStateHolder.__init__, "__wrapped__", None)
     holder_init = holder_init or dr._BackendRendezvousStateHolder.__init__

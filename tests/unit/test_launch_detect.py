@@ -71,7 +71,11 @@ def test_returned_ranks_are_ended_only_once_every_rank_returned_and_the_grace_pa
     late = 100.0 + 10.0 + MARGIN_S + 0.1
     running = {0: True, 1: True}.get
     # rank 1 still works (e.g. persists its final state): nobody is ended, whatever the age
-    assert ranks.overdue([p(0, 9, 100.0, phase="returned"), p(1, 9, 100.0, phase="done")], late, running) == []
+    working = [p(0, 9, 100.0, phase="returned"), p(1, 9, 100.0, phase="done")]
+    assert ranks.overdue(working, late, running) == []
+    ranks.observe(working)
+    assert ranks.finishing, "no membership-change restart of a finished script"
+    assert ranks.overdue(working, late, {0: True, 1: False}.get) == [0], "a rank that is gone does not hold it"
     both = [p(0, 9, 100.0, phase="returned"), p(1, 9, 104.0, phase="returned")]
     assert ranks.overdue(both, late - 0.2, running) == []  # within the grace and margin
     assert ranks.overdue(both, late, running) == [0]
@@ -80,12 +84,16 @@ def test_returned_ranks_are_ended_only_once_every_rank_returned_and_the_grace_pa
     assert ranks.overdue(both, late, running) == [], "ended once"
     # TorchElastic's view of the kill: a failure of rank 0 only, which is the job finishing
     failed = RunResult(state=WorkerState.FAILED, failures={0: Failure(-signal.SIGKILL, 1)})
-    assert ranks.absorb(failed, [0, 1]).state == WorkerState.SUCCEEDED
-    assert ranks.absorb(failed, [0, 1]).return_values == {0: None, 1: None}
+    assert ranks.absorb(failed, both).state == WorkerState.SUCCEEDED
+    assert ranks.absorb(failed, both).return_values == {0: None, 1: None}
     other = RunResult(state=WorkerState.FAILED, failures={0: Failure(-9, 1), 1: Failure(1, 1)})
-    assert ranks.absorb(other, [0, 1]) is other, "a real failure beside it stays a failure"
+    assert ranks.absorb(other, both) is other, "the script's own exit code beside it stays a failure"
     ranks.reset()
-    assert ranks.absorb(failed, [0, 1]) is failed
+    assert ranks.absorb(failed, both).state == WorkerState.SUCCEEDED, "a signal after the return: finished"
+    training = [p(0, 9, 100.0), p(1, 9, 100.0)]
+    assert ranks.absorb(failed, training) is failed, "a signal while training is a fault"
+    ranks.observe(training)
+    assert not ranks.finishing
 
 
 def test_the_threads_still_running_are_named_from_the_stack_dump():

@@ -282,3 +282,15 @@ def test_exit_grace_must_be_a_positive_number() -> None:
     for bad in ("soon", "0", "-1"):
         with pytest.raises(ValueError, match="STALWART_EXIT_GRACE_S"):
             WorkerEnv.from_environ({"STALWART_EXIT_GRACE_S": bad})
+
+
+def test_a_forked_child_ending_does_not_mark_its_parent_returned(tmp_path) -> None:
+    """A DataLoader worker (a fork) runs threading's exit hooks at its end, ours included: it must not
+    write "returned" into its parent's record (the parent trains on; the agent would skip its hangs)."""
+    out, _ = _run_exit(
+        tmp_path,
+        "import multiprocessing as mp\nfrom stalwart.launch.progress import ProgressReader\n"
+        "child = mp.get_context('fork').Process(target=int)\nchild.start()\nchild.join()\n"
+        f"print(ProgressReader({str(tmp_path)!r}).read(1).phase, child.exitcode)",
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["train", "0"], (out.stdout, out.stderr)

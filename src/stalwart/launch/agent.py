@@ -186,7 +186,11 @@ class StalwartAgent(LocalElasticAgent):
                 _compat.count_restart(self)  # the workers' TORCHELASTIC_RESTART_COUNT
                 self._failure_restarts += 1
                 self._restart(group)
-            elif result.state == WorkerState.HEALTHY and group.spec.rdzv_handler.num_nodes_waiting() > 0:
+            elif (
+                result.state == WorkerState.HEALTHY
+                and not self.returned.finishing  # a finished script is not rerun for a joining node
+                and group.spec.rdzv_handler.num_nodes_waiting() > 0
+            ):
                 log.info("nodes are waiting to join: restarting the worker group (membership change)")
                 self._restart(group)  # membership changes do not count as restarts
             elif result.state != WorkerState.HEALTHY:
@@ -196,9 +200,11 @@ class StalwartAgent(LocalElasticAgent):
         """One tick: TorchElastic's view of the processes plus the progress records; an incident when
         a rank failed or hung (a hung group is killed here and reported as failed)."""
         self._check_evicted()  # raised out of run(): TorchElastic stops the workers on the way out
-        result = self.returned.absorb(_compat.poll_workers(self, group), [w.global_rank for w in group.workers])
+        result = _compat.poll_workers(self, group)
         now = time.time()
         progress = self._read_progress(group)
+        result = self.returned.absorb(result, progress)
+        self.returned.observe(progress)
         self.status.observe(progress)
         self._progressed = self._progressed or any(p.reports > 0 for p in progress)
         self._check_first_step(progress)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # DCP is ~660 modules: `stalwart run --help` does not import 
     from stalwart.checkpoint.node_job import NodeJob
 
 log = logging.getLogger("stalwart.agent")
+PIN_WAIT_S = 60.0  # the most a restart waits for the step to be pinned (the save's own answer_s is 10 s)
 
 
 class FailureSave:
@@ -75,7 +76,9 @@ class FailureSave:
 
         thread = threading.Thread(target=save, name="stalwart-save-on-failure")
         thread.start()
-        pinned.wait()
+        if not pinned.wait(PIN_WAIT_S):  # an earlier save holds the persist lock, a node does not answer
+            self._background.append(thread)
+            return {"persisted": None, "detail": f"not pinned within {PIN_WAIT_S:g} s: saving in the background"}
         if not thread.is_alive() or not planned:
             thread.join()
             return result

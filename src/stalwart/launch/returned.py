@@ -33,14 +33,22 @@ def user_threads(dump: str) -> list[str]:
 class ReturnedRanks:
     grace_s: float
     ended: set[int] = field(default_factory=set)  # global ranks the agent ended after they returned
+    finishing: bool = False  # a local rank reports no more steps: no membership-change restart now
+
+    def observe(self, progress: list[Progress]) -> None:
+        self.finishing = any(p.phase in ("done", "returned") for p in progress)
 
     def overdue(self, progress: list[Progress], now: float, running: Callable[[int], bool]) -> list[int]:
-        """Ranks to end: all local ranks returned (none is still working, e.g. persisting its final
-        state), and these, still ``running``, have been ending for longer than the grace."""
-        if not progress or any(p.phase != "returned" for p in progress):
+        """Ranks to end: every local rank returned or gone (none is still working, e.g. persisting its
+        final state), and these, still ``running``, have been ending for longer than the grace."""
+        if not progress or any(p.phase != "returned" and running(p.rank) for p in progress):
             return []
         late = now - self.grace_s - MARGIN_S
-        return [p.rank for p in progress if p.rank not in self.ended and p.time < late and running(p.rank)]
+        return [
+            p.rank
+            for p in progress
+            if p.phase == "returned" and p.rank not in self.ended and p.time < late and running(p.rank)
+        ]
 
     def note_ended(self, ranks: list[int], stacks: dict[int, str]) -> None:
         self.ended.update(ranks)
@@ -55,11 +63,22 @@ class ReturnedRanks:
             )
         log.warning("ended rank(s) %s stuck after their script returned", ranks)
 
-    def absorb(self, result: RunResult, ranks: list[int]) -> RunResult:
-        """TorchElastic sees the killed ranks as failed: a group (global ``ranks``) whose only failures
-        are ranks ended here after they returned has succeeded."""
-        if result.state == WorkerState.FAILED and result.failures and set(result.failures) <= self.ended:
-            return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(ranks))
+    def absorb(self, result: RunResult, progress: list[Progress]) -> RunResult:
+        """A group whose only failures are ranks that had returned has succeeded: those the agent ended
+        here, and those killed by a signal on their way out (a teardown crash after the script's work,
+        e.g. an abort in torch's C++ at a cold-started worker's finalization). An exit code of the
+        script's own stays a failure."""
+        returned = {p.rank for p in progress if p.phase == "returned"}
+        finished = self.ended | {r for r, f in result.failures.items() if r in returned and f.exitcode < 0}
+        if result.state == WorkerState.FAILED and result.failures and set(result.failures) <= finished:
+            for rank in sorted(set(result.failures) - self.ended):
+                print(
+                    f"stalwart: rank {rank} died (exit {result.failures[rank].exitcode}) after its script "
+                    "returned: its work is done, the job counts as finished",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(p.rank for p in progress))
         return result
 
     def reset(self) -> None:

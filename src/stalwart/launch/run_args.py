@@ -24,8 +24,8 @@ def _positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
     return value
 
 

@@ -67,8 +67,8 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
         number = float(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} must be a number of seconds") from None
-    if not number > 0:
-        raise ValueError(f"environment variable {name}={value!r} must be positive")
+    if not 0 < number < float("inf"):
+        raise ValueError(f"environment variable {name}={value!r} must be a positive, finite number of seconds")
     return number
 
 

@@ -65,20 +65,24 @@ def exit_process(code: int) -> NoReturn:
 
 def watch_interpreter_exit() -> None:
     """Bound the interpreter's own exit too (a cold-started worker): threading runs this hook before
-    it joins non-daemon threads. Registered once, by the first progress writer of the process."""
-    global _watching
-    if _watching:
+    it joins non-daemon threads. Registered once, by the first progress writer of the process, and
+    registered last among threading's hooks known by then, so that it runs first (they run in reverse):
+    ``concurrent.futures``' own hook joins executor threads without a bound."""
+    global _watching_pid
+    if _watching_pid == os.getpid():
         return
-    _watching = True
+    _watching_pid = os.getpid()
     register = getattr(threading, "_register_atexit", None)  # CPython ≥ 3.9; private, hence the guard
     if register is not None:
+        import concurrent.futures.thread  # noqa: F401 (registers its exit hook now, before ours)
+
         try:
             register(_ending)
         except RuntimeError:  # the interpreter is already shutting down
             pass
 
 
-_watching = False
+_watching_pid = 0  # the process that registered the hook: a forked child (a DataLoader worker) inherits it
 _ended: int | None = None  # the exit code once the end has begun
 
 
@@ -91,6 +95,8 @@ def _ending(code: int | None = None) -> None:
     if _ended is not None:
         return
     if code is None:
+        if os.getpid() != _watching_pid:  # the hook, inherited by a forked child: not this worker's end
+            return
         code = 1 if getattr(sys, "last_value", None) is not None else 0
     _ended = code
     if code == 0:

@@ -82,7 +82,7 @@ class ProgressWriter:
             self._map = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
-        self.rank = rank
+        self.rank, self.pid = rank, os.getpid()
         # Continue the sequence of a previous writer of this record (a restarted worker): starting
         # over at 0 would let a reader see the same even number before and after a torn copy.
         self._seqword = seq_view(self._map)
@@ -187,7 +187,7 @@ def finished() -> None:
 def returned() -> None:
     """The script returned with exit code 0: what is left is the process's end, not training (called
     by ``lifetime`` only; a process that never reported gets no record)."""
-    if _writer is not None:
+    if _writer is not None and _writer.pid == os.getpid():  # not a forked child's (a DataLoader worker's) end
         _writer.set_phase("returned")
 
 
