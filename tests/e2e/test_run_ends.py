@@ -32,10 +32,10 @@ def _finished_once(proc, summary, out) -> None:
 
 @pytest.mark.parametrize("warm", ["on", "off"])
 def test_a_script_leaving_an_executor_and_a_checkpointer_open_ends_once(tmp_path, warm):
-    proc, summary, out, took = _run(tmp_path, run_args=("--warm-start", warm))
+    proc, summary, out, _ = _run(tmp_path, run_args=("--warm-start", warm))
     _finished_once(proc, summary, out)
-    assert "silent for" not in proc.stderr and "did not" not in proc.stderr, proc.stderr[-3000:]
-    assert took < 30 + 9, "it ended by itself: neither the exit grace nor the hang allowance ran out"
+    # it ended by itself: no hang declared, no watchdog (which names what it waited for)
+    assert "silent for" not in proc.stderr and "the script ended (exit code" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_thread_that_never_ends_is_named_and_the_job_still_finishes(tmp_path):
