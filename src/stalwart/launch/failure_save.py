@@ -71,7 +71,7 @@ class FailureSave:
                 log.exception("save-on-failure failed")
             finally:
                 pinned.set()
-            if planned and threading.current_thread() is not threading.main_thread():
+            if planned:  # the restart went on without waiting for this outcome
                 log.info("save-on-failure (in the background): %s", result.get("detail"))
 
         thread = threading.Thread(target=save, name="stalwart-save-on-failure")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from stalwart.launch.progress import Progress
+from stalwart.runtime.lifetime import WATCHDOG_THREAD
 
 log = logging.getLogger("stalwart.agent")
 MARGIN_S = 5.0  # after the worker's own grace: its watchdog speaks first
@@ -26,7 +27,7 @@ MARGIN_S = 5.0  # after the worker's own grace: its watchdog speaks first
 def user_threads(dump: str) -> list[str]:
     """The threads named in a py-spy dump, less the main thread and stalwart's exit watchdog."""
     names = re.findall(r'^Thread [^\n]*?: "([^"]*)"$', dump, flags=re.MULTILINE)
-    return [n for n in names if n not in ("MainThread", "stalwart-exit-watchdog")]
+    return [n for n in names if n not in ("MainThread", WATCHDOG_THREAD)]
 
 
 @dataclass
@@ -41,7 +42,9 @@ class ReturnedRanks:
     def overdue(self, progress: list[Progress], now: float, running: Callable[[int], bool]) -> list[int]:
         """Ranks to end: every local rank returned or gone (none is still working, e.g. persisting its
         final state), and these, still ``running``, have been ending for longer than the grace."""
-        if not progress or any(p.phase != "returned" and running(p.rank) for p in progress):
+        if not any(p.phase == "returned" for p in progress):  # every tick while training: no /proc reads
+            return []
+        if any(p.phase != "returned" and running(p.rank) for p in progress):
             return []
         late = now - self.grace_s - MARGIN_S
         return [

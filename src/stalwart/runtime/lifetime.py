@@ -82,6 +82,7 @@ def watch_interpreter_exit() -> None:
             pass
 
 
+WATCHDOG_THREAD = "stalwart-exit-watchdog"  # the agent leaves it out when it names a stuck rank's threads
 _watching_pid = 0  # the process that registered the hook: a forked child (a DataLoader worker) inherits it
 _ended: int | None = None  # the exit code once the end has begun
 
@@ -103,7 +104,7 @@ def _ending(code: int | None = None) -> None:
         progress.returned()
     grace = worker_env().exit_grace_s
     try:
-        threading.Thread(target=_watchdog, args=(code, grace), name="stalwart-exit-watchdog", daemon=True).start()
+        threading.Thread(target=_watchdog, args=(code, grace), name=WATCHDOG_THREAD, daemon=True).start()
     except RuntimeError:  # no new threads at this point of the interpreter's shutdown: the agent still ends it
         pass
 
