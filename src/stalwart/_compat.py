@@ -80,6 +80,16 @@ def leave_rendezvous_round(handler: Any, timeout_s: float = 10.0) -> None:
     handler._op_executor.run(dr._RendezvousExitOp(), time.monotonic() + timeout_s)
 
 
+def rendezvous_round(handler: Any) -> int | None:
+    """The round of the rendezvous that just completed (TorchElastic's dynamic rendezvous keeps it in
+    its shared state, so every node of one execution reads the same integer, and every restart or
+    regrouping is a later round); None for other rendezvous (static)."""
+    holder = getattr(getattr(handler, "inner", handler), "_state_holder", None)
+    state = getattr(holder, "state", None)
+    round_ = getattr(state, "round", None)
+    return round_ if isinstance(round_, int) else None
+
+
 def rendezvous_node(handler: Any) -> list[Any] | None:
     """This agent's identity in TorchElastic's dynamic rendezvous ([addr, pid, local_id]), told to the
     master at join so that peers can expire it when it is lost; None for other rendezvous."""

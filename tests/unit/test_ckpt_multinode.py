@@ -39,13 +39,14 @@ def nodes():
         shutil.rmtree(r, ignore_errors=True)
 
 
-def snapshot(paths: JobPaths, rank: int, steps: list[int]) -> nn.Module:
-    """Rank ``rank`` trains a replicated model (same seed on every rank, like DDP) and snapshots ``steps``."""
+def snapshot(paths: JobPaths, rank: int, steps: list[int], epoch: int = 0) -> nn.Module:
+    """Rank ``rank`` trains a replicated model (same seed on every rank, like DDP) and snapshots ``steps``
+    in execution ``epoch``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = TrainingState({"model": model, "optim": opt}, rank)
-    writer = SnapshotWriter(paths, rank, WORLD)
+    writer = SnapshotWriter(paths, rank, WORLD, epoch=epoch)
     for s in range(1, max(steps) + 1):
         torch.manual_seed(s)
         model(torch.randn(4, 8)).pow(2).mean().backward()
@@ -186,33 +187,44 @@ def test_a_commit_clears_the_stage_of_the_steps_before_it(nodes, tmp_path):
     assert not list((tmp_path / "ckpt" / ".stage").glob("step-*")), "finished steps leave no stage"
 
 
-def preempted(nodes: list[JobPaths], storage: Storage) -> float:
-    """Rank 0 holds step 8, rank 1 steps 8 and 9 (its copy of 9 done, rank 0's not); each node's job
-    persists to ``storage``. Returns the time of the notice."""
+EPOCH = 3  # the execution that fails in these tests (a job restarted three times before)
+
+
+def skew_clock(paths: JobPaths, rank: int, seconds: float) -> None:
+    """Rank ``rank``'s node's clock runs ``seconds`` ahead: shift every time its snapshot headers hold."""
+    for slot in paths.rank_dir(rank).glob("slot*.json"):
+        header = json.loads(slot.read_text())
+        header.update(time=header["time"] + seconds, captured=header["captured"] + seconds)
+        atomic_write(slot, json.dumps(header).encode())
+
+
+def preempted(nodes: list[JobPaths], storage: Storage, skew_s: float = 0.0) -> None:
+    """Rank 0 holds step 8, rank 1 steps 8 and 9 (its copy of 9 done, rank 0's not), both of execution
+    EPOCH; each node's job persists to ``storage``. Rank 1's node's clock runs ``skew_s`` ahead."""
     for rank, steps in ((0, [8]), (1, [8, 9])):
-        snapshot(nodes[rank], rank, steps)
-        job = {"storage": storage.url, "world_size": WORLD, "ranks": [rank], "policy": {"persist_every_steps": 100}}
-        atomic_write(nodes[rank].job, json.dumps(job).encode())
+        snapshot(nodes[rank], rank, steps, epoch=EPOCH)
+        job = {"storage": storage.url, "world_size": WORLD, "ranks": [rank], "epoch": EPOCH}
+        atomic_write(nodes[rank].job, json.dumps({**job, "policy": {"persist_every_steps": 100}}).encode())
         atomic_write(nodes[rank].owner(rank), json.dumps({"pid": 1, "rank": rank, "world_size": WORLD}).encode())
-    return time.time()
+    skew_clock(nodes[1], 1, skew_s)
 
 
 def test_a_preempted_node_holding_a_newer_step_stops_waiting_when_rank_0s_node_settles(nodes, tmp_path):
     """CI (Slurm preemption): rank 1 had published step 9, rank 0 only 8, so the save-on-failure
     committed 8. Rank 1's agent waited for 9 until Slurm killed it, KillWait seconds after the requeue,
     before it wrote its summary. It now stops at rank 0's node's word that the save settled — this
-    notice's word, not that of a save begun before it (an earlier fault's)."""
+    notice's word, not that of an earlier execution's fault."""
     storage = Storage(str(tmp_path / "ckpt"))
-    multinode.settle(storage, time.time() - 10, None, "an earlier fault's save, settled late")
-    received = preempted(nodes, storage)
+    multinode.settle(storage, EPOCH - 1, None, "an earlier execution's save, settled late")
+    preempted(nodes, storage)
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]  # the keepers' save
     node1 = NodeJob(nodes[1].root)
-    early = preempt.wait_committed(node1, received, timeout_s=0.5)
+    early = preempt.wait_committed(node1, timeout_s=0.5)
     assert not early["persisted"] and early["step"] == 9, f"no word of this notice yet: step 9 awaited {early}"
 
     said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)  # the agent's save
     assert said["step"] == 8 and "already covered" in said["detail"], said
-    waited = preempt.wait_committed(node1, received, timeout_s=30)
+    waited = preempt.wait_committed(node1, timeout_s=30)
     assert waited["persisted"] and waited["step"] == 8 and "settled" in waited["detail"], waited
 
 
@@ -220,7 +232,7 @@ def test_a_save_on_failure_that_fails_still_settles(nodes, tmp_path, monkeypatch
     """A participant that never answers (TimeoutError) or storage that fails: the save is over all the
     same, and a waiting node must hear it rather than wait for a commit that will not come."""
     storage = Storage(str(tmp_path / "ckpt"))
-    received = preempted(nodes, storage)
+    preempted(nodes, storage)
 
     def fails(*_args: object, **_kwargs: object) -> None:
         raise TimeoutError("persist of step 8: timed out waiting for rank 1's table")
@@ -228,22 +240,25 @@ def test_a_save_on_failure_that_fails_still_settles(nodes, tmp_path, monkeypatch
     monkeypatch.setattr(NodeJob, "persist_step", fails)
     with pytest.raises(TimeoutError):
         NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)
-    waited = preempt.wait_committed(NodeJob(nodes[1].root), received, timeout_s=30)
+    waited = preempt.wait_committed(NodeJob(nodes[1].root), timeout_s=30)
     assert not waited["persisted"] and waited["step"] is None and "timed out" in waited["detail"], waited
     atomic_write(nodes[1].job, json.dumps({"storage": storage.url, "ranks": [1]}).encode())  # no persist policy
-    memory_only = preempt.wait_committed(NodeJob(nodes[1].root), received, timeout_s=30)
+    memory_only = preempt.wait_committed(NodeJob(nodes[1].root), timeout_s=30)
     assert memory_only == {"persisted": False, "detail": "memory-only checkpoints: nothing to persist"}
 
 
-def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_on_failure(nodes, tmp_path):
+@pytest.mark.parametrize("skew_s", [0.0, 5.0], ids=["same-clock", "participant-clock-5s-ahead"])
+def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_on_failure(nodes, tmp_path, skew_s):
     """Rank 0 died copying step 9, which rank 1's keeper had begun to persist (its cursor: 9). Its
     keeper waited 120 s for a plan that could never come, and the cursor made save-on-failure read
     every older step as "moved on": nothing was saved although both ranks held step 8. Save-on-failure
     now declares the failure: a snapshot of a later step taken before it is a dead end, whenever its
     keeper meets it, and the keeper comes back for the step asked for. The redo of step 9 is another
-    snapshot, persisted."""
+    snapshot, persisted. A dead end is a snapshot of the failed execution (an epoch), not one taken
+    before a time: with the participant's clock 5 s ahead, the rule by clocks (its capture time against
+    the failure's start on rank 0's clock) let it wait out the 120 s persist timeout."""
     storage = Storage(str(tmp_path / "ckpt"))
-    preempted(nodes, storage)
+    preempted(nodes, storage, skew_s)
     node1, outcomes = NodeJob(nodes[1].root), []
 
     def keeper_of_node_1() -> None:
@@ -267,9 +282,9 @@ def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_
     with pytest.raises(multinode.Abandoned):  # met again after the save (a copy that ended late): at once
         node1.persist_step(storage, 9, WORLD, "keeper", ranks=[1])
 
-    # Restarted from step 8, both ranks redo step 9: another snapshot, taken after the failure.
+    # Restarted from step 8, both ranks redo step 9: another snapshot, of the next execution.
     for rank in range(WORLD):
-        snapshot(nodes[rank], rank, [9])
+        snapshot(nodes[rank], rank, [9], epoch=EPOCH + 1)
     dead_cursor, redone = multinode._cursor(storage, 1), []
     thread = threading.Thread(target=lambda: redone.append(node1.persist_step(storage, 9, WORLD, "keeper", [1])))
     thread.start()  # rank 1's keeper first: the stage still holds its dead-end table of step 9
@@ -286,18 +301,15 @@ def test_a_save_on_failure_while_a_worker_of_rank_0s_node_still_runs_declares_an
     """A sibling of the rank that died may still publish a newer step: that save is not final (the agent's
     save after it stops the workers is), so it neither declares the failure nor tells a waiting node."""
     storage = Storage(str(tmp_path / "ckpt"))
-    received = preempted(nodes, storage)
+    preempted(nodes, storage)
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]
     sibling = NodeJob(nodes[0].root).attach()  # a worker still attached on rank 0's node
     try:
         said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)
         assert said["step"] == 8, said
-        assert (
-            multinode.settled(storage, received - 60) is None
-            and multinode._get(storage, ".stage", "failure.json") is None
-        )
+        assert multinode.settled(storage, EPOCH) is None and multinode._get(storage, ".stage", "failure.json") is None
     finally:
         os.close(sibling)
     NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)  # the final one
-    assert multinode.settled(storage, received - 60)["step"] == 8
+    assert multinode.settled(storage, EPOCH)["step"] == 8
     assert multinode._get(storage, ".stage", "failure.json")["newest"] == 8

@@ -65,11 +65,16 @@ def model_and_opt(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def snapshot(paths: JobPaths, rank: int, world: int, steps: int, seed: int, first: int = 1) -> str:
-    """Train steps ``first``..``steps`` of a seeded model, snapshot each; the model's hash after the last."""
+def snapshot(
+    paths: JobPaths, rank: int, world: int, steps: int, seed: int, first: int = 1, trajectory: tuple[int, int] = (0, 0)
+) -> str:
+    """Train steps ``first``..``steps`` of a seeded model, snapshot each (in ``trajectory``: the epoch and
+    the restores before it); the model's hash after the last."""
     model, opt = model_and_opt(seed)
     ts = TrainingState({"model": model, "optim": opt}, rank)
-    train_snapshots(model, opt, ts, SnapshotWriter(paths, rank, world), range(first, steps + 1))
+    writer = SnapshotWriter(paths, rank, world, epoch=trajectory[0])
+    writer.restores = trajectory[1]
+    train_snapshots(model, opt, ts, writer, range(first, steps + 1))
     return state_dict_hash(model.state_dict())
 
 
@@ -305,13 +310,14 @@ def test_a_copy_taken_before_a_restore_is_refused_and_silent_sources_are_freed(s
     snapshot(src, 0, 2, steps=3, seed=0)
     push(server, src, complete_slots(src, 0)[0])  # step 3 arrives: B now holds A's copies
     old_step_2 = complete_slots(src, 0)[1]
-    # B's ranks restore step 1 (a rollback): A's step-2 snapshot, still in flight, is the old trajectory
-    invalidate_replicas_after(JobPaths(shm / "job-nodeB"), 1)
+    # B's ranks restore step 1 (a rollback within execution 0, its first restore): A's step-2 snapshot,
+    # still in flight, is the old trajectory, whatever time its header says (the nodes' clocks may differ)
+    invalidate_replicas_after(JobPaths(shm / "job-nodeB"), 1, (0, 1))
     [root] = replica_roots(shm / "job-nodeB")
     assert not complete_slots(JobPaths(root), 0), "the copy of step 3 is forgotten"
     with pytest.raises(ReplicaError, match="taken before this host restored step 1"):
         push(server, src, old_step_2)
-    snapshot(src, 0, 2, steps=2, seed=0)  # the new trajectory's step 2, taken after the restore
+    snapshot(src, 0, 2, steps=2, seed=0, trajectory=(0, 1))  # the new trajectory's step 2, after the restore
     assert push(server, src, complete_slots(src, 0)[0])["step"] == 2
     assert server.store.prune_silent(3600) == [] and server.store.prune_silent(0) == [root.name]
     assert not root.exists()

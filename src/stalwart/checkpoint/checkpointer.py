@@ -101,6 +101,7 @@ class Checkpointer:
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         env = worker_env()
         self.local_rank = env.local_rank if dist.is_initialized() else 0
+        self.epoch = env.epoch  # the execution this process belongs to: compared across nodes, never clocks
         # Unset (a hand-rolled launcher that sets only RANK/WORLD_SIZE): every rank is local, as before.
         local_world = (
             (env.local_world_size if "LOCAL_WORLD_SIZE" in os.environ else self.world) if dist.is_initialized() else 1
@@ -163,6 +164,7 @@ class Checkpointer:
                 },
                 keeper=keeper,
                 keeper_log=keeper_log,
+                epoch=self.epoch,
             )
             if not keeper and (persist_every_steps or persist_every_s):
                 raise ValueError(
@@ -174,7 +176,8 @@ class Checkpointer:
                     "a node loss, and nothing is written to %s",
                     self.storage.url,
                 )
-        self.writer = SnapshotWriter(self.paths, self.rank, self.world, int(os.environ.get(ENV_SLOTS) or len(SLOTS)))
+        slots = int(os.environ.get(ENV_SLOTS) or len(SLOTS))
+        self.writer = SnapshotWriter(self.paths, self.rank, self.world, slots, epoch=self.epoch)
         # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out
         self.replica_sync = os.environ.get(ENV_REPLICA_SYNC) == "1" and self.world > len(self.node_ranks)
         self._bound: tuple[tuple[int, ...], TrainingState] | None = None
@@ -189,11 +192,18 @@ class Checkpointer:
             self.keeper.ensure()
 
     # -- public API ----------------------------------------------------------------------------
+    def _next_trajectory(self) -> tuple[int, int]:
+        """A restore begins a later trajectory: the snapshots taken after it carry (epoch, restores)."""
+        self.writer.restores += 1
+        return self.epoch, self.writer.restores
+
     def restore(self, state: dict[str, Any]) -> int:
         """Load the newest usable state into ``state``'s objects; returns the step to resume after
         (0 for a fresh start). Collective: every rank must call it."""
         tstate = self._bind(state)
-        info = restore_state(tstate, self.paths, self.storage, self.rank, self.world, self.group)
+        info = restore_state(
+            tstate, self.paths, self.storage, self.rank, self.world, self.group, trajectory=self._next_trajectory()
+        )
         self.last_restore = info
         if self.rank == 0:
             how = {"memory": "memory snapshot", "storage": "storage", "fresh": "nothing (fresh start)"}[info.source]
@@ -225,7 +235,14 @@ class Checkpointer:
         if target is None:
             raise LookupError(f"no checkpoint before step {before} to roll back to ({held})")
         info = restore_state(
-            self._bind(state), self.paths, self.storage, self.rank, self.world, self.group, max_step=target
+            self._bind(state),
+            self.paths,
+            self.storage,
+            self.rank,
+            self.world,
+            self.group,
+            max_step=target,
+            trajectory=self._next_trajectory(),
         )
         if info.source == "fresh":
             raise LookupError(f"no usable checkpoint ≤ step {target} ({held}): {'; '.join(info.skipped)}")
@@ -269,7 +286,7 @@ class Checkpointer:
             )
         for s in complete_slots(self.paths, self.rank):
             self.paths.slot(self.rank, s.slot, "json").unlink(missing_ok=True)
-        invalidate_replicas_after(self.paths, -1)  # and the peers' copies on this host
+        invalidate_replicas_after(self.paths, -1, self._next_trajectory())  # and the peers' copies on this host
         if self.rank == 0:
             log.warning("not resuming (resume disabled): starting at step 0 in %s", self.storage.url)
         self.last_restore = RestoreInfo("fresh", 0, 0.0, "resume disabled")

@@ -41,7 +41,7 @@ from stalwart.checkpoint.persist import (
     torch_save_without_crc,
     write_rank,
 )
-from stalwart.checkpoint.snapshot import SnapshotView, captured_at
+from stalwart.checkpoint.snapshot import SnapshotView, epoch_of
 from stalwart.checkpoint.storage import Storage, step_name
 
 STAGE = ".stage"
@@ -121,20 +121,21 @@ def requested_step(storage: Storage) -> int | None:
     return int(req["step"]) if req else None
 
 
-def settle(storage: Storage, started: float, step: int | None, detail: str) -> None:
-    """Rank 0's node has finished a save-on-failure that began at ``started``: ``step`` (the newest step
+def settle(storage: Storage, epoch: int, step: int | None, detail: str) -> None:
+    """Rank 0's node has finished a save-on-failure for the execution ``epoch``: ``step`` (the newest step
     every rank holds) is durable, or None when no step could be made so (it failed, or no step was
     held by all). The only word a node that waits for that save (a preemption: it must keep its keeper
     up while its shards may be asked for) has that the save is over, when the step it holds itself is
     newer than the one every rank holds."""
-    _put(storage, {"step": step, "detail": detail, "started": started, "time": time.time()}, STAGE, SETTLED)
+    _put(storage, {"step": step, "detail": detail, "epoch": epoch}, STAGE, SETTLED)
 
 
-def settled(storage: Storage, since: float) -> dict[str, Any] | None:
-    """The newest save-on-failure's outcome, if rank 0's node began that save at ``since`` or later (an
-    earlier save, for an earlier fault, may finish after a notice and say nothing about it)."""
+def settled(storage: Storage, epoch: int) -> dict[str, Any] | None:
+    """The newest save-on-failure's outcome, if it was for the execution ``epoch`` or a later one (a
+    save for an earlier execution's fault may finish after a notice and say nothing about it). Epochs,
+    not times: the nodes' clocks need not agree."""
     record = _get(storage, STAGE, SETTLED)
-    return record if record and float(record.get("started", 0)) >= since else None
+    return record if record and int(record.get("epoch", -1)) >= epoch else None
 
 
 def answer_missing(storage: Storage, step: int, ranks: list[int], why: str) -> None:
@@ -155,26 +156,27 @@ def _wait(storage: Storage, step: int, deadline: float, poll_s: float, what: str
         storage.refresh()
 
 
-def declare_failure(storage: Storage, started: float, newest: int) -> None:
-    """Rank 0's node saves on failure (from ``started``) and, its workers gone, will never hold a step
-    above ``newest``. A snapshot of a later step taken before then belongs to the failed execution: a
+def declare_failure(storage: Storage, epoch: int, newest: int) -> None:
+    """Execution ``epoch`` failed, and rank 0's node, its workers gone, will never hold a step of it
+    above ``newest``. A later step's snapshot of that execution (or an earlier one) is a dead end: a
     node persisting it waits for a plan that can never come, and its cursor would make every older step
-    look missing. It is a dead end; the same step redone after the restart is another snapshot."""
-    _put(storage, {"started": started, "newest": newest}, STAGE, FAILURE)
+    look missing. The same step redone after the restart belongs to a later execution and is persisted.
+    An integer comparison, valid whatever the nodes' clocks say."""
+    _put(storage, {"epoch": epoch, "newest": newest}, STAGE, FAILURE)
 
 
-def _dead_end(storage: Storage, step: int, taken: float | None) -> dict[str, Any] | None:
-    """The declared failure that makes this snapshot (``step``, ``taken``) a dead end, if one does."""
-    if taken is None:
+def _dead_end(storage: Storage, step: int, epoch: int | None) -> dict[str, Any] | None:
+    """The declared failure that makes this snapshot (``step`` of execution ``epoch``) a dead end, if any."""
+    if epoch is None:
         return None
     failure = _get(storage, STAGE, FAILURE)
-    if failure and step > int(failure["newest"]) and taken < float(failure["started"]):
+    if failure and step > int(failure["newest"]) and epoch <= int(failure.get("epoch", -1)):
         return failure
     return None
 
 
-def _raise_if_dead_end(storage: Storage, step: int, taken: float | None) -> None:
-    if (failure := _dead_end(storage, step, taken)) is not None:
+def _raise_if_dead_end(storage: Storage, step: int, epoch: int | None) -> None:
+    if (failure := _dead_end(storage, step, epoch)) is not None:
         raise Abandoned(
             f"step {step} is a dead end: rank 0's node failed holding steps up to {failure['newest']} "
             "and saves one of those"
@@ -182,7 +184,7 @@ def _raise_if_dead_end(storage: Storage, step: int, taken: float | None) -> None
 
 
 def _cursor(storage: Storage, rank: int) -> dict[str, Any] | None:
-    """The step ``rank``'s node last began to persist, and when its snapshot of it was taken."""
+    """The step ``rank``'s node last began to persist, and the execution its snapshot of it belongs to."""
     return _get(storage, STAGE, "cursor", f"rank{rank}.json")
 
 
@@ -190,7 +192,7 @@ def _moved_on(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
     """A "missing" answer when ``rank``'s node has started persisting a later step than ``step`` (not a
     dead end: its keeper comes back from one)."""
     cursor = _cursor(storage, rank)
-    if cursor and int(cursor["step"]) > step and not _dead_end(storage, int(cursor["step"]), cursor.get("taken")):
+    if cursor and int(cursor["step"]) > step and not _dead_end(storage, int(cursor["step"]), cursor.get("epoch")):
         return {"missing": f"its keeper moved on to step {cursor['step']}"}
     return None
 
@@ -199,16 +201,15 @@ def _table(storage: Storage, rank: int, step: int) -> dict[str, Any] | None:
     """Rank ``rank``'s entry table for ``step`` (not one of a dead-end snapshot, left by a failed
     execution of the step), or a "missing" answer."""
     table = _get(storage, *_stage(step, "plans", f"rank{rank}.json"))
-    if table is not None and ("missing" in table or not _dead_end(storage, step, table.get("taken"))):
+    if table is not None and ("missing" in table or not _dead_end(storage, step, table.get("epoch"))):
         return table
     return _moved_on(storage, rank, step)
 
 
 def _put_table(storage: Storage, step: int, rank: int, views: dict[int, SnapshotView]) -> None:
-    taken = captured_at(views[min(views)].info.header)
     _put(
         storage,
-        {**plan_table(views[rank]), "first": min(views), "taken": taken},
+        {**plan_table(views[rank]), "first": min(views), "epoch": epoch_of(views[min(views)].info.header)},
         *_stage(step, "plans", f"rank{rank}.json"),
     )
 
@@ -235,11 +236,11 @@ def persist(
     ``on_planned(step)``: the coordinator's word that every node holds the step pinned (its table is in),
     so the rest of the persist can no longer lose it to a restarted worker's snapshot."""
     t0, deadline = time.perf_counter(), time.monotonic() + timeout_s
-    taken = captured_at(views[min(views)].info.header)  # this node's snapshot of the step: what a dead end names
+    epoch = epoch_of(views[min(views)].info.header)  # this node's snapshot of the step: what a dead end names
     if not coordinator:
-        _raise_if_dead_end(storage, step, taken)
+        _raise_if_dead_end(storage, step, epoch)
     for r in views:  # nodes skip steps (a keeper that started late): whoever waits for us sees we moved on
-        _put(storage, {"step": step, "taken": taken}, STAGE, "cursor", f"rank{r}.json")
+        _put(storage, {"step": step, "epoch": epoch}, STAGE, "cursor", f"rank{r}.json")
     if coordinator:
         # A failed earlier attempt at this step (a table left by an execution that failed is a dead end).
         for name in ("go.json", "abort.json", "results"):
@@ -333,12 +334,12 @@ def _coordinate(
 def _participate(
     storage: Storage, step: int, views: dict[int, SnapshotView], t0: float, deadline: float, poll_s: float
 ) -> dict[str, Any]:
-    taken = captured_at(views[min(views)].info.header)
+    epoch = epoch_of(views[min(views)].info.header)
 
     def go_or_replan() -> Any:
         if (stop := _get(storage, *_stage(step, "abort.json"))) is not None:  # before a re-put below
             raise RuntimeError(f"persist of step {step} aborted by the coordinator: {stop['reason']}")
-        _raise_if_dead_end(storage, step, taken)
+        _raise_if_dead_end(storage, step, epoch)
         go = _get(storage, *_stage(step, "go.json"))
         if go is None and _moved_on(storage, 0, step):
             raise MissingSnapshot(f"the coordinator moved on past step {step}")

@@ -33,7 +33,7 @@ from typing import Any
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
-from stalwart.checkpoint.snapshot import SnapshotView
+from stalwart.checkpoint.snapshot import SnapshotView, epoch_of
 from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.runtime import worker_env
 
@@ -99,6 +99,7 @@ class NodeJob:
         *,
         keeper: bool,
         keeper_log: str | Path | None,
+        epoch: int = 0,
     ) -> None:
         """Written by the node's first local rank; the keeper learns storage and policy from it."""
         atomic_write(
@@ -112,6 +113,7 @@ class NodeJob:
                     "policy": policy,
                     "keeper": keeper,
                     "keeper_log": str(Path(keeper_log).absolute()) if keeper_log else None,
+                    "epoch": epoch,  # the execution of the workers that wrote it
                 }
             ).encode(),
         )
@@ -155,6 +157,14 @@ class NodeJob:
                 if s.header.get("world_size") == world:
                     out[r].setdefault(s.step, s.header)
         return out
+
+    def epoch(self) -> int:
+        """The newest execution this node's workers ran: ``job.json`` is written at each start, and every
+        snapshot header names the execution that took it (``runtime.ENV_EPOCH``)."""
+        epochs = [int(self.job().get("epoch", 0))]
+        for r in self.paths.ranks():
+            epochs += [epoch_of(s.header) for s in complete_slots(self.paths, r)]
+        return max(epochs)
 
     def newest_agreed(self, world: int) -> int:
         """The newest step all of this node's ranks hold at ``world`` ranks, or -1."""
@@ -289,7 +299,7 @@ class NodeJob:
         )
         world = world_size or self.world()
         ranks = self.node_ranks(world) if world else []
-        started = time.time()
+        epoch = self.epoch()  # the failed execution
         # Rank 0's node of a job across nodes, none of its workers left: what it holds is final. While
         # one still runs (a sibling of a rank that died), a later save follows, and this one says nothing.
         final = 0 in ranks and len(ranks) < world and not self.workers_attached()
@@ -297,7 +307,7 @@ class NodeJob:
         def settle(step: int | None, detail: str) -> None:
             if final:  # the other nodes' agents may wait for this word
                 try:
-                    multinode.settle(storage, started, step, detail)
+                    multinode.settle(storage, epoch, step, detail)
                 except Exception as err:  # fsspec backends raise their own types; the save's result stands
                     log.warning("save-on-failure: could not tell the other nodes it settled: %r", err)
 
@@ -315,7 +325,7 @@ class NodeJob:
         if 0 not in ranks:
             return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
         try:
-            return self._save_agreed(storage, world, ranks, started if final else None, outcome, covered, on_planned)
+            return self._save_agreed(storage, world, ranks, epoch if final else None, outcome, covered, on_planned)
         except Exception as err:  # a participant timed out, storage failed: over all the same, nothing saved
             settle(None, f"save-on-failure failed: {err!r}")
             raise
@@ -325,18 +335,19 @@ class NodeJob:
         storage: Storage,
         world: int,
         ranks: list[int],
-        final_since: float | None,
+        final_epoch: int | None,
         outcome: Callable[..., dict[str, Any]],
         covered: Callable[[int, object], dict[str, Any]],
         on_planned: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         """``save_on_failure``'s search for the newest step every rank holds, on rank 0's node; with
-        ``final_since`` (its steps are final) it first declares the failure to the other nodes."""
+        ``final_epoch`` (its steps are final: that execution failed) it first declares the failure to the
+        other nodes."""
         steps = self.snapshot_steps(world, ranks)
         common = agreed(steps)
-        if final_since is not None:
+        if final_epoch is not None:
             try:
-                multinode.declare_failure(storage, final_since, max(common, default=-1))
+                multinode.declare_failure(storage, final_epoch, max(common, default=-1))
             except Exception as err:  # the save goes on; a node in a dead end may then make it fail
                 log.warning("save-on-failure: could not declare the failure to the other nodes: %r", err)
         if not common:

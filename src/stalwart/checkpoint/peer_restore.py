@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -145,20 +144,23 @@ def clear_fetched(paths: JobPaths) -> None:
     shutil.rmtree(paths.root / FETCHED, ignore_errors=True)
 
 
-def invalidate_after(paths: JobPaths, step: int) -> None:
+def invalidate_after(paths: JobPaths, step: int, trajectory: tuple[int, int] = (0, 0)) -> None:
     """Forget every snapshot on this host beyond the resumed step — this node's rank directories (also
     of ranks it held before a regroup) and the peers' copies: another trajectory's, never to be agreed
     on. Collective use only (see ``restore._invalidate_after``): it removes other ranks' snapshots."""
     _forget_after([paths], step)
-    invalidate_replicas_after(paths, step)
+    invalidate_replicas_after(paths, step, trajectory)
 
 
-def invalidate_replicas_after(paths: JobPaths, step: int) -> None:
-    """Forget the peers' copies on this host beyond ``step`` and record the restore, so that a copy of
-    a later step still in flight is refused (``replicas.restore_floor``)."""
+def invalidate_replicas_after(paths: JobPaths, step: int, trajectory: tuple[int, int] = (0, 0)) -> None:
+    """Forget the peers' copies on this host beyond ``step`` and record the restore with the
+    ``trajectory`` (epoch, restores) its later snapshots carry, so that a copy of a later step still in
+    flight, taken before the restore, is refused (``replicas.restore_floor``)."""
     _forget_after([JobPaths(p) for p in replica_roots(paths.root)], step)
     if (paths.root / REPLICAS_DIR).is_dir():
-        atomic_write(paths.root / REPLICAS_DIR / RESTORED, json.dumps({"step": step, "time": time.time()}).encode())
+        atomic_write(
+            paths.root / REPLICAS_DIR / RESTORED, json.dumps({"step": step, "trajectory": list(trajectory)}).encode()
+        )
 
 
 def _forget_after(roots: list[JobPaths], step: int) -> None:

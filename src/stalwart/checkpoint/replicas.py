@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stalwart.checkpoint.shm import SLOTS, JobPaths, atomic_write, complete_slots, read_json, secure_dir
+from stalwart.checkpoint.snapshot import trajectory_of
 
 log = logging.getLogger("stalwart.checkpoint.replicas")
 VERSION = 1
@@ -138,9 +139,10 @@ def _lock_free_slot(paths: JobPaths, rank: int) -> tuple[int, int] | None:
 
 
 def restore_floor(job_root: Path) -> dict[str, Any]:
-    """The last restore on this host: {step, time}; copies of later steps taken before it belong to
-    the abandoned trajectory (see ``peer_restore.invalidate_replicas_after``)."""
-    return read_json(job_root / REPLICAS_DIR / RESTORED) or {"step": -1, "time": 0.0}
+    """The last restore on this host: {step, trajectory}; copies of later steps taken before it (an
+    earlier trajectory: ``snapshot.trajectory_of``) belong to the abandoned trajectory (see
+    ``peer_restore.invalidate_replicas_after``)."""
+    return read_json(job_root / REPLICAS_DIR / RESTORED) or {"step": -1, "trajectory": [0, 0]}
 
 
 class ReplicaStore:
@@ -168,7 +170,7 @@ class ReplicaStore:
         if header.get("rank") != rank or n_bin != int(header["data_bytes"]) or n_bin < 0 or not 0 <= n_obj < MAX_LINE:
             raise ReplicaError("header does not describe the rank and sizes it carries")
         floor = restore_floor(self.job_root)
-        if int(header["step"]) > floor["step"] and float(header.get("time", 0)) < floor["time"]:
+        if int(header["step"]) > floor["step"] and trajectory_of(header) < tuple(floor.get("trajectory", (0, 0))):
             raise ReplicaError(f"step {header['step']} was taken before this host restored step {floor['step']}")
         paths = JobPaths(self.job_root / REPLICAS_DIR / src)
         for d in (paths.root.parent, paths.root, paths.rank_dir(rank)):

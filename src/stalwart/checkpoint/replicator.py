@@ -38,7 +38,7 @@ from stalwart.runtime import ENV_REPLICA_DOMAIN, ENV_REPLICA_HOST, ENV_REPLICA_K
 
 log = logging.getLogger("stalwart.checkpoint.replicas")
 REGISTRY = ".replicas"
-FRESH_S = 30.0  # a registry entry older than this is a dead keeper's
+FRESH_S = 30.0  # a registry entry that has not changed for this long (on the reader's clock) is a dead keeper's
 REGISTER_EVERY_S = 10.0
 PEERS_EVERY_S = 2.0
 DOWN_S = 5.0
@@ -108,7 +108,10 @@ class Replicator:
             "last_push_s": None,
         }
         self._storage: Storage | None = None
-        self._registered = 0.0
+        self._registered, self._registrations = 0.0, 0
+        # node → (its entry's (pid, beat), when this reader first saw that value: monotonic). Freshness is
+        # a change seen on this node's clock: registry entries carry counters, no times to compare.
+        self._seen: dict[str, tuple[tuple[Any, Any], float]] = {}
         self._peers: list[dict[str, Any]] = []
         self._peers_read = 0.0
         self._stop = threading.Event()
@@ -179,7 +182,8 @@ class Replicator:
 
     def _register(self, storage: Storage) -> None:
         entry = {"node": self.me, "host": self.config.host, "port": self.server.port}
-        entry.update(domain=self.config.domain, time=time.time(), pid=os.getpid())
+        self._registrations += 1
+        entry.update(domain=self.config.domain, beat=self._registrations, pid=os.getpid())
         if storage.local:
             storage.fs.makedirs(storage.path(REGISTRY), exist_ok=True)
         storage.write_atomic(json.dumps(entry).encode(), REGISTRY, f"{self.me}.json")
@@ -198,9 +202,17 @@ class Replicator:
                 entry = json.loads(text) if text else None
             except json.JSONDecodeError:
                 continue
-            if isinstance(entry, dict) and time.time() - float(entry.get("time", 0)) < FRESH_S:
+            if isinstance(entry, dict) and self._fresh(entry):
                 peers.append(entry)
         return peers
+
+    def _fresh(self, entry: dict[str, Any]) -> bool:
+        """An entry whose keeper re-registered within FRESH_S of this node's clock (first seen: fresh)."""
+        value, now = (entry.get("pid"), entry.get("beat")), time.monotonic()
+        seen = self._seen.get(str(entry.get("node")))
+        if seen is None or seen[0] != value:
+            self._seen[str(entry.get("node"))] = seen = (value, now)
+        return now - seen[1] < FRESH_S
 
     def _push_newest(self) -> None:
         world = int(self.node.job().get("world_size") or 0) or self.node.world()  # job.json: the current world

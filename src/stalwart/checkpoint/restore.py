@@ -177,8 +177,10 @@ def restore_state(
     world: int,
     group: Any = None,
     max_step: int | None = None,
+    trajectory: tuple[int, int] = (0, 0),
 ) -> RestoreInfo:
-    """Restore the newest usable state (at most ``max_step`` if given: a rollback)."""
+    """Restore the newest usable state (at most ``max_step`` if given: a rollback). ``trajectory``: the
+    (epoch, restores) that snapshots taken after this restore carry (``SnapshotWriter``)."""
     t0 = time.perf_counter()
     skipped: list[str] = []
     copies = peer_restore.host_copies(paths, world, max_step) if paths else {}
@@ -198,7 +200,7 @@ def restore_state(
         problem = _from_memory(location, problem, tstate, group)
         peer_restore.clear_fetched(paths)
         if problem is None:
-            _invalidate_after(paths, mem_step, group)
+            _invalidate_after(paths, mem_step, group, trajectory)
             where = f"; {fetched} rank(s) fetched from peers' memory" if fetched else ""
             return RestoreInfo(
                 "memory",
@@ -212,7 +214,7 @@ def restore_state(
 
     if paths is not None:
         newest = committed[0] if committed else -1
-        resharded = _from_old_world(tstate, paths, rank, world, group, newest, max_step, skipped)
+        resharded = _from_old_world(tstate, paths, rank, world, group, newest, max_step, skipped, trajectory)
         if resharded is not None:
             return RestoreInfo("memory", resharded[0], time.perf_counter() - t0, resharded[1], skipped)
 
@@ -235,11 +237,11 @@ def restore_state(
             )
         load_checkpoint(storage, step, nested, group)
         tstate.load(nested)
-        _invalidate_after(paths, step, group)
+        _invalidate_after(paths, step, group, trajectory)
         return RestoreInfo(
             "storage", step, time.perf_counter() - t0, f"committed checkpoint {storage.path(step_name(step))}", skipped
         )
-    _invalidate_after(paths, -1, group)
+    _invalidate_after(paths, -1, group, trajectory)
     if tried_memory:  # its template initialised the optimizers (a zero-lr step): undo for a true fresh start
         for opt in tstate.optimizers:
             opt.state.clear()
@@ -256,6 +258,7 @@ def _from_old_world(
     newer_than: int,
     max_step: int | None,
     skipped: list[str],
+    trajectory: tuple[int, int],
 ) -> tuple[int, str] | None:
     """Reshard the snapshots of another world size (a shrunk job: ``memory_reshard``) if they hold a
     step newer than ``newer_than``: (step, detail), or None to go on to storage."""
@@ -293,16 +296,16 @@ def _from_old_world(
         peer_restore.clear_fetched(paths)
     if missing:
         log.warning("rank %d: the snapshots lack %d keys of this run (kept as initialised)", rank, len(missing))
-    _invalidate_after(paths, step, group)
+    _invalidate_after(paths, step, group, trajectory)
     where = f"; {fetched} cop(ies) fetched from peers' memory" if fetched else ""
     return step, f"shared-memory snapshots of step {step} at {old_world} ranks, resharded to {world}{where}"
 
 
-def _invalidate_after(paths: JobPaths | None, step: int, group: Any) -> None:
+def _invalidate_after(paths: JobPaths | None, step: int, group: Any, trajectory: tuple[int, int]) -> None:
     """Forget the snapshots on this host beyond the resumed step (every rank directory, also of ranks
     held before a regroup, and the peers' copies): they belong to another trajectory and must never be
     paired with another rank's snapshot of the same step. Ends in a collective, so no rank snapshots
     its next step while a rank on its node is still removing."""
     if paths:
-        peer_restore.invalidate_after(paths, step)
+        peer_restore.invalidate_after(paths, step, trajectory)
     gather(None, group)

@@ -241,6 +241,17 @@ class _Slot:
         self.pinned = False
 
 
+def epoch_of(header: dict[str, Any]) -> int:
+    """The execution that took a snapshot (0 in headers written before epochs were recorded)."""
+    return int(header.get("epoch", 0))
+
+
+def trajectory_of(header: dict[str, Any]) -> tuple[int, int]:
+    """(epoch, restores before it in that execution): ordered as the snapshots were taken, on any clock.
+    A restore (a restart's, or a rollback's within one execution) begins a later trajectory."""
+    return epoch_of(header), int(header.get("restores", 0))
+
+
 def captured_at(header: dict[str, Any]) -> float:
     """When a snapshot's state was taken: before its step's execution could fail, even if its copy was
     published after (a header without ``captured`` is older: its publication time)."""
@@ -250,10 +261,11 @@ def captured_at(header: dict[str, Any]) -> float:
 class SnapshotWriter:
     """Writes this rank's snapshots, alternating slots; one copy in flight at a time."""
 
-    def __init__(self, paths: JobPaths, rank: int, world_size: int, slots: int = len(SLOTS)) -> None:
+    def __init__(self, paths: JobPaths, rank: int, world_size: int, slots: int = len(SLOTS), epoch: int = 0) -> None:
         if not len(SLOTS) <= slots <= MAX_SLOTS:
             raise ValueError(f"memory snapshots take {len(SLOTS)} to {MAX_SLOTS} slots per rank, not {slots}")
-        self.paths, self.rank, self.world_size = paths, rank, world_size
+        self.paths, self.rank, self.world_size, self.epoch = paths, rank, world_size, epoch
+        self.restores = 0  # restores in this execution (the Checkpointer counts them): ``trajectory_of``
         paths.rank_dir(rank).mkdir(parents=True, exist_ok=True)
         self.slots = [_Slot(paths.slot(rank, i, "bin")) for i in range(slots)]
         existing = complete_slots(paths, rank)
@@ -409,6 +421,8 @@ class SnapshotWriter:
                 "persist": persist,
                 "time": time.time(),
                 "captured": captured_at,  # when the step's state was taken (``time``: when it was published)
+                "epoch": self.epoch,  # the execution that took it (``runtime.ENV_EPOCH``)
+                "restores": self.restores,
                 "data_bytes": size,
                 "objects_crc32": zlib.crc32(blob),
                 "entries": entries,

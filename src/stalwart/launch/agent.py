@@ -300,6 +300,8 @@ class StalwartAgent(LocalElasticAgent):
         self.progress_dir.mkdir(parents=True)
         self.reader.close()
         os.environ[runtime.ENV_PROGRESS_DIR] = str(self.progress_dir)  # inherited by the workers
+        if (round_ := self._handler.round) is not None:  # the execution, for checkpoint coordination
+            os.environ[runtime.ENV_EPOCH] = str(round_)
         if self.zygote is not None:
             self.zygote.ensure()  # a zygote that exited (stale code) is replaced for this start
         self._started_at = time.time()

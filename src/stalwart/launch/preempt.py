@@ -29,10 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stalwart.preempt")
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"; Kubernetes podFailurePolicy can ignore it
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
-# How much earlier than this node another node may have taken the same notice (the scheduler signals
-# them all at once; clocks agree within NTP's milliseconds): a save-on-failure begun before that is an
-# earlier fault's, not this notice's.
-SIGNAL_SPREAD_S = 2.0
 
 
 class Preempted(SignalException):
@@ -146,10 +142,11 @@ def requeue(env: Mapping[str, str], timeout_s: float = 30.0) -> dict[str, Any]:
     return {"requeued": True, "detail": f"job {job_id} requeued"}
 
 
-def wait_committed(job: NodeJob, received: float, timeout_s: float = 60.0) -> dict[str, Any]:
+def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
     """On a node without rank 0: keep the keeper up (it writes this node's shards when asked) until
-    rank 0's node has committed the newest step this node holds, or has settled a save-on-failure it
-    began about when this node took the notice (``received``), or ``timeout_s`` passed. The settled
+    rank 0's node has committed the newest step this node holds, or has settled the save-on-failure of
+    the execution this node's workers ran (an integer, the epoch: no clocks compared across nodes), or
+    ``timeout_s`` passed. The settled
     word is what ends the wait when this node holds a step that rank 0's node lacks: the newest step
     *every* rank holds is then older, and waiting for this node's own would outlast the allocation
     (Slurm kills the step ``KillWait`` seconds after a requeue)."""
@@ -161,14 +158,14 @@ def wait_committed(job: NodeJob, received: float, timeout_s: float = 60.0) -> di
         return {"persisted": False, "detail": "no snapshots on this node"}
     if not job.persists():
         return {"persisted": False, "detail": "memory-only checkpoints: nothing to persist"}
-    target = job.newest_agreed(world)
+    target, epoch = job.newest_agreed(world), job.epoch()
     storage = Storage(spec["storage"], spec.get("storage_options"))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = storage.committed()
         if done and done[0] >= target:
             return {"persisted": True, "step": done[0], "detail": f"rank 0's node committed step {done[0]}"}
-        if (word := multinode.settled(storage, received - SIGNAL_SPREAD_S)) is not None:  # a durable step, or None
+        if (word := multinode.settled(storage, epoch)) is not None:  # a durable step, or None
             return {
                 "persisted": word["step"] is not None,
                 "step": word["step"],
@@ -187,7 +184,7 @@ def persist_on_preempt(
     t0 = time.time()
     try:
         rank0 = 0 in job.node_ranks(job.world() or 1) if job.paths.job.exists() else True
-        saved = save(None) if rank0 else wait_committed(job, err.received)
+        saved = save(None) if rank0 else wait_committed(job)
     except Exception as exc:  # the exit must still happen, and say why nothing was persisted
         log.exception("persist on preemption failed")
         saved = {"persisted": False, "detail": f"{type(exc).__name__}: {exc}"}

@@ -17,6 +17,8 @@ from typing import Any
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo
 
+from stalwart import _compat
+
 log = logging.getLogger("stalwart.agent")
 
 
@@ -26,6 +28,7 @@ class RoundStoreHandler(RendezvousHandler):
     def __init__(self, inner: RendezvousHandler) -> None:
         self.inner = inner
         self.agent_hosts_store = False
+        self.round: int | None = None  # the last completed round (``_compat.rendezvous_round``)
 
     @property
     def torch_shares_store(self) -> bool:
@@ -40,7 +43,9 @@ class RoundStoreHandler(RendezvousHandler):
         return self.inner.get_backend()
 
     def next_rendezvous(self) -> RendezvousInfo:
-        return self.inner.next_rendezvous()
+        info = self.inner.next_rendezvous()
+        self.round = _compat.rendezvous_round(self.inner)
+        return info
 
     def is_closed(self) -> bool:
         return self.inner.is_closed()

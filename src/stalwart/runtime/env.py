@@ -46,6 +46,9 @@ ENV_FAILURE_DOMAIN = "STALWART_FAILURE_DOMAIN"  # the user's: --replica-domain's
 ENV_SNAPSHOT_SLOTS = "STALWART_SNAPSHOT_SLOTS"
 # How long a worker whose script returned may take to end (threads, exit handlers) before it is ended.
 ENV_EXIT_GRACE = "STALWART_EXIT_GRACE_S"
+# The execution the workers belong to (the rendezvous round: the same integer on every node of one
+# execution, larger after every restart or regrouping). Checkpoint coordination compares these, never clocks.
+ENV_EPOCH = "STALWART_EPOCH"
 EXIT_GRACE_S = 30.0
 
 
@@ -82,6 +85,7 @@ class WorkerEnv:
     local_world_size: int = 1
     group_rank: int = 0  # the node's rank in the rendezvous round
     restart_count: int = 0  # TorchElastic's: > 0 in workers restarted within this launch
+    epoch: int = 0  # ENV_EPOCH; without an agent that sets it, TorchElastic's restart count
     launched: bool = False  # a launcher set RANK and WORLD_SIZE (torchrun, stalwart run, --nproc)
     progress_dir: str = ""
     master: str = ""
@@ -112,6 +116,7 @@ class WorkerEnv:
             local_world_size=_int(e, "LOCAL_WORLD_SIZE", 1),
             group_rank=_int(e, "GROUP_RANK", 0),
             restart_count=_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
+            epoch=_int(e, ENV_EPOCH, _int(e, "TORCHELASTIC_RESTART_COUNT", 0)),
             launched="RANK" in e and "WORLD_SIZE" in e,
             progress_dir=e.get(ENV_PROGRESS_DIR, ""),
             master=e.get(ENV_MASTER, ""),
