@@ -116,12 +116,18 @@ def test_leave_rendezvous_round_reaches_the_handler_internals() -> None:
         max_nodes=1,
         timeout=dr.RendezvousTimeout(join=datetime.timedelta(seconds=10)),
     )
-    info = handler.next_rendezvous()
-    assert info.world_size == 1
+    from stalwart.launch.rendezvous import RoundStoreHandler
+
+    wrapped = RoundStoreHandler(handler)
+    info = wrapped.next_rendezvous()
+    assert info.world_size == 1 and wrapped.round == 0 == _compat.rendezvous_round(handler)
     assert handler._state_holder.state.participants  # this node is in the round
     _compat.leave_rendezvous_round(handler, timeout_s=5)  # raises if torch renamed what it uses
     handler._state_holder.sync()
     assert not handler._state_holder.state.participants, "the node is still a participant after leaving"
+    wrapped.next_rendezvous()  # a restart: the workers' epoch (STALWART_EPOCH) is the next round
+    assert wrapped.round == 1, wrapped.round
+    assert _compat.rendezvous_round(object()) is None  # static rendezvous: no round, the restart count serves
     handler.shutdown()
 
 

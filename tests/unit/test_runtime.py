@@ -33,6 +33,8 @@ def test_reads_torchrun_and_stalwart_variables() -> None:
     )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.group_rank) == (3, 4, 1, 2, 1)
     assert env.restart_count == 2 and runtime.WorkerEnv.from_environ({}).restart_count == 0
+    assert env.epoch == 2, "without the agent's epoch: TorchElastic's restart count"
+    assert runtime.WorkerEnv.from_environ({runtime.ENV_EPOCH: "7", "TORCHELASTIC_RESTART_COUNT": "2"}).epoch == 7
     assert env.launched and env.under_agent and env.parent_reports
     assert (env.progress_dir, env.job_id, env.node_id, env.chaos) == ("/p", "j", "n", "kill:rank=1:step=2")
 
