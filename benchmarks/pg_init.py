@@ -49,65 +49,28 @@ def free_port() -> int:
 
 
 def counting_store(inner):
-    """A dist.Store that forwards to ``inner`` and counts each request (gloo and c10d call it from C++)."""
+    """A dist.Store that forwards each request to ``inner`` and counts it by kind (gloo and c10d call
+    it from C++ through torch's Python-store trampoline)."""
     import torch.distributed as dist
 
-    class Counting(dist.Store):
-        def __init__(self) -> None:
-            super().__init__()
-            self.counts = dict.fromkeys(OPS, 0)
+    def forward(op: str):
+        def method(self, *args):
+            self.counts[op] += 1
+            return getattr(inner, op)(*args)
 
-        def _count(self, op: str, n: int = 1) -> None:
-            self.counts[op] += n
+        return method
 
-        def set(self, key, value):
-            self._count("set")
-            return inner.set(key, value)
+    def init(self) -> None:
+        dist.Store.__init__(self)
+        self.counts = dict.fromkeys(OPS, 0)
 
-        def get(self, key):
-            self._count("get")
-            return inner.get(key)
-
-        def add(self, key, value):
-            self._count("add")
-            return inner.add(key, value)
-
-        def compare_set(self, key, expected, desired):
-            self._count("compare_set")
-            return inner.compare_set(key, expected, desired)
-
-        def wait(self, keys, timeout=None):
-            self._count("wait")
-            return inner.wait(keys) if timeout is None else inner.wait(keys, timeout)
-
-        def check(self, keys):
-            self._count("check")
-            return inner.check(keys)
-
-        def multi_get(self, keys):
-            self._count("multi_get")
-            return inner.multi_get(keys)
-
-        def multi_set(self, keys, values):
-            self._count("multi_set")
-            return inner.multi_set(keys, values)
-
-        def delete_key(self, key):
-            self._count("delete_key")
-            return inner.delete_key(key)
-
-        def num_keys(self):
-            self._count("num_keys")
-            return inner.num_keys()
-
-        def set_timeout(self, timeout):
-            return inner.set_timeout(timeout)
-
-        @property
-        def timeout(self):
-            return inner.timeout
-
-    return Counting()
+    methods = {op: forward(op) for op in OPS}
+    methods.update(
+        __init__=init,
+        set_timeout=lambda self, timeout: inner.set_timeout(timeout),
+        timeout=property(lambda self: inner.timeout),
+    )
+    return type("CountingStore", (dist.Store,), methods)()
 
 
 def local_sync_mesh(world: int) -> None:
