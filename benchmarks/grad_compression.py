@@ -1,11 +1,15 @@
-"""Claim: DDP gradient compression (bf16 / fp16 casts, PowerSGD) is a config switch whose effect on
+"""Claim: DDP gradient compression (bf16 / fp16 casts, PowerSGD, ALQ) is a config switch whose effect on
 the loss and on the step time is measured, against uncompressed DDP in the same run.
 
 Each hook trains the same model on the same global batches (real data pipeline, AdamW, clipping)
 with 2 DDP ranks over gloo, ``--repeats`` times in fresh torchrun jobs. Reported per hook (medians
 over repeats): final loss (mean of the last 5 steps), step time (median over steps after warm-up),
 and the bytes each rank all-reduces per step (from the bucket sizes: fp32 = 4 B/param, bf16/fp16 =
-2 B/param, PowerSGD = rank·(n+m) floats per n×m matrix + 1-D tensors uncompressed).
+2 B/param, PowerSGD = rank·(n+m) floats per n×m matrix + 1-D tensors uncompressed; ALQ: the
+all-gather payload its hook counted, median over steps: ``alq_bits`` per value + one fp32 norm per
+2048 values + the levels on refit steps). ``ring_mb_sent_per_rank`` is what a ring algorithm then
+sends per rank: 2(W-1)/W × the all-reduce bytes, but (W-1) × the all-gather payload for ALQ — its
+saving shrinks as the world grows (4 bits: 8× at W = 2, none at W = 16).
 
 On one CPU host the all-reduce is a loopback copy, so fewer bytes barely change the step time and
 PowerSGD's extra matmuls (and its serialised per-bucket collectives on gloo) can make it slower;
@@ -28,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "prepared" / "stdlib-byte"
-HOOKS = ("none", "bf16", "fp16", "powersgd")
+HOOKS = ("none", "bf16", "fp16", "powersgd", "alq")
 
 
 # -- worker (one rank of a torchrun job) ----------------------------------------------------------
@@ -51,7 +55,13 @@ def worker(a: argparse.Namespace) -> None:
         model,
         layout,
         build_mesh(layout),
-        ParallelOptions(micro_batch=a.micro_batch, compress=a.hook, powersgd_rank=a.powersgd_rank),
+        ParallelOptions(
+            micro_batch=a.micro_batch,
+            compress=a.hook,
+            powersgd_rank=a.powersgd_rank,
+            alq_bits=a.alq_bits,
+            alq_update_every=a.alq_update_every,
+        ),
     )
     params = list(pm.module.parameters())
     opt = torch.optim.AdamW(
@@ -75,9 +85,10 @@ def worker(a: argparse.Namespace) -> None:
         losses.append(float(loss))
         times.append(time.perf_counter() - t0)
     if env.rank == 0:
-        Path(a.out).write_text(
-            json.dumps({"losses": losses, "times": times, "comm_bytes": comm_bytes(params, a.hook, a.powersgd_rank)})
-        )
+        sent = comm_bytes(params, a.hook, a.powersgd_rank)
+        if a.hook == "alq":  # counted by the hook; step 0 ran on DDP's first-pass buckets
+            sent = int(statistics.median(pm.hook_state.step_bytes[1:]))
+        Path(a.out).write_text(json.dumps({"losses": losses, "times": times, "comm_bytes": sent}))
     dist.destroy_process_group()
 
 
@@ -120,6 +131,8 @@ def run_once(hook: str, a: argparse.Namespace, tmp: Path, i: int) -> dict:
         f"--global-batch={a.global_batch}",
         f"--micro-batch={a.micro_batch}",
         f"--powersgd-rank={a.powersgd_rank}",
+        f"--alq-bits={a.alq_bits}",
+        f"--alq-update-every={a.alq_update_every}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -128,7 +141,7 @@ def run_once(hook: str, a: argparse.Namespace, tmp: Path, i: int) -> dict:
     return json.loads(out.read_text())
 
 
-def summarise(runs: list[dict], warmup: int) -> dict:
+def summarise(runs: list[dict], warmup: int, hook: str, world: int) -> dict:
     finals = [statistics.mean(r["losses"][-5:]) for r in runs]
     steps = [statistics.median(r["times"][warmup:]) for r in runs]
     return {
@@ -136,7 +149,10 @@ def summarise(runs: list[dict], warmup: int) -> dict:
         "final_loss_runs": finals,
         "step_time_s": statistics.median(steps),
         "step_time_runs_s": steps,
-        "allreduce_mb_per_step": runs[0]["comm_bytes"] / 1e6,
+        "allreduce_mb_per_step": runs[0]["comm_bytes"] / 1e6,  # ALQ: its all-gather payload
+        "ring_mb_sent_per_rank": runs[0]["comm_bytes"]
+        / 1e6
+        * ((world - 1) if hook == "alq" else 2 * (world - 1) / world),
         "loss_curve": runs[0]["losses"],
     }
 
@@ -155,6 +171,8 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--alq-bits", type=int, default=4)
+    p.add_argument("--alq-update-every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hooks", default=",".join(HOOKS))
     a = p.parse_args()
@@ -173,13 +191,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for hook in hooks:
             runs = [run_once(hook, a, Path(tmp), i) for i in range(a.repeats)]
-            results[hook] = summarise(runs, warmup)
+            results[hook] = summarise(runs, warmup, hook, a.nproc)
     base = results["none"]
     ratios = {
         h: {
             "step_time": r["step_time_s"] / base["step_time_s"],
             "final_loss": r["final_loss"] / base["final_loss"],
             "allreduce_bytes": r["allreduce_mb_per_step"] / base["allreduce_mb_per_step"],
+            "ring_bytes": r["ring_mb_sent_per_rank"] / base["ring_mb_sent_per_rank"],
         }
         for h, r in results.items()
         if h != "none"
@@ -196,6 +215,8 @@ def main() -> int:
             "global_batch": a.global_batch,
             "micro_batch": a.micro_batch,
             "powersgd_rank": a.powersgd_rank,
+            "alq_bits": a.alq_bits,
+            "alq_update_every": a.alq_update_every,
             "repeats": a.repeats,
             "warmup_steps": warmup,
         },

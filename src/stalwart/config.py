@@ -88,8 +88,10 @@ class ParallelConfig:
     recompute: str = "none"  # none | selective | full
     recompute_every: int = 1  # full recompute on every k-th block only
     loss_parallel: bool = True  # tp > 1: cross-entropy on vocabulary-sharded logits
-    compress: str = "none"  # gradient compression: none | bf16 | fp16 | powersgd (DDP only)
+    compress: str = "none"  # gradient compression: none | bf16 | fp16 | powersgd | alq (DDP only)
     powersgd_rank: int = 1
+    alq_bits: int = 4  # compress = "alq": bits per gradient value (sign + level index): 2 | 4 | 8
+    alq_update_every: int = 50  # compress = "alq": steps between refits of the quantization levels
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
 
     def degrees(self) -> dict[str, int]:
@@ -226,9 +228,12 @@ class Config:
             ("train.micro_batch", t.micro_batch),
             ("data.seq_len", d.seq_len),
             ("train.log_every", t.log_every),
+            ("parallel.alq_update_every", p.alq_update_every),
         ):
             if value <= 0:
                 raise ValueError(f"{key} must be positive, got {value}")
+        if p.alq_bits not in (2, 4, 8):
+            raise ValueError(f"parallel.alq_bits must be 2, 4 or 8 (whole codes per byte), got {p.alq_bits}")
         if not 0 <= t.warmup_steps <= t.steps:
             raise ValueError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:

@@ -64,6 +64,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if env.launched:
+            # device_id makes NCCL init eager, which lets DeviceMesh build each axis with one split_group
+            # (ncclCommSplit) instead of one new_group per sub-group (docs/techniques.md, benchmarks/pg_init.py)
             dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

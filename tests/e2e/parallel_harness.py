@@ -43,6 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layer-split", default="even")
     p.add_argument("--recompute", default="none")
     p.add_argument("--compress", default="none")
+    p.add_argument("--alq-update-every", type=int, default=50)
     p.add_argument("--no-loss-parallel", action="store_true")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0)
@@ -225,6 +226,7 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
         else tuple(int(c) for c in args.layer_split.split(",")),
         recompute=args.recompute,
         compress=args.compress,
+        alq_update_every=args.alq_update_every,
         loss_parallel=not args.no_loss_parallel,
     )
     pm = parallelize(model, layout, mesh, options, device=env.device, init_seed=args.seed)
@@ -265,6 +267,10 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
     }
     if routing is not None:
         result["routing"] = routing.steps
+    if args.compress == "alq":  # what the hook put on the wire, per step, and the buckets it saw
+        result["hook_bytes"] = pm.hook_state.step_bytes
+        result["bucket_numels"] = list(pm.hook_state.numels.values())
+        result["params"] = sum(p.numel() for p in pm.module.parameters())
     # Let every rank's outstanding pipeline sends complete before gloo's threads are torn down
     # (destroying the group with unfinished P2P work aborts: "terminate called without an active exception").
     dist.barrier()

@@ -127,6 +127,8 @@ def resolve(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunP
         reshard_after_forward=p.reshard_after_forward,
         compress=p.compress,
         powersgd_rank=p.powersgd_rank,
+        alq_bits=p.alq_bits,
+        alq_update_every=p.alq_update_every,
     )
     virtual = options.virtual_stages if layout.pp > 1 else 1
     layout.check_model(args, moe, virtual)

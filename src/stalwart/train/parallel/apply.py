@@ -56,9 +56,11 @@ class ParallelOptions:
     recompute_every: int = 1  # full recompute on every k-th block only
     loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (not with PP)
     reshard_after_forward: bool = True  # FSDP2: True ≈ ZeRO-3, False ≈ ZeRO-2
-    compress: str = "none"  # none | bf16 | fp16 | powersgd (DDP); bf16/fp16 = reduce dtype under FSDP2
+    compress: str = "none"  # none | bf16 | fp16 | powersgd | alq (DDP); bf16/fp16 = reduce dtype under FSDP2
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
+    alq_bits: int = 4  # alq: bits per value (sign + level index): 2 | 4 | 8
+    alq_update_every: int = 50  # alq: steps between level refits
 
     def check(self, layout: Layout) -> None:
         if self.micro_batch < 1:
@@ -331,7 +333,12 @@ def parallelize(
             device_ids=[device.index] if device.type == "cuda" else None,
         )
         hook_state = compress_mod.register(
-            ddp, options.compress, powersgd_rank=options.powersgd_rank, powersgd_start_iter=options.powersgd_start_iter
+            ddp,
+            options.compress,
+            powersgd_rank=options.powersgd_rank,
+            powersgd_start_iter=options.powersgd_start_iter,
+            alq_bits=options.alq_bits,
+            alq_update_every=options.alq_update_every,
         )
         parts_m, module = [ddp], ddp
     else:

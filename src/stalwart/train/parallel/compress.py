@@ -1,10 +1,11 @@
-"""Gradient compression for data parallelism (survey: bf16/fp16 all-reduce, PowerSGD).
+"""Gradient compression for data parallelism (survey: bf16/fp16 all-reduce, PowerSGD, ALQ).
 
 DDP takes PyTorch's own communication hooks: ``bf16``/``fp16`` halve the all-reduce volume by
 casting gradient buckets (and casting back, so the optimizer still sees fp32); ``powersgd`` sends a
 rank-r low-rank approximation with error feedback (Vogels et al. 2019) after ``start_iter`` plain
-steps. FSDP2 has no comm hooks; ``bf16``/``fp16`` map to its reduce dtype instead, and PowerSGD is
-refused (it needs the full gradient of a bucket on every rank).
+steps; ``alq`` all-gathers stochastically rounded level indices on levels adapted to the gradients
+(``alq.py``). FSDP2 has no comm hooks; ``bf16``/``fp16`` map to its reduce dtype instead, and PowerSGD
+and ALQ are refused (they need the full gradient of a bucket on every rank).
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-MODES = ("none", "bf16", "fp16", "powersgd")
+from stalwart.train.parallel.alq import ALQState, alq_hook
+
+MODES = ("none", "bf16", "fp16", "powersgd", "alq")
 
 
 def check_mode(mode: str, uses_ddp: bool) -> None:
     if mode not in MODES:
         raise ValueError(f"compress={mode!r} is not one of {', '.join(MODES)}")
-    if mode == "powersgd" and not uses_ddp:
+    if mode in ("powersgd", "alq") and not uses_ddp:
         raise ValueError(
-            "compress='powersgd' needs plain DDP (dp_replicate > 1 and no dp_shard/tp/pp/ep); "
+            f"compress={mode!r} needs plain DDP (dp_replicate > 1 and no dp_shard/tp/pp/ep); "
             "with FSDP2 use compress='bf16' (reduce in bf16) or 'none'"
         )
 
@@ -64,8 +67,17 @@ def serialized(hook: Callable[..., torch.futures.Future]) -> Callable[..., torch
     return run
 
 
-def register(model: DDP, mode: str, *, powersgd_rank: int = 1, powersgd_start_iter: int = 2, seed: int = 0) -> Any:
-    """Register the hook for ``mode`` on a DDP model; returns the hook state (PowerSGD) or None."""
+def register(
+    model: DDP,
+    mode: str,
+    *,
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 2,
+    alq_bits: int = 4,
+    alq_update_every: int = 50,
+    seed: int = 0,
+) -> Any:
+    """Register the hook for ``mode`` on a DDP model; returns the hook state (PowerSGD, ALQ) or None."""
     check_mode(mode, True)
     group = model.process_group
     if mode in ("bf16", "fp16"):
@@ -88,6 +100,10 @@ def register(model: DDP, mode: str, *, powersgd_rank: int = 1, powersgd_start_it
             hook = serialized(hook)
         model.register_comm_hook(state, hook)
         return state
+    if mode == "alq":
+        alq = ALQState(group, bits=alq_bits, update_every=alq_update_every, seed=seed)
+        model.register_comm_hook(alq, alq_hook)
+        return alq
     return None
 
 
