@@ -207,6 +207,7 @@ class KeeperProcess:
         finishing on its own (a preempted agent's exit must not wait)."""
         if self.proc is None or self.proc.poll() is not None:
             return
+        self._wait_ready(time.monotonic() + (self.grace_s if wait_s is None else wait_s))
         if wait_s is not None:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -227,6 +228,21 @@ class KeeperProcess:
         log.warning("keeper pid %d did not stop within %.0f s; killing it", self.proc.pid, self.grace_s + 5)
         self.proc.kill()
         self.proc.wait()
+
+    def _wait_ready(self, deadline: float) -> None:
+        """A keeper still importing when a short job ended dies of SIGTERM without its final pass, and
+        the job's snapshots stay in shm with nobody to say so: wait (bounded) until it catches SIGTERM
+        (Linux: ``SigCgt`` in /proc; elsewhere no wait)."""
+        assert self.proc is not None
+        status = Path(f"/proc/{self.proc.pid}/status")
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                caught = next(line for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+            except (OSError, StopIteration):
+                return
+            if int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+                return
+            time.sleep(0.02)
 
     def kept(self) -> str | None:
         """What the console says when the keeper left the job's snapshots behind (with their expiry)."""
