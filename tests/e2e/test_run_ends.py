@@ -14,7 +14,6 @@ import pytest
 from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
 from stalwart.checkpoint.shm import JobPaths, atomic_write, secure_job_dir, user_dir
 from stalwart.checkpoint.shm_gc import mark_kept
-
 from tests.e2e.test_run import launch
 
 pytestmark = pytest.mark.e2e
