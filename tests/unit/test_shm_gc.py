@@ -160,3 +160,22 @@ def test_keep_shm_s_is_checked_and_matches_the_default():
     assert CheckpointConfig().keep_shm_s == DEFAULT_KEEP_S
     with pytest.raises(ValueError, match="keep_shm_s"):
         CheckpointConfig(keep_shm_s=-1).validate()
+
+
+def test_a_keeper_stopped_while_it_starts_still_tidies_the_job(shm, tmp_path):
+    """A short job can end while the agent's keeper still imports: SIGTERM then killed it before its final
+    pass, and the job's directory stayed in shm (test_run_ends left one per run). The stop now waits until
+    the keeper catches the signal, so the final pass finds every rank closed and removes the directory."""
+    from stalwart.checkpoint.keeper_process import KeeperProcess
+    from stalwart.checkpoint.node_job import NodeJob
+
+    job = NodeJob(secure_job_dir(user_dir(shm) / "short"))
+    job.paths.rank_dir(0).mkdir()
+    atomic_write(job.paths.job, json.dumps({"storage": str(tmp_path / "ckpt"), "world_size": 1}).encode())
+    atomic_write(job.paths.owner(0), json.dumps({"pid": 999_999_999, "world_size": 1, "time": 0}).encode())
+    atomic_write(job.paths.closed(0), json.dumps({"pid": 999_999_999}).encode())
+    keeper = KeeperProcess(job, tmp_path / "keeper.log", grace_s=60).start()
+    keeper.stop()  # at once: the keeper is still importing torch
+    assert keeper.proc.returncode is not None
+    assert "stopping: the agent stops the keeper" in (tmp_path / "keeper.log").read_text()
+    assert not job.root.exists() and keeper.kept() is None
