@@ -147,12 +147,13 @@ def test_a_runs_start_message_counts_and_removes_the_expired(shm):
     t0 = time.time()
     mark_kept(ended_job(shm, "expired", mib=3), 1.0, "preempted", now=t0 - 10)
     mark_kept(ended_job(shm, "kept", mib=2), 3600.0, "preempted", now=t0)
+    secure_job_dir(user_dir(shm) / "starting")  # another agent's, its keeper not started yet: not counted
     line = collect(shm, now=t0)
     assert line == (
         f"stale snapshots in {user_dir(shm)}: removed 1 expired (3.0 MiB); 1 kept from ended jobs hold "
         "2.0 MiB (`stalwart ckpt gc --all` removes them)"
     ), line
-    assert sorted(os.listdir(user_dir(shm))) == ["kept"]
+    assert sorted(os.listdir(user_dir(shm))) == ["kept", "starting"]
     assert collect(Path("/dev/shm") / f"stalwart-none-{uuid.uuid4().hex[:6]}") is None  # nothing there: silent
 
 

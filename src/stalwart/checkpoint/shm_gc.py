@@ -189,7 +189,8 @@ def sweep(entries: list[StaleDir], everything: bool = False, dry_run: bool = Fal
 def summary(entries: list[StaleDir], removed: list[StaleDir]) -> str | None:
     """One line for ``stalwart run``'s start: what stale snapshots the node holds, or None if none."""
     gone = {d.path for d in removed}
-    left = [d for d in entries if d.live is None and d.path not in gone]
+    # An empty directory is no ended job's (another agent on the node may be starting its keeper in it).
+    left = [d for d in entries if d.live is None and d.path not in gone and d.bytes > 0]
     if not entries or not (left or removed):
         return None
     parts = []
