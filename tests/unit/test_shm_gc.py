@@ -180,3 +180,34 @@ def test_a_keeper_stopped_while_it_starts_still_tidies_the_job(shm, tmp_path):
     assert keeper.proc.returncode is not None
     assert "stopping: the agent stops the keeper" in (tmp_path / "keeper.log").read_text()
     assert not job.root.exists() and keeper.kept() is None
+
+
+class _Stopped:
+    """The agent's stop request, already made (``keeper_process.StopRequest`` without its signals)."""
+
+    parent, grace_s, why = os.getppid(), 5.0, "the agent stops the keeper"
+
+    def __call__(self) -> bool:
+        return True
+
+
+def test_a_memory_only_job_ended_by_the_agent_is_kept_with_an_expiry(shm, tmp_path, caplog):
+    """The agent's keeper has nothing to persist for a memory-only job (workers SIGTERMed): the snapshots
+    stay for a requeue, marked with the job's keep_shm_s and said in the log the agent prints from."""
+    from stalwart.checkpoint.keeper_process import serve
+    from stalwart.checkpoint.node_job import NodeJob
+
+    job = NodeJob(secure_job_dir(user_dir(shm) / "memonly"))
+    job.paths.rank_dir(0).mkdir()
+    policy = {"persist_every_steps": 0, "keep_shm_s": 120.0}
+    spec = {"storage": str(tmp_path / "ck"), "policy": policy, "keeper": False}
+    atomic_write(job.paths.job, json.dumps(spec).encode())
+    atomic_write(job.paths.owner(0), json.dumps({"pid": 999_999_999, "world_size": 1, "time": 0}).encode())
+    t0 = time.time()
+    assert serve(job, _Stopped()) == 0
+    kept = json.loads(job.paths.kept.read_text())
+    assert kept["why"] == "the agent stops the keeper" and t0 + 120 <= kept["until"] <= time.time() + 120
+    assert f"snapshots kept in {job.root} for the requeue until" in caplog.text
+    [entry] = scan(shm, now=kept["until"] + 1)
+    assert entry.until == kept["until"]
+    assert entry.live == f"keeper pid {os.getpid()} runs" and not entry.expired  # the keeper ran in this process
