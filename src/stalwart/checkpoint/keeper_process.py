@@ -207,13 +207,14 @@ class KeeperProcess:
         finishing on its own (a preempted agent's exit must not wait)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self._wait_ready(time.monotonic() + (self.grace_s if wait_s is None else wait_s))
+        start = time.monotonic()
+        self._wait_ready(start + (self.grace_s if wait_s is None else wait_s))
         if wait_s is not None:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(wait_s)
             return
-        deadline = time.monotonic() + self.grace_s + 5
+        deadline = start + self.grace_s + 5
         while True:
             # Again every second: in CI a keeper still starting when the job ended never acted on the
             # first one (no "stopping" in its log, nor its own watchdog) and cost the agent 35 s. Its
