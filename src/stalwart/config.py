@@ -111,6 +111,9 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every step divisible by this (0 = none)
     shm_dir: str = "/dev/shm"  # tmpfs for the snapshots (needs 2 x the state size free)
     keeper_idle_s: float = 120.0  # the keeper exits after this long without live workers
+    # A job that ended with storage lacking its newest snapshot (preemption, SIGTERM, memory-only) keeps
+    # them in shm_dir this long for a requeue; then the next job on the node or `stalwart ckpt gc` removes them
+    keep_shm_s: float = 21600.0
     resume: bool = True  # restore at start (false: start over; `dir` must hold no committed checkpoint;
     # a worker restarted within the launch still resumes its own run)
     # While storage fails, training goes on from memory until this much work since the last commit is
@@ -138,6 +141,10 @@ class CheckpointConfig:
             )
         if self.keeper_idle_s <= 0:
             raise ValueError(f"checkpoint.keeper_idle_s must be positive, got {self.keeper_idle_s}")
+        if self.keep_shm_s < 0:
+            raise ValueError(
+                f"checkpoint.keep_shm_s must be ≥ 0 (0: an ended job's snapshots expire at once), got {self.keep_shm_s}"
+            )
 
 
 @dataclass

@@ -4,10 +4,16 @@ redone (issue 27: a NCCL script with an open executor never exited, the hang det
 from __future__ import annotations
 
 import json
+import re
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
+from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
+from stalwart.checkpoint.shm import JobPaths, atomic_write, secure_job_dir, user_dir
+from stalwart.checkpoint.shm_gc import mark_kept
 from tests.e2e.test_run import launch
 
 pytestmark = pytest.mark.e2e
@@ -32,10 +38,26 @@ def _finished_once(proc, summary, out) -> None:
 
 @pytest.mark.parametrize("warm", ["on", "off"])
 def test_a_script_leaving_an_executor_and_a_checkpointer_open_ends_once(tmp_path, warm):
+    expired = plant_expired_snapshots()
     proc, summary, out, _ = _run(tmp_path, run_args=("--warm-start", warm))
     _finished_once(proc, summary, out)
     # it ended by itself: no hang declared, no watchdog (which names what it waited for)
     assert "silent for" not in proc.stderr and "the script ended (exit code" not in proc.stderr, proc.stderr[-3000:]
+    # at its start the agent removed an ended job's expired snapshots, and said so
+    assert re.search(rf"stalwart run: stale snapshots in {expired.parent}: removed \d+ expired", proc.stderr)
+    assert not expired.exists()
+    # the job was short: its keeper may still have been starting when it ended, yet it tidied (issue 30)
+    run = json.loads((tmp_path / "run" / "master.json").read_text())
+    assert not NodeJob.of_agent(run["job_id"], run["node_id"]).root.exists()
+
+
+def plant_expired_snapshots() -> Path:
+    """An ended job's directory whose keep time has passed, as a preempted job's keeper leaves it."""
+    paths = JobPaths(secure_job_dir(user_dir(DEFAULT_SHM_ROOT) / f"ended-{uuid.uuid4().hex[:8]}"))
+    paths.rank_dir(0).mkdir()
+    atomic_write(paths.slot(0, 0, "bin"), b"\0" * 4096)
+    mark_kept(paths, 1.0, "test", now=time.time() - 60)
+    return paths.root
 
 
 def test_a_thread_that_never_ends_is_named_and_the_job_still_finishes(tmp_path):

@@ -38,6 +38,7 @@ from stalwart.checkpoint.node_job import NodeJob, job_dir_for
 from stalwart.checkpoint.peer_restore import gather, invalidate_replicas_after
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots, read_json
+from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
@@ -72,6 +73,7 @@ class Checkpointer:
         job_id: str | None = None,
         keeper: bool = True,
         keeper_idle_s: float = 120.0,
+        keep_shm_s: float = DEFAULT_KEEP_S,
         keeper_log: str | Path | None = None,
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
@@ -86,6 +88,7 @@ class Checkpointer:
             ("keep_last", keep_last, 1),
             ("keep_every", keep_every, 0),
             ("keeper_idle_s", keeper_idle_s, 1e-3),
+            ("keep_shm_s", keep_shm_s, 0),
         ):
             if value < low:
                 raise ValueError(f"checkpoint {key}={value} must be ≥ {low}")
@@ -138,6 +141,7 @@ class Checkpointer:
         self._job_lock = self.job.attach()  # the keeper never removes files while we hold it
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
+        self.paths.kept.unlink(missing_ok=True)  # a job runs here again: no longer an ended job's
         atomic_write(
             self.paths.owner(self.rank),
             json.dumps(
@@ -161,6 +165,7 @@ class Checkpointer:
                     "keep_last": keep_last,
                     "keep_every": keep_every,
                     "idle_s": keeper_idle_s,
+                    "keep_shm_s": keep_shm_s,
                 },
                 keeper=keeper,
                 keeper_log=keeper_log,

@@ -34,6 +34,7 @@ from stalwart.checkpoint import multinode
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import remove_torn, retention
 from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
+from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, mark_kept
 from stalwart.checkpoint.snapshot import captured_at
 from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE, StorageHealth
@@ -382,12 +383,12 @@ class Keeper:
             self.storage.refresh()
             latest = self.storage.latest() or -1
             if newest > latest:
+                kept = mark_kept(self.paths, float(self.policy("keep_shm_s", DEFAULT_KEEP_S)), why, newest)
                 self.event(
                     "exit",
                     newest,
-                    f"{why}; keeping snapshots in {self.paths.root}: step {newest} is newer than the last "
-                    f"committed checkpoint ({latest}); `stalwart ckpt persist-from-memory {self.paths.root}` "
-                    "persists it",
+                    f"{why}; step {newest} is newer than the last committed checkpoint ({latest}): {kept}; "
+                    f"`stalwart ckpt persist-from-memory {self.paths.root}` persists it",
                     logging.WARNING,
                 )
             else:

@@ -9,6 +9,7 @@ what is due within ``--grace-s`` (``StopRequest``). Without ``--parent`` a worke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -25,6 +26,8 @@ from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
 from stalwart.checkpoint.peer_restore import FETCHED
 from stalwart.checkpoint.replicas import REPLICAS_DIR
 from stalwart.checkpoint.replicator import STATUS_FILE, ReplicaConfig, Replicator
+from stalwart.checkpoint.shm import user_dir
+from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, KEPT, collect, kept_line, mark_kept
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE
 
 
@@ -109,16 +112,25 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
         STATUS_FILE,
         REPLICAS_DIR,
         FETCHED,
+        KEPT,
     }:
         shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
+    elif not node.paths.kept.exists():  # snapshots the final pass left (memory-only, or it was cut short)
+        keep_s = float((node.job().get("policy") or {}).get("keep_shm_s", DEFAULT_KEEP_S))
+        log.warning("%s", mark_kept(node.paths, keep_s, stop.why or "the agent stopped"))
     return 0
 
 
 def _serve_jobs(node: NodeJob, stop: StopRequest, poll_s: float, status_copy: Path | None) -> None:
-    while not stop():
+    """Serve job after job until stopped. A job whose workers wrote job.json before this keeper got to it
+    (a short job, a slow start) still gets its final pass: stopped, it is served once, which only finishes."""
+    while True:
+        stopping = stop()
         node.root.mkdir(parents=True, exist_ok=True)
         job = node.job()
         if "storage" not in job:
+            if stopping:
+                return
             time.sleep(max(poll_s, 0.1))
             continue
         _log_also_to(job.get("keeper_log"))
@@ -127,6 +139,8 @@ def _serve_jobs(node: NodeJob, stop: StopRequest, poll_s: float, status_copy: Pa
         except Exception as err:
             log.error("cannot serve %s: %r", node.root, err)
             served = False
+        if stopping or stop():
+            return
         if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
             time.sleep(1.0)
 
@@ -160,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent is not None:
         return serve(node, StopRequest(args.parent, args.grace_s), args.poll_s, args.status_copy)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if node.root.parent == user_dir(node.root.parent.parent) and (stale := collect(node.root.parent.parent)):
+        log.info("%s", stale)  # without an agent, the node's expired snapshots go when a keeper starts
     Keeper(node, args.poll_s).run()
     return 0
 
@@ -185,12 +201,20 @@ class KeeperProcess:
         )
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float | None = None) -> None:
         """SIGTERM: the keeper persists what is due, saves on failure, tidies and exits (it enforces
-        ``grace_s`` itself; SIGKILL after a little more)."""
+        ``grace_s`` itself; SIGKILL after a little more). ``wait_s``: wait only that long, then leave it
+        finishing on its own (a preempted agent's exit must not wait)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        deadline = time.monotonic() + self.grace_s + 5
+        start = time.monotonic()
+        self._wait_ready(start + (self.grace_s if wait_s is None else wait_s))
+        if wait_s is not None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait_s)
+            return
+        deadline = start + self.grace_s + 5
         while True:
             # Again every second: in CI a keeper still starting when the job ended never acted on the
             # first one (no "stopping" in its log, nor its own watchdog) and cost the agent 35 s. Its
@@ -205,3 +229,22 @@ class KeeperProcess:
         log.warning("keeper pid %d did not stop within %.0f s; killing it", self.proc.pid, self.grace_s + 5)
         self.proc.kill()
         self.proc.wait()
+
+    def _wait_ready(self, deadline: float) -> None:
+        """A keeper still importing when a short job ended dies of SIGTERM without its final pass, and
+        the job's snapshots stay in shm with nobody to say so: wait (bounded) until it catches SIGTERM
+        (Linux: ``SigCgt`` in /proc; elsewhere no wait)."""
+        assert self.proc is not None
+        status = Path(f"/proc/{self.proc.pid}/status")
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                caught = next(line for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+            except (OSError, StopIteration):
+                return
+            if int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+                return
+            time.sleep(0.02)
+
+    def kept(self) -> str | None:
+        """What the console says when the keeper left the job's snapshots behind (with their expiry)."""
+        return kept_line(self.job.root)

@@ -4,7 +4,7 @@ reads or writes it uses (workers, the keeper, the agent's save-on-failure, ``sta
 Stdlib only (psutil lazily): it is imported by the snapshot writer in every worker and by the agent.
 
     <shm_root>/stalwart-<uid>/<job key>/          (0700, owned by the user: snapshots hold the weights)
-        job.json  job.lock  keeper.lock  keeper.json  persist.lock  keeper.log  rollback.json
+        job.json  job.lock  keeper.lock  keeper.json  persist.lock  keeper.log  rollback.json  kept.json
         rank<r>/  owner.json  closed.json  slot<i>.bin  slot<i>.obj  slot<i>.json
 """
 
@@ -174,6 +174,11 @@ class JobPaths:
     def rollback_note(self) -> Path:
         """A rollback moved storage back: the workers tell the keeper, which persists redone steps again."""
         return self.root / "rollback.json"
+
+    @property
+    def kept(self) -> Path:
+        """The job ended and its snapshots are kept until a time (``shm_gc``): a requeue may restore them."""
+        return self.root / "kept.json"  # shm_gc.KEPT
 
     def ranks(self) -> list[int]:
         """Ranks with a directory here; none once the job directory is gone — also while another

@@ -17,6 +17,7 @@ examples:
   stalwart ckpt verify runs/debug/checkpoints            # exit 1 naming each bad shard
   stalwart ckpt export runs/debug/checkpoints --format safetensors --out model.safetensors
   stalwart ckpt persist-from-memory /dev/shm/stalwart-UID/JOB-NODE  # a job's state that storage failed
+  stalwart ckpt gc --dry-run                              # ended jobs' snapshots left in /dev/shm
 """
 
 
@@ -62,6 +63,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--to", metavar="URL", help="storage to write to (default: the job's checkpoint.dir)")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(handler=run)
+    a = actions.add_parser(
+        "gc",
+        help="list and remove ended jobs' snapshots left in shared memory (yours only, never a live job's)",
+        description="List this user's job directories under the shm root (size, age, expiry, whether a live "
+        "worker or keeper owns them) and remove those whose keep time (checkpoint.keep_shm_s) has passed; "
+        "--all removes every one no live process owns.",
+    )
+    a.add_argument("--shm-dir", default="/dev/shm", help="the shm root (checkpoint.shm_dir; default /dev/shm)")
+    a.add_argument("--all", action="store_true", help="also remove snapshots not yet expired (no live job's)")
+    a.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    a.add_argument(
+        "--keep-s",
+        type=float,
+        default=None,
+        help="expiry of directories without a kept.json record, seconds after their last change "
+        "(default: their job's keep_shm_s, else 6 h)",
+    )
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.set_defaults(handler=run)
 
 
 def _storage(url: str) -> Any:
@@ -85,7 +105,14 @@ def _pick(storage: Any, step: int | None) -> int:
 
 
 def run(args: argparse.Namespace, *_: Any) -> int:
-    actions = {"ls": _ls, "show": _show, "verify": _verify, "export": _export, "persist-from-memory": _persist}
+    actions = {
+        "ls": _ls,
+        "show": _show,
+        "verify": _verify,
+        "export": _export,
+        "persist-from-memory": _persist,
+        "gc": _gc,
+    }
     return actions[args.action](args)
 
 
@@ -107,6 +134,34 @@ def _persist(args: argparse.Namespace) -> int:
     else:
         print(("ok: " if ok else "FAILED: ") + result["detail"])
     return 0 if ok else 1
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from stalwart.checkpoint import shm_gc
+
+    entries = shm_gc.scan(args.shm_dir, shm_gc.DEFAULT_KEEP_S if args.keep_s is None else args.keep_s)
+    removed = {d.path for d in shm_gc.sweep(entries, everything=args.all, dry_run=args.dry_run)}
+    if args.json:
+        rows = [{**d.as_dict(), "removed": d.path in removed} for d in entries]
+        print(json.dumps({"shm_dir": args.shm_dir, "dry_run": args.dry_run, "dirs": rows}))
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for d in entries:
+        state = (
+            f"live ({d.live})"
+            if d.live
+            else verb
+            if d.path in removed
+            else "expired"
+            if d.expired
+            else "kept until " + time.strftime("%m-%d %H:%M", time.localtime(d.until))
+            if d.until
+            else "kept (unmarked)"
+        )
+        print(f"{d.path}  {d.bytes / 2**20:.1f} MiB  {d.age_s / 3600:.1f} h old  {state}")
+    freed = sum(d.bytes for d in entries if d.path in removed) / 2**20
+    print(f"{len(entries)} job directories; {verb} {len(removed)} ({freed:.1f} MiB)")
+    return 0
 
 
 def _ls(args: argparse.Namespace) -> int:

@@ -229,8 +229,10 @@ def run(argv: list[str]) -> int:
         failure_save.wait()  # a save-on-failure finishing in the background commits before the keeper stops
         if preempted is None:
             keeper.stop()  # after the workers: it saves on failure for those that did not finish
-        elif keeper.proc is not None:  # the step is committed: let it tidy up while this agent exits
-            keeper.proc.terminate()
+        else:  # the step is committed: let it tidy up while this agent exits (a moment to hear what it kept)
+            keeper.stop(wait_s=2.0)
+        if (kept := keeper.kept()) is not None:
+            print(f"stalwart run: {kept}", file=sys.stderr)
         agent.journal.worker_reports(storage_watch()[0])  # what the keeper's final pass reported
         summary = {
             **_summary(client, node_id, exit_code, agent),
@@ -288,8 +290,11 @@ def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str])
     is. It learns storage and policy from the job.json the workers write, and idles without one."""
     # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
     from stalwart.checkpoint.keeper_process import KeeperProcess
-    from stalwart.checkpoint.node_job import NodeJob
+    from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
+    from stalwart.checkpoint.shm_gc import collect
 
+    if (stale := collect(DEFAULT_SHM_ROOT)) is not None:  # ended jobs' snapshots: the expired go now
+        print(f"stalwart run: {stale}", file=sys.stderr)
     job = NodeJob.of_agent(job_id, node_id)
     return job, KeeperProcess(job, run_dir.absolute() / "keeper.log", env=env).start()
 

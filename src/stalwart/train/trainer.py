@@ -180,6 +180,7 @@ class Trainer:
             keep_every=c.keep_every,
             shm_root=c.shm_dir,
             keeper_idle_s=c.keeper_idle_s,
+            keep_shm_s=c.keep_shm_s,
             keeper_log=out / "keeper.log",
             keeper=persists,
             at_risk=AtRiskPolicy(c.max_unpersisted_steps, c.max_unpersisted_s),
