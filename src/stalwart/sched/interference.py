@@ -66,7 +66,9 @@ def load_pairs(root: Path = DATA) -> list[Pair]:
     pairs = []
     for r in _rows(root / "cpu_pairs.csv"):
         a, b = (
-            JobFeatures(r[f"{s}_family"], float(r[f"{s}_batch"]), float(r[f"{s}_idle"]), float(r[f"{s}_bytes_per_flop"]))
+            JobFeatures(
+                r[f"{s}_family"], float(r[f"{s}_batch"]), float(r[f"{s}_idle"]), float(r[f"{s}_bytes_per_flop"])
+            )
             for s in "ab"
         )
         pairs.append(Pair(a, b, float(r["a_tput"]), float(r["b_tput"]), gpu=False))
