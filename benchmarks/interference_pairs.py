@@ -179,10 +179,11 @@ def gavel_pairs(path: Path, gpu: str = "v100") -> list[dict]:
                 continue
             seen.add((a_key, b_key))
             solo_a, solo_b = entry["null"], table[b_key]["null"]
+            fam_a, model_a = a[0].split(":")
+            fam_b, model_b = b[0].split(":")
             rows.append(
-                {"a_family": a[0].split(":")[0], "a_model": a[0].split(":")[1], "a_batch": a[1], "b_family": b[0].split(":")[0],
-                 "b_model": b[0].split(":")[1], "b_batch": b[1], "a_tput": round(value[0] / solo_a, 4),
-                 "b_tput": round(value[1] / solo_b, 4)}
+                {"a_family": fam_a, "a_model": model_a, "a_batch": a[1], "b_family": fam_b, "b_model": model_b,
+                 "b_batch": b[1], "a_tput": round(value[0] / solo_a, 4), "b_tput": round(value[1] / solo_b, 4)}
             )  # fmt: skip
     return rows
 

@@ -44,7 +44,7 @@ class JobFeatures:
             raise ValueError(f"unknown model family {self.family!r}; choose from {', '.join(FAMILIES)}")
         bpf = self.bytes_per_flop if self.bytes_per_flop is not None else FAMILY_BYTES_PER_FLOP[self.family]
         onehot = [1.0 if f == self.family else 0.0 for f in FAMILIES]
-        return onehot + [math.log2(max(self.batch, 1.0)) / 8.0, self.idle, math.log10(bpf)]
+        return [*onehot, math.log2(max(self.batch, 1.0)) / 8.0, self.idle, math.log10(bpf)]
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def fit(
     if not 0 < holdout < 1 or len(pairs) < 10:
         raise ValueError(f"need 0 < holdout < 1 and at least 10 pairs, got {holdout} and {len(pairs)}")
     order = np.random.default_rng(seed).permutation(len(pairs))
-    n_test = max(1, int(round(holdout * len(pairs))))
+    n_test = max(1, round(holdout * len(pairs)))
     test = [pairs[i] for i in order[:n_test]]
     train = [pairs[i] for i in order[n_test:]]
     x, y = _samples(train)
