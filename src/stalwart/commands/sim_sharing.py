@@ -27,6 +27,8 @@ def run_sharing(args: argparse.Namespace) -> int:
     from stalwart.commands.sim import _policies
 
     policies = _policies(args.policies, POLICIES)
+    if args.data is not None:
+        raise ValueError("--data is for elasticflow and pollux; sim sharing reads the shipped data")
     if args.max_jobs is not None and args.max_jobs < 2:
         raise ValueError(f"--max-jobs must be ≥ 2, got {args.max_jobs}")
     model = default_model(args.seed)
