@@ -7,7 +7,7 @@ model) and prints, per trace and on the mean: GPU utilisation, work per GPU, pro
 worst, bound kept), opportunistic JCT, and the ratios muxflow/gandiva and stalwart/muxflow; also the
 interference model's held-out error. Baselines (exclusive, gandiva) run in the same process.
 
-    python benchmarks/sim_sharing.py [--traces cluster05,workload1,...] [--procs 2] [--seed 0] [--json]
+    python benchmarks/sim_sharing.py [--traces cluster05,workload1,...] [--max-jobs N] [--procs 2] [--seed 0] [--json]
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ KEYS += ("prod_avg_jct_s", "opp_avg_jct_s", "avg_jct_s", "shared_gpu_frac", "pre
 PUBLISHED = {"muxflow_over_gandiva_util": 1.45, "antman_compute_util_gain": 1.34}
 
 
-def run(task: tuple[str, int]) -> list[dict]:
-    trace, seed = task
+def run(task: tuple[str, int, int | None]) -> list[dict]:
+    trace, seed, max_jobs = task
     model = default_model(seed)
     out = []
     for policy in POLICIES:
         t0 = time.perf_counter()
-        summary = simulate(trace, policy, seed=seed, model=model).summary()
+        summary = simulate(trace, policy, seed=seed, model=model, max_jobs=max_jobs).summary()
         out.append({"trace": trace, "policy": policy, **{k: summary[k] for k in KEYS}})
         out[-1]["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
@@ -45,12 +45,13 @@ def main() -> None:
     parser.add_argument("--traces", default=DEFAULT_TRACES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--procs", type=int, default=1)
+    parser.add_argument("--max-jobs", type=int, help="only each trace's first N jobs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     traces = args.traces.split(",")
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max(1, args.procs)) as pool:
-        rows = [r for chunk in pool.map(run, [(t, args.seed) for t in traces]) for r in chunk]
+        rows = [r for chunk in pool.map(run, [(t, args.seed, args.max_jobs) for t in traces]) for r in chunk]
     cell = {(r["trace"], r["policy"]): r for r in rows}
     ratios = {}
     for trace in traces:
@@ -70,6 +71,7 @@ def main() -> None:
         "traces": len(traces),
         "bound_kept": {p: all(cell[t, p]["prod_bound_ok"] for t in traces) for p in POLICIES},
         "published": PUBLISHED,
+        "max_jobs": args.max_jobs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     if args.json:
