@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TRACES = "cluster10,workload1"  # seconds each; name others (or all 18) with --traces
+DEFAULT_TRACES = "workload1,workload4"  # contended and seconds each; name others (or all 18) with --traces
 COLUMNS = ("gpu_util", "work_per_gpu", "prod_slowdown_mean", "prod_slowdown_max", "prod_bound_ok")
 
 
