@@ -1,10 +1,13 @@
 """`stalwart sim`: the cluster simulator — scheduling policies replayed over public traces.
 
-Two sources, each with its published figure to compare against:
+Three sources, each with its published figure to compare against:
   - ``elasticflow``: the ITP cluster traces of ElasticFlow (ASPLOS'23) with deadlines, on A100
     throughputs; deadline satisfaction ratio (DSR) per trace, as in their Fig. 8b.
   - ``pollux``: the 8 synthetic workloads of Pollux (OSDI'21) on 64 GPUs, with measured throughput
     and statistical efficiency; average JCT per workload, as in their Fig. 8a.
+  - ``sharing``: GPU sharing between production and opportunistic jobs on both sources' traces
+    (policies exclusive, gandiva, antman, muxflow, stalwart; interference from a fitted model):
+    GPU utilisation, production slowdown within --bound, opportunistic JCT (``commands/sim_sharing.py``).
 The simulators are ``stalwart.sched.elasticflow_sim`` and ``stalwart.sched.pollux_sim``; the data
 they read ships with stalwart (``stalwart/sched/data/<source>``, with each source's licence and
 PROVENANCE.md); ``--data`` points at another copy with the same layout."""
@@ -18,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SOURCES = ("elasticflow", "pollux")
+SOURCES = ("elasticflow", "pollux", "sharing")
 LAYOUT = {"elasticflow": ("traces", "throughputs_A100"), "pollux": ("traces", "workloads")}  # what --data holds
 
 
@@ -29,11 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("source", choices=SOURCES, help="whose traces: elasticflow (deadlines) or pollux (JCT)")
+    p.add_argument(
+        "source", choices=SOURCES, help="whose traces: elasticflow (deadlines), pollux (JCT) or sharing (GPU sharing)"
+    )
     p.add_argument(
         "--traces",
         help="which traces, comma-separated: elasticflow cluster numbers 1-10 (default all), pollux "
-        "workload numbers 1-8 (default all)",
+        "workload numbers 1-8 (default all); sharing: names cluster01..cluster10, workload1..workload8",
     )
     p.add_argument("--policies", help="comma-separated policies (default: every policy of the source)")
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same answer (default 0)")
@@ -41,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data", type=Path, help="the source's data folder (default: the copy shipped in stalwart/sched/data/<source>)"
     )
+    p.add_argument("--bound", type=float, default=0.1, help="sharing: a production job's allowed throughput loss")
+    p.add_argument("--production-share", type=float, default=0.5, help="sharing: share of jobs marked production")
+    p.add_argument("--max-jobs", type=int, help="sharing: only each trace's first N jobs")
     p.add_argument("--json", action="store_true", help="one JSON summary on stdout")
     p.add_argument("--plot", metavar="PNG", help="write a figure: DSR per trace or average JCT per workload")
     p.set_defaults(handler=run)
@@ -68,6 +76,10 @@ def _policies(text: str | None, known: tuple[str, ...]) -> list[str]:
 
 
 def run(args: argparse.Namespace, *_: Any) -> int:
+    if args.source == "sharing":
+        from stalwart.commands.sim_sharing import run_sharing
+
+        return run_sharing(args)
     if args.source == "elasticflow":
         from stalwart.sched import elasticflow_sim as sim
 
