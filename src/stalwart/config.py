@@ -30,6 +30,10 @@ class ModelConfig:
     n_kv_heads: int = 0
     ffn_hidden: int = 0
     tie_embeddings: bool = False
+    # Techniques that change the arithmetic, off by default (docs/techniques.md).
+    parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)): one TP reduction per block
+    attn_window: int = 0  # sliding-window attention over the last W tokens (0 = full causal)
+    embed_norm: bool = False  # LayerNorm after the embedding (BLOOM's StableEmbedding)
 
 
 @dataclass
@@ -70,6 +74,13 @@ class TrainConfig:
 
 
 @dataclass
+class OptimConfig:
+    """Which optimizer; its hyperparameters (lr, betas, eps, weight_decay) stay in [train]."""
+
+    name: str = "adamw"  # adamw | lamb (layer-wise trust ratio, You et al. 2019: large global batches)
+
+
+@dataclass
 class ParallelConfig:
     """Parallel layout (docs/parallelism.md). Degrees multiply to the world size; 0 = not given."""
 
@@ -91,6 +102,7 @@ class ParallelConfig:
     compress: str = "none"  # gradient compression: none | bf16 | fp16 | powersgd (DDP only)
     powersgd_rank: int = 1
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    cpu_offload: bool = False  # FSDP2 only: sharded parameters, gradients and optimizer state on the host
 
     def degrees(self) -> dict[str, int]:
         """The degrees as ``layout_from_config`` takes them (dp, dp_replicate, dp_shard: 0 = not given)."""
@@ -203,6 +215,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -220,6 +233,14 @@ class Config:
         _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
         _choice("train.dtype", t.dtype, ("auto", "float32", "bfloat16"))
         _choice("train.tensorboard", t.tensorboard, ("auto", "on", "off"))
+        _choice("optim.name", self.optim.name, ("adamw", "lamb"))
+        if self.model.attn_window < 0:
+            raise ValueError(f"model.attn_window must be ≥ 0 (0 = full causal attention), got {self.model.attn_window}")
+        if p.cpu_offload and p.dp_mode != "fsdp":
+            raise ValueError(
+                "parallel.cpu_offload offloads FSDP2's sharded state and needs parallel.dp_mode='fsdp' "
+                f"(got {p.dp_mode!r}); set --parallel.dp_mode=fsdp or --parallel.cpu_offload=false"
+            )
         for key, value in (
             ("train.steps", t.steps),
             ("train.global_batch", t.global_batch),
