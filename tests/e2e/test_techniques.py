@@ -50,8 +50,8 @@ def _count_block_collectives(rank: int, world: int, init: str, out: str) -> None
     from torch.distributed.tensor.debug import CommDebugMode
 
     from stalwart.models.llama import Block, ModelArgs, rope_tables
-    from stalwart.train.parallel import build_mesh
     from stalwart.plan.parallel import Layout
+    from stalwart.train.parallel import build_mesh
     from stalwart.train.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -15,7 +15,7 @@ from stalwart.config import load_config
 from stalwart.models import Transformer, model_args
 from stalwart.models.llama import Attention, Block, ModelArgs, apply_rope, rope_tables
 from stalwart.models.registry import meta_param_count
-from stalwart.plan import Cluster, MemoryOptions, PlanInputs, ModelShape, Strategy, get_gpu, memory_per_gpu, plan
+from stalwart.plan import Cluster, MemoryOptions, ModelShape, PlanInputs, Strategy, get_gpu, memory_per_gpu, plan
 from stalwart.plan.compute import flops_per_token
 from stalwart.plan.step_time import step_time
 from stalwart.train.lamb import Lamb
@@ -132,7 +132,10 @@ def test_lamb_follows_the_paper_step_by_step():
     steps = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(8)]
     ref = lamb_reference([p.detach() for p in params], steps, 0.01, (0.9, 0.95), 1e-8, wd)
     opt = Lamb(
-        [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1], params[3]], "weight_decay": 0.0}],
+        [
+            {"params": [params[0], params[2]], "weight_decay": 0.1},
+            {"params": [params[1], params[3]], "weight_decay": 0.0},
+        ],
         lr=0.01,
         betas=(0.9, 0.95),
         eps=1e-8,

@@ -162,7 +162,9 @@ def layer_activation_bytes(
         split += per_hidden * s_loc * micro_batch * shape.ffn_hidden * act_bytes
     heads_s = shape.n_heads * s_loc * micro_batch
     if recompute == "none" and not opts.flash_attention:  # softmax (+ dropout mask and output)
-        split += heads_s * attended(seq_len, shape.attn_window) * (act_bytes + ((1 + act_bytes) if opts.dropout else 0.0))
+        split += (
+            heads_s * attended(seq_len, shape.attn_window) * (act_bytes + ((1 + act_bytes) if opts.dropout else 0.0))
+        )
     elif opts.flash_attention:
         split += heads_s * 4  # fp32 log-sum-exp
     return replicated / rep_div + split / tp
@@ -235,7 +237,9 @@ def stage_memory(
     opt_temp = prec.optimizer_temp_bytes * sharded(1)
     offloaded = 0.0
     if opts.cpu_offload:  # the sharded state moves to the host; the optimizer step runs there
-        offloaded = optimizer + opt_temp + (grads if strategy.zero >= 2 else 0.0) + (weights if strategy.zero == 3 else 0.0)
+        offloaded = (
+            optimizer + opt_temp + (grads if strategy.zero >= 2 else 0.0) + (weights if strategy.zero == 3 else 0.0)
+        )
         optimizer = opt_temp = 0.0
         grads = 0.0 if strategy.zero >= 2 else grads
         weights = 0.0 if strategy.zero == 3 else weights

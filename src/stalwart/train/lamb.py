@@ -63,8 +63,9 @@ class Lamb(torch.optim.Optimizer):
         weight_decay: float = 0.0,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"LAMB needs lr, eps, weight_decay ≥ 0 and betas in [0, 1) (got {lr}, {eps}, "
-                             f"{weight_decay}, {betas})")
+            raise ValueError(
+                f"LAMB needs lr, eps, weight_decay ≥ 0 and betas in [0, 1) (got {lr}, {eps}, {weight_decay}, {betas})"
+            )
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
