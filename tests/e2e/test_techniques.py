@@ -35,7 +35,7 @@ def test_techniques_follow_one_process_under_tp_ddp_and_offloaded_fsdp(stdlib_da
         partial(train, tmp_path / "ddp", stdlib_data, *TECH),
         fsdp_then_resume,
     )
-    assert ref["losses"][STEPS - 1] < ref["losses"][0] - 1.0, "the reference should learn"
+    assert ref["losses"][STEPS - 1] < ref["losses"][0] - 0.05, "the reference should learn (LAMB at lr 3e-3: slowly)"
     assert_matches(tp2, ref["losses"][:STEPS], {"tp": 2})
     assert_matches(ddp, ref["losses"][:STEPS], {"dp_replicate": 2})
     assert_matches(offloaded, ref["losses"][:STEPS], {"dp_shard": 2})

@@ -88,7 +88,10 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 t = float(state["step"])
-                g, m, v, x = (_local(a) for a in (p.grad, state["exp_avg"], state["exp_avg_sq"], p))
+                grad = p.grad
+                if isinstance(grad, DTensor) and grad.placements != p.placements:  # e.g. TP's replicated head grad
+                    grad = grad.redistribute(p.device_mesh, p.placements)
+                g, m, v, x = (_local(a) for a in (grad, state["exp_avg"], state["exp_avg_sq"], p))
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 r = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt_().add_(group["eps"]))
