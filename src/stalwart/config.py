@@ -236,11 +236,6 @@ class Config:
         _choice("optim.name", self.optim.name, ("adamw", "lamb"))
         if self.model.attn_window < 0:
             raise ValueError(f"model.attn_window must be ≥ 0 (0 = full causal attention), got {self.model.attn_window}")
-        if p.cpu_offload and p.dp_mode != "fsdp":
-            raise ValueError(
-                "parallel.cpu_offload offloads FSDP2's sharded state and needs parallel.dp_mode='fsdp' "
-                f"(got {p.dp_mode!r}); set --parallel.dp_mode=fsdp or --parallel.cpu_offload=false"
-            )
         for key, value in (
             ("train.steps", t.steps),
             ("train.global_batch", t.global_batch),

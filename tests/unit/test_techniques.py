@@ -163,7 +163,6 @@ def test_lamb_is_chosen_by_config_and_adamw_stays_the_default():
     [
         ({"optim.name": "sgd"}, "optim.name"),
         ({"model.attn_window": "-1"}, "attn_window"),
-        ({"parallel.cpu_offload": "true"}, "dp_mode='fsdp'"),
     ],
 )
 def test_config_mistakes_are_explained(overrides, match):
@@ -174,9 +173,11 @@ def test_config_mistakes_are_explained(overrides, match):
 def test_cpu_offload_needs_fsdp2_shards():
     from stalwart.train.resolve import resolve
 
+    ddp = load_config(overrides={"parallel.cpu_offload": "true"})  # dp_mode = "ddp": replicas, no shards
     cfg = load_config(overrides={"parallel.cpu_offload": "true", "parallel.dp_mode": "fsdp"})
-    with pytest.raises(ValueError, match="no FSDP2 shards"):
-        resolve(cfg, 1)
+    for config, world in ((ddp, 2), (cfg, 1)):
+        with pytest.raises(ValueError, match="no FSDP2 shards to offload; set parallel.dp_mode='fsdp'"):
+            resolve(config, world)
     assert resolve(cfg, 2).options.cpu_offload
 
 

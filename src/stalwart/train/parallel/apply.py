@@ -80,8 +80,9 @@ class ParallelOptions:
         compress_mod.check_mode(self.compress, layout.uses_ddp)
         if self.cpu_offload and (layout.uses_ddp or layout.dp == 1):
             raise ValueError(
-                "parallel.cpu_offload needs FSDP2 (dp_mode='fsdp' with data-parallel degree > 1, or "
-                f"dp_shard > 1); layout {layout.describe()} has no FSDP2 shards to offload"
+                f"parallel.cpu_offload offloads FSDP2's sharded state, but layout {layout.describe()} has no "
+                "FSDP2 shards to offload; set parallel.dp_mode='fsdp' with more than one data-parallel rank "
+                "(or parallel.cpu_offload=false)"
             )
         if self.compress != "none" and layout.dp == 1:
             raise ValueError(f"compress={self.compress!r} compresses data-parallel gradients but dp = 1")
