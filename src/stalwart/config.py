@@ -30,6 +30,10 @@ class ModelConfig:
     n_kv_heads: int = 0
     ffn_hidden: int = 0
     tie_embeddings: bool = False
+    # Techniques that change the arithmetic, off by default (docs/techniques.md).
+    parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)): one TP reduction per block
+    attn_window: int = 0  # sliding-window attention over the last W tokens (0 = full causal)
+    embed_norm: bool = False  # LayerNorm after the embedding (BLOOM's StableEmbedding)
 
 
 @dataclass
@@ -70,6 +74,13 @@ class TrainConfig:
 
 
 @dataclass
+class OptimConfig:
+    """Which optimizer; its hyperparameters (lr, betas, eps, weight_decay) stay in [train]."""
+
+    name: str = "adamw"  # adamw | lamb (layer-wise trust ratio, You et al. 2019: large global batches)
+
+
+@dataclass
 class ParallelConfig:
     """Parallel layout (docs/parallelism.md). Degrees multiply to the world size; 0 = not given."""
 
@@ -93,6 +104,7 @@ class ParallelConfig:
     alq_bits: int = 4  # compress = "alq": bits per gradient value (sign + level index): 2 | 4 | 8
     alq_update_every: int = 50  # compress = "alq": steps between refits of the quantization levels
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    cpu_offload: bool = False  # FSDP2 only: sharded parameters, gradients and optimizer state on the host
 
     def degrees(self) -> dict[str, int]:
         """The degrees as ``layout_from_config`` takes them (dp, dp_replicate, dp_shard: 0 = not given)."""
@@ -212,6 +224,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -229,6 +242,9 @@ class Config:
         _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
         _choice("train.dtype", t.dtype, ("auto", "float32", "bfloat16"))
         _choice("train.tensorboard", t.tensorboard, ("auto", "on", "off"))
+        _choice("optim.name", self.optim.name, ("adamw", "lamb"))
+        if self.model.attn_window < 0:
+            raise ValueError(f"model.attn_window must be ≥ 0 (0 = full causal attention), got {self.model.attn_window}")
         for key, value in (
             ("train.steps", t.steps),
             ("train.global_batch", t.global_batch),

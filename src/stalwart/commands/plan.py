@@ -52,6 +52,7 @@ SECTION_KEYS = {
         "layouts_evaluated",
         "layouts_rejected",
         "rejected_examples",
+        "pipeline_bubble",
         "notes",
     ),
     "reliability": (
@@ -138,6 +139,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--expert-ffn", type=int, default=0, help="MoE: expert MLP hidden size (default: --ffn-hidden)")
     g.add_argument("--moe-every", type=int, default=1, help="MoE: every k-th layer is MoE (default 1)")
+    g.add_argument(
+        "--parallel-block",
+        action="store_true",
+        help="attention and MLP from one norm, summed (MegaScale): one TP reduction per layer instead of two",
+    )
+    g.add_argument(
+        "--attn-window", type=int, default=0, metavar="TOKENS", help="sliding-window attention (default 0 = full)"
+    )
+    g.add_argument("--embed-norm", action="store_true", help="LayerNorm after the embedding (BLOOM)")
 
     g = p.add_argument_group("data and time")
     g.add_argument(
@@ -232,6 +242,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--no-flash-attention", dest="flash_attention", action="store_false", help="store the s×s attention scores"
     )
     g.add_argument("--dropout", action="store_true", help="count dropout masks (models trained with dropout)")
+    g.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="ZeRO-sharded state (optimizer; gradients from --zero 2, weights at 3) in host memory",
+    )
     g.add_argument(
         "--headroom",
         metavar="FRACTION",

@@ -50,7 +50,15 @@ def render(result: dict[str, Any], section: str) -> None:
     from rich.table import Table
 
     console = Console()
-    nested = ("layouts", "memory_breakdown_gb", "policies", "layouts_rejected", "rejected_examples", "notes")
+    nested = (
+        "layouts",
+        "memory_breakdown_gb",
+        "policies",
+        "layouts_rejected",
+        "rejected_examples",
+        "pipeline_bubble",
+        "notes",
+    )
     scalars = {k: v for k, v in result.items() if k not in nested}
     if scalars:
         emit(scalars, False, f"stalwart plan {section}")
@@ -83,6 +91,15 @@ def render(result: dict[str, Any], section: str) -> None:
             for reason, count in rejected.items():
                 table.add_row(reason, str(count), examples.get(reason, ""))
             console.print(table)
+    bubble = result.get("pipeline_bubble")
+    if bubble:
+        lo = bubble["layout"]
+        emit(
+            {k: v for k, v in bubble.items() if k != "layout"},
+            False,
+            f"pipeline bubble of the fastest pipelined layout (dp={lo['dp']} tp={lo['tp']} pp={lo['pp']} "
+            f"mb={lo['micro_batch']}) at 1× and 4× global batch",
+        )
     policies = result.get("policies")
     if policies:
         table = Table(title="checkpoint policies, best first")

@@ -6,6 +6,9 @@ delete layers without renumbering, as torchtitan does.
 
 A few switches (``mlp``, ``norm``, ``pos``, ``bias``) let the same code express the GPT-3, OPT, BLOOM
 and Falcon shapes that the planner needs; the trained default is RMSNorm + RoPE + SwiGLU + GQA.
+Three more change the arithmetic, all off by default (docs/techniques.md): ``parallel_block``
+(GPT-J/PaLM/MegaScale: ``x + attn(norm(x)) + mlp(norm(x))``), ``attn_window`` (sliding-window causal
+attention) and ``embed_norm`` (BLOOM's LayerNorm after the token embedding).
 """
 
 from __future__ import annotations
@@ -36,8 +39,13 @@ class ModelArgs:
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    parallel_block: bool = False  # attention and MLP read one normalised input; their sum joins the residual
+    attn_window: int = 0  # > 0: each token attends to itself and the W - 1 tokens before it (0 = all before)
+    embed_norm: bool = False  # LayerNorm after the token (+ position) embedding (BLOOM's StableEmbedding)
 
     def __post_init__(self) -> None:
+        if self.attn_window < 0:
+            raise ValueError(f"model.attn_window must be ≥ 0 (0 = full causal attention), got {self.attn_window}")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
@@ -102,6 +110,13 @@ def alibi_bias(n_heads: int, seq_len: int, device: torch.device | None = None) -
     return bias.masked_fill(distance[None] > 0, float("-inf"))
 
 
+def window_mask(seq_len: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """Boolean (seq, seq) mask, True where query i may attend to key j: ``i - window < j ≤ i``."""
+    pos = torch.arange(seq_len, device=device)
+    distance = pos[:, None] - pos[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -123,11 +138,18 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
+        window = self.args.attn_window
+        mask: torch.Tensor | None = None
         if self.args.pos == "alibi":
             mask = alibi_bias(self.args.n_heads, s, x.device).to(q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        else:
+            if 0 < window < s:
+                mask = mask.masked_fill(~window_mask(s, window, x.device), float("-inf"))
+        elif 0 < window < s:
+            mask = window_mask(s, window, x.device)
+        if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -146,16 +168,33 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(·))``; or, with ``parallel_block``, both
+    branches from one norm of x and summed before they join the residual, so tensor parallelism
+    reduces their partial outputs once (``ffn_norm`` is then absent)."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        self.parallel = args.parallel_block
         self.attention_norm = _norm(args)
         self.attention = Attention(args)
-        self.ffn_norm = _norm(args)
+        self.ffn_norm = None if self.parallel else _norm(args)
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        if self.ffn_norm is None:
+            h = self.attention_norm(x)
+            return x + (self.attention(h, rope) + self.feed_forward(h))
         x = x + self.attention(self.attention_norm(x), rope)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+def embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Token (+ learned position) embedding, then the embedding norm if the model has one; shared by
+    the Transformer and a pipeline's first stage (same attribute names)."""
+    h = model.tok_embeddings(tokens)
+    if model.pos_embeddings is not None:
+        h = h + model.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+    return h if model.embed_norm is None else model.embed_norm(h)
 
 
 class Transformer(nn.Module):
@@ -169,6 +208,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.pos == "learned" else None
+        self.embed_norm = nn.LayerNorm(args.dim, eps=args.norm_eps) if args.embed_norm else None
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = _norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -212,9 +252,7 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.args.max_seq_len}")
-        h = self.tok_embeddings(tokens)
-        if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(seq, device=tokens.device))
+        h = embed(self, tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
         return self.output(self.norm(h))

@@ -15,7 +15,7 @@ from stalwart.plan import compute
 from stalwart.plan.hardware import Cluster, GPUSpec, custom_gpu, get_gpu
 from stalwart.plan.layout import StepModel, search
 from stalwart.plan.memory import ActivationOptions, MemoryOptions, Precision, get_precision
-from stalwart.plan.sections import finite, layout_section, memory_section, reliability_section
+from stalwart.plan.sections import bubble_section, finite, layout_section, memory_section, reliability_section
 from stalwart.plan.shape import ModelShape, shape_for
 
 DEFAULT_MFU = 0.4  # used only when neither --mfu nor a feasible layout gives one
@@ -39,6 +39,9 @@ class PlanInputs:
     experts_per_token: int = 2  # MoE top-k
     expert_ffn: int = 0  # MoE expert hidden size (0 = ffn_hidden)
     moe_every: int = 1  # every k-th layer is MoE
+    parallel_block: bool = False  # attention and MLP from one norm: half the TP traffic per layer
+    attn_window: int = 0  # sliding-window attention (keys per query; 0 = full causal)
+    embed_norm: bool = False  # LayerNorm after the embedding
     # data
     tokens: float | None = None  # training tokens (default: 20 per parameter)
     seq_len: int | None = None  # tokens per sequence (default: the model's)
@@ -68,6 +71,7 @@ class PlanInputs:
     flash_attention: bool = True
     dropout: bool = False
     headroom: float = 0.10
+    cpu_offload: bool = False  # ZeRO-sharded state (optimizer, ...) in host memory
     # layout
     dp: int | None = None
     tp: int | None = None
@@ -147,8 +151,10 @@ def build_shape(inp: PlanInputs) -> tuple[ModelShape, float, list[str]]:
         )
         if v
     }
-    if inp.model and overrides:
-        shape = replace(shape, **overrides)
+    if inp.attn_window < 0:
+        raise ValueError(f"--attn-window must be >= 0 (0 = full causal attention), got {inp.attn_window}")
+    techniques = dict(parallel_block=inp.parallel_block, attn_window=inp.attn_window, embed_norm=inp.embed_norm)
+    shape = replace(shape, **(overrides if inp.model else {}), **techniques)
     n_params = inp.params or float(shape.active_params())
     return shape, n_params, notes
 
@@ -208,7 +214,7 @@ def build_memory_options(inp: PlanInputs) -> MemoryOptions:
     act = ActivationOptions(
         sequence_parallel=inp.sequence_parallel, flash_attention=inp.flash_attention, dropout=inp.dropout
     )
-    return MemoryOptions(precision=prec, activations=act, headroom=inp.headroom)
+    return MemoryOptions(precision=prec, activations=act, headroom=inp.headroom, cpu_offload=inp.cpu_offload)
 
 
 def default_global_batch(seq_len: int, n_gpus: int) -> int:
@@ -258,7 +264,9 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
     seq_len = inp.seq_len or shape.max_seq_len
     if seq_len <= 0:
         raise ValueError(f"--seq-len must be positive, got {seq_len}")
-    fpt = compute.flops_per_token(n_params, shape.n_layers, shape.dim, seq_len, attention=inp.attention_flops)
+    fpt = compute.flops_per_token(
+        n_params, shape.n_layers, shape.dim, seq_len, attention=inp.attention_flops, window=shape.attn_window
+    )
 
     # Which quantity is solved for: GPUs, tokens, or days.
     solved = "days"
@@ -290,6 +298,7 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
 
     # Layouts (also the source of MFU when none is given).
     fixed = {k: getattr(inp, k) for k in ("dp", "tp", "pp", "cp", "ep", "micro_batch") if getattr(inp, k)}
+    step_model = StepModel(compute_efficiency=inp.compute_efficiency)
     found = search(
         shape,
         cluster,
@@ -301,7 +310,7 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
         virtual_stages=inp.virtual_stages,
         fixed=fixed,
         mem=mem_opts,
-        model=StepModel(compute_efficiency=inp.compute_efficiency),
+        model=step_model,
     )
     best = found.layouts[0] if found.layouts else None
     if inp.mfu is not None:
@@ -337,6 +346,7 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
     }
     out.update(memory_section(shape, n_params, cluster, mem_opts, found, notes))
     out.update(layout_section(found, inp.top))
+    out["pipeline_bubble"] = bubble_section(shape, found, cluster, seq_len, global_batch, fpt, mem_opts, step_model)
     out.update(reliability_section(inp, cluster, n_params, mem_opts, best, days))
     if not math.isfinite(gpu.memory_bytes):
         notes.append("GPU memory unknown (no --gpu and no --gpu-memory): layouts were not checked against memory")

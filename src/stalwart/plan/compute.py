@@ -17,18 +17,25 @@ def flops_per_token(
     seq_len: int = 0,
     recompute: bool = False,
     attention: bool = True,
+    window: int = 0,
 ) -> float:
     """Training FLOPs per token: 6·N (forward 2·N + backward 4·N), 8·N with full activation
     recompute (one more forward), plus the attention score/value matmuls 12·L·h·s (PaLM) —
-    16·L·h·s with recompute — when ``attention`` and the shape are given.
+    16·L·h·s with recompute — when ``attention`` and the shape are given. With sliding-window
+    attention (``window`` > 0) each query scores min(window, s) keys: s becomes min(window, s).
     """
     if n_params <= 0:
         raise ValueError(f"n_params must be positive, got {n_params}")
     factor = 8 if recompute else 6
     attn = 0.0
     if attention and n_layers and dim and seq_len:
-        attn = 2 * factor * n_layers * dim * seq_len
+        attn = 2 * factor * n_layers * dim * attended(seq_len, window)
     return factor * n_params + attn
+
+
+def attended(seq_len: int, window: int = 0) -> int:
+    """Keys each query is charged for in the attention FLOPs: the sequence, or the window if shorter."""
+    return min(window, seq_len) if window > 0 else seq_len
 
 
 def _check_run(n_gpus: float, peak_flops: float, mfu: float) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from stalwart.plan.compute import attended
 from stalwart.plan.hardware import GB
 from stalwart.plan.parallel import Strategy, moe_layers_in, partition_layers
 from stalwart.plan.shape import ModelShape
@@ -76,6 +77,9 @@ class MemoryOptions:
     precision: Precision = field(default_factory=Precision)
     activations: ActivationOptions = field(default_factory=ActivationOptions)
     headroom: float = 0.10  # fraction of device memory kept free (CUDA context, NCCL, fragmentation)
+    # ZeRO-Offload / FSDP2 CPUOffloadPolicy: what ZeRO shards lives on the host (optimizer state always,
+    # gradients from ZeRO-2, weights at ZeRO-3); the device keeps only what it computes with.
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.headroom < 1:
@@ -97,6 +101,7 @@ class MemoryBreakdown:
     optimizer_temp: float
     stage: str  # which pipeline stage is the peak: only | first | last
     phase: str  # forward-backward | optimizer-step
+    offloaded: float = 0.0  # state held in host memory instead (MemoryOptions.cpu_offload), not in total
 
     @property
     def state(self) -> float:
@@ -145,7 +150,7 @@ def layer_activation_bytes(
     if recompute == "full":  # only the layer input is checkpointed
         return sbh * act_bytes / rep_div
     tensors_per_norm = 2 if opts.fused_norm else 3  # input, (normalised,) output
-    replicated = 2 * tensors_per_norm * sbh * act_bytes + (2 * sbh if opts.dropout else 0.0)
+    replicated = shape.norms_per_layer * tensors_per_norm * sbh * act_bytes + (2 * sbh if opts.dropout else 0.0)
     split = s_loc * micro_batch * (shape.dim + 2 * shape.kv_dim) * act_bytes  # Q, K, V
     split += sbh * act_bytes  # attention output = input of the output projection
     per_hidden = 2 if shape.mlp == "gelu" else 4  # gelu in/out; swiglu: w1 out, silu out, w3 out, product
@@ -157,7 +162,9 @@ def layer_activation_bytes(
         split += per_hidden * s_loc * micro_batch * shape.ffn_hidden * act_bytes
     heads_s = shape.n_heads * s_loc * micro_batch
     if recompute == "none" and not opts.flash_attention:  # softmax (+ dropout mask and output)
-        split += heads_s * seq_len * (act_bytes + ((1 + act_bytes) if opts.dropout else 0.0))
+        split += (
+            heads_s * attended(seq_len, shape.attn_window) * (act_bytes + ((1 + act_bytes) if opts.dropout else 0.0))
+        )
     elif opts.flash_attention:
         split += heads_s * 4  # fp32 log-sum-exp
     return replicated / rep_div + split / tp
@@ -182,7 +189,7 @@ def _stage_params(
     """(dense, expert, largest layer) parameters held by one GPU of a stage, before ZeRO."""
     tp = strategy.tp
     n_moe = moe_layers_in(shape, n_layers)
-    norms = 2 * shape.norm_params()
+    norms = shape.norms_per_layer * shape.norm_params()
     dense_layer = (shape.attention_params() + shape.mlp_params()) / tp + norms
     moe_layer = shape.attention_params() / tp + norms + shape.router_params()
     dense = (n_layers - n_moe) * dense_layer + n_moe * moe_layer
@@ -228,6 +235,14 @@ def stage_memory(
     grad_buffer = prec.grad_buffer_bytes * local
     zero3 = 2 * largest * prec.weight_bytes if strategy.zero == 3 else 0.0
     opt_temp = prec.optimizer_temp_bytes * sharded(1)
+    offloaded = 0.0
+    if opts.cpu_offload:  # the sharded state moves to the host; the optimizer step runs there
+        offloaded = (
+            optimizer + opt_temp + (grads if strategy.zero >= 2 else 0.0) + (weights if strategy.zero == 3 else 0.0)
+        )
+        optimizer = opt_temp = 0.0
+        grads = 0.0 if strategy.zero >= 2 else grads
+        weights = 0.0 if strategy.zero == 3 else weights
 
     # Activations: 1F1B keeps min(m, p - stage) micro-batches in flight; interleaving (v chunks)
     # raises the first stage's share by (1 + (p - 1) / (p·v)) (Korthikanti et al. 2022, §4.2.3).
@@ -260,7 +275,7 @@ def stage_memory(
         working = max(working, 8 * vocab_local)  # fp32 gradients of log-probs and logits
     name = "only" if p == 1 else ("first" if first else "last" if last else f"stage{stage}")
     bd = MemoryBreakdown(
-        weights, grads, grad_buffer, optimizer, activations, logits, working, zero3, opt_temp, name, ""
+        weights, grads, grad_buffer, optimizer, activations, logits, working, zero3, opt_temp, name, "", offloaded
     )
     return replace(bd, phase="forward-backward" if bd.forward_backward >= bd.optimizer_step else "optimizer-step")
 

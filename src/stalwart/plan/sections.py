@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from stalwart.plan import reliability
 from stalwart.plan.hardware import GB, Cluster
-from stalwart.plan.layout import SearchResult
+from stalwart.plan.layout import SearchResult, StepModel, step_time
 from stalwart.plan.memory import MemoryOptions
 from stalwart.plan.shape import ModelShape
 
@@ -65,6 +65,50 @@ def layout_section(found: SearchResult, top: int) -> dict[str, Any]:
         "layouts_evaluated": found.evaluated,
         "layouts_rejected": dict(found.rejected.most_common()),
         "rejected_examples": found.examples,
+    }
+
+
+def bubble_section(
+    shape: ModelShape,
+    found: SearchResult,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    flops_per_token: float,
+    mem: MemoryOptions,
+    model: StepModel,
+    scale: int = 4,
+) -> dict[str, Any] | None:
+    """The pipeline bubble's share of the step for the fastest pipelined layout, at the global batch
+    and at ``scale``× it with the same layout and micro-batch (MegaScale: LAMB lets the batch grow
+    4×, so each step runs 4× the micro-batches through the same fill and drain). None without PP."""
+    best = next((c for c in found.layouts if c.layout.pp > 1), None)
+    if best is None:
+        return None
+    prec = mem.precision
+    shares = []
+    for batch in (global_batch, scale * global_batch):
+        st = step_time(
+            shape,
+            best.strategy,
+            cluster,
+            seq_len,
+            batch,
+            flops_per_token,
+            prec.activation_bytes,
+            prec.grad_bytes,
+            prec.weight_bytes,
+            mem.activations.sequence_parallel,
+            model,
+        )
+        shares.append(st.bubble / st.total)
+    return {
+        "layout": best.strategy.as_dict(),
+        "global_batch": global_batch,
+        "bubble_share": shares[0],
+        f"global_batch_{scale}x": scale * global_batch,
+        f"bubble_share_{scale}x": shares[1],
+        "bubble_share_cut": 1 - shares[1] / shares[0] if shares[0] > 0 else 0.0,
     }
 
 

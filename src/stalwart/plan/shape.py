@@ -34,6 +34,9 @@ class ModelShape:
     top_k: int = 1
     expert_hidden: int = 0  # 0 = ffn_hidden
     moe_every: int = 1  # every k-th layer is MoE (1 = all layers)
+    parallel_block: bool = False  # attention and MLP from one norm (one norm per layer, half the TP traffic)
+    attn_window: int = 0  # sliding-window attention: keys per query (0 = the whole causal prefix)
+    embed_norm: bool = False  # LayerNorm (weight + bias) after the embedding
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden", "vocab_size"):
@@ -67,6 +70,9 @@ class ModelShape:
             tie_embeddings=args.tie_embeddings,
             learned_pos=args.max_seq_len if args.pos == "learned" else 0,
             max_seq_len=args.max_seq_len,
+            parallel_block=args.parallel_block,
+            attn_window=args.attn_window,
+            embed_norm=args.embed_norm,
             **moe,
         )
 
@@ -78,6 +84,10 @@ class ModelShape:
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def norms_per_layer(self) -> int:
+        return 1 if self.parallel_block else 2
 
     @property
     def is_moe(self) -> bool:
@@ -113,11 +123,11 @@ class ModelShape:
 
     def layer_dense_params(self, moe_layer: bool = False) -> int:
         """Parameters of one layer that every expert-parallel rank holds (all but the experts)."""
-        base = self.attention_params() + 2 * self.norm_params()
+        base = self.attention_params() + self.norms_per_layer * self.norm_params()
         return base + (self.router_params() if moe_layer else self.mlp_params())
 
     def embedding_params(self) -> int:
-        return self.vocab_size * self.dim + self.learned_pos * self.dim
+        return self.vocab_size * self.dim + self.learned_pos * self.dim + (2 * self.dim if self.embed_norm else 0)
 
     def head_params(self) -> int:
         """Final norm + output projection (the projection is shared when embeddings are tied)."""

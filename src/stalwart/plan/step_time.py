@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from stalwart.plan.compute import attended
 from stalwart.plan.hardware import GB, Cluster
 from stalwart.plan.parallel import Strategy, moe_layers_in, partition_layers
 from stalwart.plan.shape import ModelShape
@@ -56,6 +57,12 @@ class StepTime:
         return asdict(self)
 
 
+def tp_reductions_per_layer(parallel_block: bool, recompute: str = "none") -> int:
+    """TP all-reduce equivalents (all-gather + reduce-scatter pairs under SP) per layer and micro-batch."""
+    per_pass = 1 if parallel_block else 2
+    return per_pass * (3 if recompute == "full" else 2)
+
+
 def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
@@ -95,7 +102,7 @@ def step_time(
     # + the attention core 12·h·s per layer, PaLM), 8/6 of the forward again under full recompute.
     dense_layer = shape.attention_params() + shape.mlp_params()
     moe_layer = shape.attention_params() + shape.router_params() + shape.top_k * shape.expert_params()
-    core = 12 * h * seq_len
+    core = 12 * h * attended(seq_len, shape.attn_window)  # sliding window: min(W, s) keys per query
     counts = partition_layers(shape.n_layers, pp, shape.head_flop_share())
     head = 6 * shape.vocab_size * h
     recompute_factor = {"none": 1.0, "selective": 1.0, "full": 8 / 6}[strategy.recompute]
@@ -118,9 +125,10 @@ def step_time(
     compute_mb = stage_flops[worst] * tokens_mb / (tp * cp) / (gpu.peak_flops * eff)
 
     # TP/SP: 2 all-reduces (or all-gather + reduce-scatter pairs) forward, 2 backward per layer,
-    # 2 more when the forward is recomputed; ring volume 2(t-1)/t of the activation.
+    # 2 more when the forward is recomputed; ring volume 2(t-1)/t of the activation. A parallel
+    # block reduces its two branches' sum once: 1 forward, 1 backward (+1 recomputed).
     act = b * s_loc * h * act_bytes
-    n_ar = 4 + (2 if strategy.recompute == "full" else 0)
+    n_ar = tp_reductions_per_layer(shape.parallel_block, strategy.recompute)
     tp_mb = n_layers_worst * n_ar * 2 * _ring(tp) * act / intra if tp > 1 else 0.0
 
     # CP: ring passes K and V (cp-1) times forward, ~2x that backward; hidden under attention compute.

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine LR schedule."""
+"""The optimizer (``optim.name``: AdamW, or LAMB for large batches) with decoupled weight decay on
+matrices only, and a warmup + cosine LR schedule."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ import torch
 from torch import nn
 
 from stalwart.config import TrainConfig
+from stalwart.train.lamb import Lamb
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, name: str = "adamw") -> torch.optim.Optimizer:
+    """``name``: adamw | lamb (stalwart.train.lamb), both with [train]'s lr, betas, eps, weight_decay."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if name != "adamw":
+        raise ValueError(f"optim.name={name!r} is not one of adamw, lamb")
     # foreach=True works for plain tensors and DTensors alike; fused kernels are CUDA-only here.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 

@@ -79,8 +79,9 @@ def resolve_model_args(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
         if getattr(m, key):
             overrides[key] = getattr(m, key)
-    if m.tie_embeddings:
-        overrides["tie_embeddings"] = True
+    for key in ("tie_embeddings", "parallel_block", "embed_norm", "attn_window"):
+        if getattr(m, key):
+            overrides[key] = getattr(m, key)
     return model_args(m.name, **overrides)
 
 
@@ -129,6 +130,7 @@ def resolve(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunP
         powersgd_rank=p.powersgd_rank,
         alq_bits=p.alq_bits,
         alq_update_every=p.alq_update_every,
+        cpu_offload=p.cpu_offload,
     )
     virtual = options.virtual_stages if layout.pp > 1 else 1
     layout.check_model(args, moe, virtual)

@@ -102,7 +102,7 @@ class Trainer:
         )
         self.model = self.pm.module
         self.accum = self.plan.grad_accum
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = build_optimizer(self.model, cfg.train, cfg.optim.name)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalSampler(
             len(self.dataset),
@@ -117,7 +117,11 @@ class Trainer:
         self.stage_forwards = StageForwards(self.timer, pipe.modules, pipe.ids) if pipe is not None else None
         self._forward_fault: Any = None  # chaos at point "forward" for the step under way
         self.flops_per_token = flops_per_token(
-            self.n_params, self.model_args.n_layers, self.model_args.dim, cfg.data.seq_len
+            self.n_params,
+            self.model_args.n_layers,
+            self.model_args.dim,
+            cfg.data.seq_len,
+            window=self.model_args.attn_window,
         )
         # Everything a resume needs besides `step` (which restore returns).
         self.state = {

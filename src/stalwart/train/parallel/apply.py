@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -61,6 +61,7 @@ class ParallelOptions:
     powersgd_start_iter: int = 2
     alq_bits: int = 4  # alq: bits per value (sign + level index): 2 | 4 | 8
     alq_update_every: int = 50  # alq: steps between level refits
+    cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimizer state live on the host
 
     def check(self, layout: Layout) -> None:
         if self.micro_batch < 1:
@@ -79,6 +80,12 @@ class ParallelOptions:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
         compress_mod.check_mode(self.compress, layout.uses_ddp)
+        if self.cpu_offload and (layout.uses_ddp or layout.dp == 1):
+            raise ValueError(
+                f"parallel.cpu_offload offloads FSDP2's sharded state, but layout {layout.describe()} has no "
+                "FSDP2 shards to offload; set parallel.dp_mode='fsdp' with more than one data-parallel rank "
+                "(or parallel.cpu_offload=false)"
+            )
         if self.compress != "none" and layout.dp == 1:
             raise ValueError(f"compress={self.compress!r} compresses data-parallel gradients but dp = 1")
 
@@ -273,7 +280,9 @@ def _apply_fsdp(part: nn.Module, mesh: Mesh, layout: Layout, options: ParallelOp
     dtype = compress_mod.fsdp_reduce_dtype(options.compress)
     mp = MixedPrecisionPolicy(reduce_dtype=dtype) if dtype is not None else MixedPrecisionPolicy()
     dp_mesh = _dp_mesh(mesh, layout)
-    kwargs = dict(reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
+    kwargs: dict[str, Any] = dict(reshard_after_forward=options.reshard_after_forward, mp_policy=mp)
+    if options.cpu_offload:  # pinned host memory only where there is a device to copy to
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in part.layers.values():
         if layout.ep > 1:
             for experts in expert_modules(block):
@@ -346,7 +355,8 @@ def parallelize(
             for part in parts_m:
                 _apply_fsdp(part, mesh, layout, options)
             if meta:  # FSDP2 sharded the meta parameters: allocate and initialise this rank's shards only
-                materialize(model, parts_m, device, init_seed)
+                host = torch.device("cpu") if options.cpu_offload else device  # offload: shards on the host
+                materialize(model, parts_m, host, init_seed, buffer_device=device)
         module = model
     if layout.pp > 1:
         pipeline = PipelineRunner(

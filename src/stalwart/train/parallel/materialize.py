@@ -38,10 +38,18 @@ def parameter_name(name: str) -> str:
     return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
 
 
-def materialize(model: nn.Module, parts: Iterable[nn.Module], device: torch.device, seed: int) -> None:
+def materialize(
+    model: nn.Module,
+    parts: Iterable[nn.Module],
+    device: torch.device,
+    seed: int,
+    buffer_device: torch.device | None = None,
+) -> None:
     """Allocate ``model`` (and the pipeline stage modules ``parts``, which share its submodules) on
     ``device`` — only this rank's shards — then initialise every parameter from ``seed`` and its name
-    and recompute the buffers. ``model`` must have ``initial_value`` (``Transformer`` does)."""
+    and recompute the buffers, moved to ``buffer_device`` when given (FSDP2's CPU offload keeps the
+    shards on the host but computes with the buffers on the GPU). ``model`` must have
+    ``initial_value`` (``Transformer`` does)."""
     modules = [model, *(p for p in parts if p is not model)]
     for m in modules:  # every allocation first: a stage's to_empty must not wipe initialised weights
         m.to_empty(device=device)
@@ -59,3 +67,6 @@ def materialize(model: nn.Module, parts: Iterable[nn.Module], device: torch.devi
             init = getattr(sub, "init_buffers", None)
             if callable(init):
                 init()
+            if buffer_device is not None and buffer_device != device:
+                for key, buf in sub.named_buffers(recurse=False):
+                    setattr(sub, key, buf.to(buffer_device))

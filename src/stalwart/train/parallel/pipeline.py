@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from stalwart.models.llama import rope_tables
+from stalwart.models.llama import embed, rope_tables
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -108,6 +108,7 @@ class StageModule(nn.Module):
         self.args = model.args
         self.tok_embeddings = model.tok_embeddings if first else None
         self.pos_embeddings = model.pos_embeddings if first else None
+        self.embed_norm = model.embed_norm if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
@@ -125,10 +126,7 @@ class StageModule(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
-            seq = h.shape[1]
-            h = self.tok_embeddings(h)
-            if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(seq, device=h.device))
+            h = embed(self, h)
         for layer in self.layers.values():
             h = layer(h, self.rope)
         if self.output is not None:
@@ -152,6 +150,8 @@ def split_model(
         model.tok_embeddings = None
         if getattr(model, "pos_embeddings", None) is not None:
             model.pos_embeddings = None
+        if getattr(model, "embed_norm", None) is not None:
+            model.embed_norm = None
     if n_stages - 1 not in ids:
         if model.args.tie_embeddings:
             raise ValueError(
