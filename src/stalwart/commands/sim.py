@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 SOURCES = ("elasticflow", "pollux")
+LEARNED = ("hypersched", "mlfs")  # pollux only: the learned policy and its greedy baseline (sched/mlfs_*.py)
 LAYOUT = {"elasticflow": ("traces", "throughputs_A100"), "pollux": ("traces", "workloads")}  # what --data holds
 
 
@@ -43,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="one JSON summary on stdout")
     p.add_argument("--plot", metavar="PNG", help="write a figure: DSR per trace or average JCT per workload")
+    p.add_argument("--episodes", type=int, default=80, help="mlfs: training episodes (default 80)")
+    p.add_argument("--budget-s", type=float, default=600.0, help="mlfs: stop training after this long (default 600)")
+    p.add_argument("--checkpoint", type=Path, help="mlfs: resume training from / save it to this file")
     p.set_defaults(handler=run)
 
 
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace, *_: Any) -> int:
         from stalwart.sched import pollux_sim as sim  # type: ignore[no-redef]
 
         traces = _numbers(args.traces, range(1, 9), "workload")
-    policies = _policies(args.policies, sim.POLICIES)
+    policies = _policies(args.policies, sim.POLICIES + (LEARNED if args.source == "pollux" else ()))
     kwargs: dict[str, Any] = {"seed": args.seed}
     if args.restart_cost is not None:
         kwargs["restart_cost_s"] = args.restart_cost
@@ -93,20 +97,27 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     rows = []
     from rich.progress import Progress
 
+    learned: dict[str, Any] = {}
     with Progress(console=_console(args.json), transient=True) as bar:
+        if set(policies) & set(LEARNED):
+            from stalwart.sched.mlfs_sim import prepare
+
+            learned = prepare(args, policies, kwargs, bar)
         overall = bar.add_task("simulating", total=len(traces) * len(policies))
         for trace in traces:
             for policy in policies:
                 task = bar.add_task(f"{trace} · {policy}", total=None)
                 started = time.perf_counter()
-                result = sim.simulate(trace, policy, progress=_updater(bar, task), **kwargs)
+                simulate = learned["simulate"] if policy in LEARNED else sim.simulate
+                result = simulate(trace, policy, progress=_updater(bar, task), **kwargs)
                 bar.remove_task(task)
                 bar.advance(overall)
                 rows.append({**result.summary(), "wall_s": round(time.perf_counter() - started, 3)})
     if args.plot:
         _plot(rows, args.source, Path(args.plot))
     if args.json:
-        print(json.dumps({"source": args.source, "results": rows}, default=float))
+        extra = {"mlfs_training": learned["report"]} if "report" in learned else {}
+        print(json.dumps({"source": args.source, "results": rows, **extra}, default=float))
     else:
         _print_table(rows, args.source)
     return 0

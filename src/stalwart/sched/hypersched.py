@@ -52,8 +52,7 @@ class HyperSched:
         counts = [RUNGS[r] for r in rung]
         for i, job in enumerate(jobs):  # hysteresis, within what is left
             have = len(job.alloc)
-            if have and counts[i] and rung_of(have) != rung[i] and abs(rung_of(have) - rung[i]) == 1:
-                if have - counts[i] <= free:
-                    free -= have - counts[i]
-                    counts[i] = have
+            if have and counts[i] and abs(rung_of(have) - rung[i]) == 1 and have - counts[i] <= free:
+                free -= have - counts[i]
+                counts[i] = have
         return counts

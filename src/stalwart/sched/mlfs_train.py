@@ -210,7 +210,7 @@ def _reinforce(
     theirs = np.cumsum(np.asarray(base.costs)[::-1])[::-1]
     adv = []
     for d in decisions:
-        k = int(round(d.now / config.interval_s))
+        k = round(d.now / config.interval_s)
         adv.append((theirs[k] if k < len(theirs) else 0.0) - (ours[k] if k < len(ours) else 0.0))
     adv_t = torch.tensor(adv, dtype=torch.float32)
     adv_t = adv_t / (adv_t.abs().mean() + 1e-6)
