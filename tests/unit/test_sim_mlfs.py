@@ -77,12 +77,12 @@ def test_no_policy_output_gets_more_gpus_than_the_cluster_has():
     net = make_net(0)
     with torch.no_grad():
         net[-1].bias.copy_(torch.arange(len(RUNGS), dtype=torch.float32) * 10)  # every job wants 64 GPUs
-    jobs = load_jobs(Window(1, 0, 12))
+    jobs = load_jobs(Window(1, 0, 6))
     assert sum(Greedy(net)(0.0, jobs, 8)) > 8, "the network asks for more than there is"
     assert sum(grant(jobs, [64] * len(jobs), 8)) <= 8
     for chooser in (Greedy(net), Sampler(make_net(1), HyperSched(), torch.Generator().manual_seed(0)), HyperSched()):
         checked = _Checked(chooser, 8)
-        ep = run_episode(load_jobs(Window(1, 0, 12)), checked, gpus=8)
+        ep = run_episode(load_jobs(Window(1, 0, 6)), checked, gpus=8)
         assert checked.calls > 10 and all(o.finish is not None for o in ep.outcomes)
         assert ep.jct_hours == pytest.approx(sum(o.jct for o in ep.outcomes) / 3600)
 

@@ -1,6 +1,7 @@
 """`stalwart sim`: the cluster simulator — scheduling policies replayed over public traces.
 
-Two sources, each with its published figure to compare against:
+Two sources, each with its published figure to compare against (pollux also runs `hypersched` and the
+learned `mlfs`, trained first: `--episodes`, `--budget-s`, `--checkpoint`; docs/sched.md):
   - ``elasticflow``: the ITP cluster traces of ElasticFlow (ASPLOS'23) with deadlines, on A100
     throughputs; deadline satisfaction ratio (DSR) per trace, as in their Fig. 8b.
   - ``pollux``: the 8 synthetic workloads of Pollux (OSDI'21) on 64 GPUs, with measured throughput
