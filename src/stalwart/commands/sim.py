@@ -1,6 +1,8 @@
 """`stalwart sim`: the cluster simulator — scheduling policies replayed over public traces.
 
-Three sources, each with its published figure to compare against:
+Three sources, each with its published figure to compare against (pollux also runs `hypersched` and,
+when named in --policies, the learned `mlfs`, trained first: `--episodes`, `--budget-s`, `--checkpoint`;
+docs/sched.md):
   - ``elasticflow``: the ITP cluster traces of ElasticFlow (ASPLOS'23) with deadlines, on A100
     throughputs; deadline satisfaction ratio (DSR) per trace, as in their Fig. 8b.
   - ``pollux``: the 8 synthetic workloads of Pollux (OSDI'21) on 64 GPUs, with measured throughput
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 SOURCES = ("elasticflow", "pollux", "sharing")
+LEARNED = ("hypersched", "mlfs")  # pollux only: the learned policy and its greedy baseline (sched/mlfs_*.py)
 LAYOUT = {"elasticflow": ("traces", "throughputs_A100"), "pollux": ("traces", "workloads")}  # what --data holds
 
 
@@ -40,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="which traces, comma-separated: elasticflow cluster numbers 1-10 (default all), pollux "
         "workload numbers 1-8 (default all); sharing: names cluster01..cluster10, workload1..workload8",
     )
-    p.add_argument("--policies", help="comma-separated policies (default: every policy of the source)")
+    p.add_argument(
+        "--policies", help="comma-separated policies (default: every policy of the source but mlfs, which trains first)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same answer (default 0)")
     p.add_argument("--restart-cost", type=float, default=None, help="seconds each reallocation costs stalwart's policy")
     p.add_argument(
@@ -51,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-jobs", type=int, help="sharing: only each trace's first N jobs")
     p.add_argument("--json", action="store_true", help="one JSON summary on stdout")
     p.add_argument("--plot", metavar="PNG", help="write a figure: DSR per trace or average JCT per workload")
+    p.add_argument("--episodes", type=int, default=80, help="mlfs: training episodes (default 80)")
+    p.add_argument("--budget-s", type=float, default=600.0, help="mlfs: stop training after this long (default 600)")
+    p.add_argument("--checkpoint", type=Path, help="mlfs: resume training from / save it to this file")
     p.set_defaults(handler=run)
 
 
@@ -68,7 +76,8 @@ def _numbers(text: str | None, valid: range, what: str) -> list[int]:
 
 
 def _policies(text: str | None, known: tuple[str, ...]) -> list[str]:
-    chosen = [p.strip() for p in text.split(",") if p.strip()] if text else list(known)
+    """The named policies, or every one but ``mlfs`` (it trains for minutes first: only when named)."""
+    chosen = [p.strip() for p in text.split(",") if p.strip()] if text else [p for p in known if p != "mlfs"]
     unknown = [p for p in chosen if p not in known]
     if unknown or not chosen:
         raise ValueError(f"--policies: unknown {unknown or text!r}; choose from {', '.join(known)}")
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace, *_: Any) -> int:
         from stalwart.sched import pollux_sim as sim  # type: ignore[no-redef]
 
         traces = _numbers(args.traces, range(1, 9), "workload")
-    policies = _policies(args.policies, sim.POLICIES)
+    policies = _policies(args.policies, sim.POLICIES + (LEARNED if args.source == "pollux" else ()))
     kwargs: dict[str, Any] = {"seed": args.seed}
     if args.restart_cost is not None:
         kwargs["restart_cost_s"] = args.restart_cost
@@ -105,20 +114,27 @@ def run(args: argparse.Namespace, *_: Any) -> int:
     rows = []
     from rich.progress import Progress
 
+    learned: dict[str, Any] = {}
     with Progress(console=_console(args.json), transient=True) as bar:
+        if set(policies) & set(LEARNED):
+            from stalwart.sched.mlfs_sim import prepare
+
+            learned = prepare(args, policies, kwargs, bar)
         overall = bar.add_task("simulating", total=len(traces) * len(policies))
         for trace in traces:
             for policy in policies:
                 task = bar.add_task(f"{trace} · {policy}", total=None)
                 started = time.perf_counter()
-                result = sim.simulate(trace, policy, progress=_updater(bar, task), **kwargs)
+                simulate = learned["simulate"] if policy in LEARNED else sim.simulate
+                result = simulate(trace, policy, progress=_updater(bar, task), **kwargs)
                 bar.remove_task(task)
                 bar.advance(overall)
                 rows.append({**result.summary(), "wall_s": round(time.perf_counter() - started, 3)})
     if args.plot:
         _plot(rows, args.source, Path(args.plot))
     if args.json:
-        print(json.dumps({"source": args.source, "results": rows}, default=float))
+        extra = {"mlfs_training": learned["report"]} if "report" in learned else {}
+        print(json.dumps({"source": args.source, "results": rows, **extra}, default=float))
     else:
         _print_table(rows, args.source)
     return 0
