@@ -44,7 +44,7 @@ class Node:
     keeper_up: bool = True
     incarnation: int = 0
     seq: int = 0
-    pins: set[Key] = field(default_factory=set)
+    pins: dict[Key, int] = field(default_factory=dict)  # key → the newest plan that pinned it
     task: tuple[int, int, Key] | None = None  # (plan, attempt, key) whose shards it writes
     todo: list[int] = field(default_factory=list)  # ranks whose shards are still to write
     stopped: bool = False  # its workers of the current epoch are gone
@@ -81,6 +81,7 @@ class World:
         self.may_restart: ev.RestartMayProceed | None = None
         self.failure_truth: Key | None = None  # the newest key every rank held when the execution ended
         self.excused = False  # a fault since the failure that may cost the save (node, keeper, storage)
+        self.saves: list[dict[str, Any]] = []  # per failure: the step to save, latest then, excused
         self.declared: tuple[int, float, int] | None = None  # old: rank 0's node's (newest, started, epoch)
         self.ended = False
         self.trace: list[str] = []
@@ -228,14 +229,12 @@ class World:
     def keeper_handle(self, node: Node, msg: Any) -> None:
         if isinstance(msg, ev.Release):
             if msg.free:
-                node.pins.clear()
                 for r in node.ranks:
                     self.ranks[r].slots = [None, None]
-            elif msg.key is None:
-                node.pins.clear()
-            else:
-                node.pins.discard(msg.key)
-            if node.task is not None and (msg.key is None or node.task[2] == msg.key):
+            for key, plan in list(node.pins.items()):
+                if (msg.key is None or key == msg.key) and plan <= msg.upto:
+                    del node.pins[key]
+            if node.task is not None and node.task[2] not in node.pins:
                 node.task, node.todo = None, []  # an unpinned snapshot is no longer written
             return
         if (msg.plan, msg.attempt) <= node.last_plan:
@@ -249,41 +248,42 @@ class World:
         if not holds:
             self.to_decider(ev.Pinned(node.name, msg.plan, False, "not held"))
             return
-        node.pins.add(key)
+        node.pins[key] = max(msg.plan, node.pins.get(key, 0))
         node.task, node.todo = (msg.plan, msg.attempt, key), list(node.ranks)
         self.to_decider(ev.Pinned(node.name, msg.plan, True))
 
     def _moved_on(self, node: Node, key: Key) -> bool:
         """Old design: a cursor past ``key`` answers "missing", unless the cursor's snapshot is a dead end."""
         c, declared = node.cursor, self.declared
-        if c is None or c[0] <= key[0]:
+        if c is None or c[0] <= key[0] or 0 in node.ranks:  # the coordinator reads the others' cursors
             return False
-        if declared is not None and c[0] > declared[0]:
-            if self.rules.dead_end_by_clock and c[2] < declared[1]:  # captured before it, by two clocks
+        if declared is not None:
+            if self.rules.dead_end_by_clock and c[0] > declared[0] and c[2] < declared[1]:  # by two clocks
                 return False
-            if self.rules.dead_end_by_epoch and c[1] <= declared[2]:  # of the failed execution
+            if self.rules.dead_end_by_epoch and c[1] <= declared[2]:  # of the failed execution: integers
                 return False
         return True
 
     def write(self, name: str) -> None:
         node = self.nodes[name]
-        plan, _, key = node.task
+        plan, attempt, key = node.task
         r = node.todo.pop()
         self.shards.setdefault((key[0], plan), {})[r] = (key, True)
         if not node.todo:
             if node.cursor is not None and node.cursor[0] == key[0]:
                 node.cursor = None
-            self.to_decider(ev.Wrote(name, plan, True))
+            self.to_decider(ev.Wrote(name, plan, attempt, True))
 
     def storage_fails(self, name: str) -> None:
         node = self.nodes[name]
-        self.excused = True
-        self.to_decider(ev.Wrote(name, node.task[0], False, "storage failed"))
+        self.excuse()
+        self.to_decider(ev.Wrote(name, node.task[0], node.task[1], False, "storage failed"))
         node.todo = []
 
     def kill_keeper(self, name: str, mid_write: bool) -> None:
         node = self.nodes[name]
-        node.keeper_up, self.excused = False, True
+        node.keeper_up = False
+        self.excuse()
         if mid_write:
             plan, _, key = node.task
             self.shards.setdefault((key[0], plan), {})[node.todo[-1]] = (key, False)  # torn shard
@@ -306,6 +306,8 @@ class World:
         self.to_decider(ev.WorkersGone(name, self.epoch, self.holdings(node)))
         if all(n.stopped or not n.up for n in self.nodes.values()):
             self.failure_truth = self._common()
+            if self.failure_truth is not None and not self.excused:
+                self.saves.append({"key": self.failure_truth, "floor": self.latest, "excused": False})
 
     def _common(self) -> Key | None:
         counts: dict[Key, int] = {}
@@ -318,10 +320,11 @@ class World:
 
     def lose_node(self, name: str) -> None:
         node = self.nodes[name]
-        node.up, node.keeper_up, node.pins, node.todo = False, False, set(), []
+        node.up, node.keeper_up, node.pins, node.todo = False, False, {}, []
         for r in node.ranks:
             self.ranks[r].alive, self.ranks[r].slots, self.ranks[r].copying = False, [None, None], None
-        self.failing, self.excused = True, True
+        self.failing = True
+        self.excuse()
         self.net = [(d, m) for d, m in self.net if d != name and getattr(m, "node", None) != name]
         self.decide(ev.NodeLost(name, self.epoch))  # membership is the decider's own (the master)
         self.fault_log.append(f"node {name} lost at {self.now:.2f}")
@@ -396,11 +399,18 @@ class World:
         self.ended = True
         self.to_decider(ev.JobEnded())
 
+    def excuse(self) -> None:
+        """A fault that may cost a save in flight (a node, a keeper, storage): its save is excused."""
+        self.excused = True
+        for save in self.saves:
+            if save["key"][0] not in self.committed:
+                save["excused"] = True
+
     # storage
     def commit(self, fails: bool) -> None:
         plan, step = self.commits.pop(0)
         if fails:
-            self.excused = True
+            self.excuse()
             self.to_decider(ev.Committed(plan, False, "storage failed"))
             return
         key = self.plans[plan]
@@ -437,9 +447,13 @@ class World:
                 f"failing={self.failing} may_restart={self.may_restart} restarts={self.restarts}")
 
     def check_end(self) -> None:
-        """At quiescence: the job ended, no snapshot is left in memory, and a saved failure committed."""
+        """At quiescence: the job ended, each failure's save committed, no snapshot is left in memory."""
         if not self.ended:
             raise Violation(f"deadlock: nothing can happen and the job has not ended; {self.summary()}")
+        for save in self.saves:
+            step, floor = save["key"][0], save["floor"]
+            if not save["excused"] and step not in self.committed and (floor is None or floor < step):
+                raise Violation(f"save-on-failure never committed step {step}, held by every rank at the failure")
         left = [(r.rank, r.slots) for r in self.ranks.values() if any(r.slots) and self.nodes[r.node].up]
         if left:
             raise Violation(f"snapshots left in memory after the job ended: {left}")

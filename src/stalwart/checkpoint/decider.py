@@ -34,6 +34,7 @@ class Decider:
         self.due: int | None = None  # newest step due in this epoch, not yet planned
         self.latest: int | None = None  # the newest committed step
         self.failure: dict[str, Any] | None = None  # the failed execution's save, until restart may proceed
+        self.lost: list[str] = []  # nodes lost in this epoch (membership)
         self.settled = -1  # the newest epoch whose failure was settled: later word of it is late
         self.ended = False
         self.log: list[str] = []
@@ -53,6 +54,7 @@ class Decider:
             "due": self.due,
             "latest": self.latest,
             "failure": _plain(self.failure),
+            "lost": self.lost,
             "settled": self.settled,
             "ended": self.ended,
         }
@@ -66,7 +68,7 @@ class Decider:
         d.plan = _unplain(state["plan"])
         d.next_plan, d.due, d.latest = state["next_plan"], state["due"], state["latest"]
         d.failure = _unplain(state["failure"])
-        d.settled, d.ended = state["settled"], state["ended"]
+        d.settled, d.ended, d.lost = state["settled"], state["ended"], list(state["lost"])
         return d
 
     # -- queries ---------------------------------------------------------------------------------
@@ -116,12 +118,12 @@ class Decider:
         self.pins[e.node] = [(s, ep) for s, ep, _, pinned in e.held if pinned]
         if self.ended:
             if e.held:
-                out.append(ev.Release(e.node, None, self.epoch, free=True))
+                out.append(ev.Release(e.node, None, self.next_plan, self.epoch, free=True))
             return
         wanted = tuple(self.plan["key"]) if self.plan and e.node in self.plan["nodes"] else None
         for key in self.pins[e.node]:  # a pin nobody needs any more (its release was lost with a keeper)
             if key != wanted:
-                out.append(ev.Release(e.node, key, self.epoch))
+                out.append(ev.Release(e.node, key, self.next_plan - 1, self.epoch))
         if restarted and self.plan and e.node in self.plan["nodes"] and e.node not in self.plan["wrote"]:
             self._retry(f"node {e.node}'s keeper restarted", out)
         self._advance(out)
@@ -162,6 +164,9 @@ class Decider:
         plan = self._current(e.plan, e.node)
         if plan is None:
             return
+        if e.attempt != plan["attempt"]:
+            self._note(f"ignored node {e.node}'s word on attempt {e.attempt} of plan {e.plan} (now {plan['attempt']})")
+            return
         if not e.ok:
             self._retry(f"node {e.node} failed writing: {e.reason}", out)
             return
@@ -199,6 +204,7 @@ class Decider:
         if self._open_failure(e.epoch, out):
             self.failure["final"][e.node] = {}  # its memory is gone with it
         self.held[e.node], self.pins[e.node] = {}, []
+        self.lost.append(e.node)
         if self.plan and e.node in self.plan["nodes"]:
             self._lost_in_plan(e.node, out)
         self._advance(out)
@@ -224,7 +230,7 @@ class Decider:
                 self._end_plan(f"epoch {e.epoch} began before the save was pinned", out)
             if not self.failure.get("preempted"):
                 self.failure = None  # a released save goes on in the background, as a plain plan
-        self.epoch, self.due = e.epoch, None
+        self.epoch, self.due, self.lost = e.epoch, None, []
         self.nodes = {n: sorted(r) for n, r in e.nodes}
         for n in self.nodes:
             self.held.setdefault(n, {})
@@ -242,7 +248,7 @@ class Decider:
             out.append(ev.GiveUp(self.plan["id"], self.plan["key"][0], "the job ended", self.epoch))
             self.plan = None
         self.due, self.failure = None, None
-        out.append(ev.Release(None, None, self.epoch, free=True))
+        out.append(ev.Release(None, None, self.next_plan, self.epoch, free=True))
 
     def _on_Timeout(self, e: ev.Timeout, out: list[Decision]) -> None:
         self._note(f"ignored timer {e.token}: this decider sets none")
@@ -345,6 +351,10 @@ class Decider:
 
     def _retry(self, why: str, out: list[Decision]) -> None:
         plan = self.plan
+        if lost := [n for n in plan["nodes"] if n in self.lost]:
+            self._end_plan(f"{why}; node {lost[0]} is lost", out)
+            self._advance(out)
+            return
         if plan["attempt"] >= self.max_attempts:
             self._end_plan(f"{why} (attempt {plan['attempt']} of {self.max_attempts})", out)
             self._advance(out)
@@ -364,7 +374,7 @@ class Decider:
 
     def _finish(self, out: list[Decision], committed: bool = True) -> None:
         plan, self.plan = self.plan, None
-        out.append(ev.Release(None, tuple(plan["key"]), self.epoch))
+        out.append(ev.Release(None, tuple(plan["key"]), plan["id"], self.epoch))
         f = self._failure_of(plan)
         if f is not None:
             if not committed and not f["released"]:

@@ -45,10 +45,12 @@ class Pinned:
 
 @dataclass(frozen=True)
 class Wrote:
-    """The node wrote (and fsynced) its ranks' shards for plan ``plan`` (``ok``), or failed to."""
+    """The node wrote (and fsynced) its ranks' shards for ``attempt`` of plan ``plan`` (``ok``), or
+    failed to. Only the current attempt counts: an earlier one's shards may have been rewritten since."""
 
     node: str
     plan: int
+    attempt: int
     ok: bool
     reason: str = ""
 
@@ -147,11 +149,13 @@ class GiveUp:
 
 @dataclass(frozen=True)
 class Release:
-    """``node`` (every node when None): unpin ``key`` (every key when None); ``free``: drop the
+    """``node`` (every node when None): unpin ``key`` (every key when None) where plan ``upto`` or an
+    earlier one pinned it — a pin of a later plan (this word came late) stays; ``free``: drop the
     snapshots too (the job ended)."""
 
     node: str | None
     key: Key | None
+    upto: int
     epoch: int
     free: bool = False
 
