@@ -223,7 +223,7 @@ class Decider:
 
     def _on_EpochBegan(self, e: ev.EpochBegan, out: list[Decision]) -> None:
         if e.epoch <= self.epoch:
-            self._note(f"ignored a late start of epoch {e.epoch}")
+            self._note(f"ignored late start of epoch {e.epoch}")
             return
         if self.failure is not None:
             if not self.failure["released"] and self.plan and self._failure_of(self.plan) is not None:
