@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from stalwart.checkpoint import decider_events as ev
 from tests.protocol.old_design import VARIANTS
-from tests.protocol.sim import TICK_S, Violation, World
+from tests.protocol.invariants import Violation
+from tests.protocol.sim import TICK_S, World
 
 MAX_STEPS = 4000  # a schedule that has not ended by then is a livelock
 FAULT_P = 0.06  # the chance that the next action is a fault, while the schedule's budget lasts
@@ -37,7 +38,8 @@ class Outcome:
 
     def replay(self) -> str:
         skew = f" --skew {self.skew}" if self.skew else ""
-        return f"PYTHONPATH=src python -m tests.protocol.explore --seed {self.seed} --variant {self.variant}{skew} --trace"
+        cmd = "PYTHONPATH=src python -m tests.protocol.explore"
+        return f"{cmd} --seed {self.seed} --variant {self.variant}{skew} --trace"
 
 
 def run(seed: int, variant: str = "new", skew: float = 0.0, keep_trace: bool = False) -> Outcome:
@@ -100,7 +102,9 @@ _FAULTS = {
 }
 
 
-def explore(seeds: range, variant: str = "new", skew: float = 0.0, stop_at_first: bool = False) -> tuple[list[Outcome], Counter]:
+def explore(
+    seeds: range, variant: str = "new", skew: float = 0.0, stop_at_first: bool = False
+) -> tuple[list[Outcome], Counter]:
     """Run every seed; the violations, and how often each fault and outcome came up (coverage)."""
     bad: list[Outcome] = []
     seen: Counter = Counter()
@@ -129,7 +133,8 @@ def main() -> None:
     if a.trace:
         out = run(a.seed, a.variant, a.skew, keep_trace=True)
         print("\n".join(out.trace))
-        print(f"seed {a.seed} [{a.variant}]: {out.violation or 'no violation'} after {out.steps} steps; faults {out.faults}")
+        verdict = out.violation or "no violation"
+        print(f"seed {a.seed} [{a.variant}]: {verdict} after {out.steps} steps; faults {out.faults}")
         sys.exit(1 if out.violation else 0)
     bad, seen = explore(range(a.seed, a.seed + a.count), a.variant, a.skew)
     print(dict(seen))

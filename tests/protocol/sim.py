@@ -13,15 +13,12 @@ from typing import Any
 
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider import Decider
+from tests.protocol.invariants import StorageAndChecks
 from tests.protocol.old_design import NEW, OldDecider, OldRules
 
 TICK_S = 0.05  # simulated seconds per step
 Action = tuple[str, Callable[..., None], tuple[Any, ...]]
 Key = tuple[int, int]
-
-
-class Violation(AssertionError):
-    """An invariant failed on this schedule."""
 
 
 @dataclass
@@ -52,7 +49,7 @@ class Node:
     cursor: tuple[int, int, float] | None = None  # old design: (step, epoch, taken) it began on its own
 
 
-class World:
+class World(StorageAndChecks):
     def __init__(self, n_nodes: int, per_node: int, steps: int, every: int, restarts: int, rules: OldRules = NEW,
                  skew: float = 0.0) -> None:  # fmt: skip
         self.rules, self.steps, self.every, self.restarts = rules, steps, every, restarts
@@ -136,7 +133,7 @@ class World:
     # -- actions --------------------------------------------------------------------------------
     def actions(self, faults: bool) -> list[Action]:
         acts: list[Action] = []
-        for i, (dest, msg) in enumerate(self.net):
+        for i, (dest, _) in enumerate(self.net):
             node = self.nodes.get(dest)
             if node is None or node.keeper_up:
                 acts.append(("deliver", self.deliver, (i,)))
@@ -144,9 +141,8 @@ class World:
         for rank in self.ranks.values():
             if rank.copying is not None and rank.alive:
                 acts.append(("publish", self.publish, (rank.rank,)))
-            elif not self.failing and not self.ended:
-                if rank.trained < self.steps and rank.trained == low and self._free_slot(rank) is not None:
-                    acts.append(("train", self.train, (rank.rank,)))
+            elif self._may_train(rank, low):
+                acts.append(("train", self.train, (rank.rank,)))
         for node in self.nodes.values():
             if node.keeper_up and node.todo:
                 acts.append(("write", self.write, (node.name,)))
@@ -186,6 +182,11 @@ class World:
         return acts
 
     # workers
+    def _may_train(self, rank: Rank, low: int) -> bool:
+        """In lockstep: a rank trains step s+1 once every rank trained s, into a slot not pinned."""
+        ok = not self.failing and not self.ended and rank.trained < self.steps and rank.trained == low
+        return ok and self._free_slot(rank) is not None
+
     def _free_slot(self, rank: Rank) -> int | None:
         pins = self.nodes[rank.node].pins
         free = [i for i, k in enumerate(rank.slots) if k is None or k not in pins]
@@ -398,62 +399,3 @@ class World:
             self.check_restart_saved(final=True)
         self.ended = True
         self.to_decider(ev.JobEnded())
-
-    def excuse(self) -> None:
-        """A fault that may cost a save in flight (a node, a keeper, storage): its save is excused."""
-        self.excused = True
-        for save in self.saves:
-            if save["key"][0] not in self.committed:
-                save["excused"] = True
-
-    # storage
-    def commit(self, fails: bool) -> None:
-        plan, step = self.commits.pop(0)
-        if fails:
-            self.excuse()
-            self.to_decider(ev.Committed(plan, False, "storage failed"))
-            return
-        key = self.plans[plan]
-        got = self.shards.get((step, plan), {})
-        bad = [r for r in self.ranks if got.get(r) != (key, True)]
-        if bad:
-            raise Violation(f"committed step {step} is incomplete: ranks {bad} lack verifying shards of {key}")
-        if self.latest is not None and step < self.latest:
-            raise Violation(f"latest moved back from {self.latest} to {step}")
-        self.latest = step
-        self.committed.append(step)
-        self.saved_on_failure += plan in self.failure_plans
-        self.to_decider(ev.Committed(plan, True))
-
-    # -- invariants -----------------------------------------------------------------------------
-    def check_restart_saved(self, final: bool = False) -> None:
-        """Save-on-failure: the newest step every rank held is restored (restart) or committed (the end)."""
-        truth = self.failure_truth
-        if truth is None or self.excused:
-            return
-        if final:
-            if self.latest is None or self.latest < truth[0]:
-                raise Violation(f"the job ended without step {truth[0]}, held by every rank (latest {self.latest})")
-        else:
-            restored = self._restore_step()
-            if restored < truth[0]:
-                raise Violation(f"the restart resumed from step {restored}, every rank held step {truth[0]}")
-
-    def summary(self) -> str:
-        d = self.decider
-        ranks = [(r.rank, r.node, r.alive, r.trained, r.slots) for r in self.ranks.values()]
-        nodes = [(n.name, n.up, n.keeper_up, sorted(n.pins), n.todo) for n in self.nodes.values()]
-        return (f"decider plan={d.plan} due={d.due} failure={d.failure}; ranks={ranks}; nodes={nodes}; "
-                f"failing={self.failing} may_restart={self.may_restart} restarts={self.restarts}")
-
-    def check_end(self) -> None:
-        """At quiescence: the job ended, each failure's save committed, no snapshot is left in memory."""
-        if not self.ended:
-            raise Violation(f"deadlock: nothing can happen and the job has not ended; {self.summary()}")
-        for save in self.saves:
-            step, floor = save["key"][0], save["floor"]
-            if not save["excused"] and step not in self.committed and (floor is None or floor < step):
-                raise Violation(f"save-on-failure never committed step {step}, held by every rank at the failure")
-        left = [(r.rank, r.slots) for r in self.ranks.values() if any(r.slots) and self.nodes[r.node].up]
-        if left:
-            raise Violation(f"snapshots left in memory after the job ended: {left}")
