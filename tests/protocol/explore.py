@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from stalwart.checkpoint import decider_events as ev
-from tests.protocol.old_design import VARIANTS
 from tests.protocol.invariants import Violation
+from tests.protocol.old_design import VARIANTS
 from tests.protocol.sim import TICK_S, World
 
 MAX_STEPS = 4000  # a schedule that has not ended by then is a livelock

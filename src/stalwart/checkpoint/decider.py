@@ -39,14 +39,13 @@ class Decider:
         self.ended = False
         self.log: list[str] = []
 
-    # -- serialisation ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Everything the decider knows, as JSON-able values (keys become "step:epoch" strings)."""
         return {
             "epoch": self.epoch,
             "nodes": self.nodes,
             "max_attempts": self.max_attempts,
-            "held": {n: {f"{k[0]}:{k[1]}": r for k, r in h.items()} for n, h in self.held.items()},
+            "held": _dump(self.held),
             "pins": {n: [list(k) for k in p] for n, p in self.pins.items()},
             "seen": {n: list(s) for n, s in self.seen.items()},
             "plan": _plain(self.plan),
@@ -62,7 +61,7 @@ class Decider:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Decider:
         d = cls(state["nodes"], state["epoch"], state["max_attempts"])
-        d.held = {n: {_key(k): list(r) for k, r in h.items()} for n, h in state["held"].items()}
+        d.held = _load(state["held"])
         d.pins = {n: [tuple(k) for k in p] for n, p in state["pins"].items()}
         d.seen = {n: (s[0], s[1]) for n, s in state["seen"].items()}
         d.plan = _unplain(state["plan"])
@@ -71,7 +70,6 @@ class Decider:
         d.settled, d.ended, d.lost = state["settled"], state["ended"], list(state["lost"])
         return d
 
-    # -- queries ---------------------------------------------------------------------------------
     def idle(self) -> bool:
         """Nothing in flight or pending: a job may end without losing a decided persist."""
         return self.plan is None and self.due is None and (self.failure is None or bool(self.failure.get("done")))
@@ -85,7 +83,6 @@ class Decider:
         full = [k for k, c in counts.items() if c >= len(self.world) and (below is None or k < below)]
         return max(full, key=lambda k: (k[0], k[1])) if full else None
 
-    # -- the machine -----------------------------------------------------------------------------
     def handle(self, event: Event) -> list[Decision]:
         out: list[Decision] = []
         if self.ended and not isinstance(event, ev.Holding):
@@ -253,7 +250,6 @@ class Decider:
     def _on_Timeout(self, e: ev.Timeout, out: list[Decision]) -> None:
         self._note(f"ignored timer {e.token}: this decider sets none")
 
-    # -- failures --------------------------------------------------------------------------------
     def _open_failure(self, epoch: int, out: list[Decision]) -> bool:
         """The failure of ``epoch``, opened now if it is not yet; False: its save is already settled."""
         if self.failure is None and epoch <= self.settled:
@@ -294,7 +290,6 @@ class Decider:
         self.settled = max(self.settled, self.failure["epoch"])
         self.failure = None if not self.failure["preempted"] else {**self.failure, "done": True}
 
-    # -- plans -----------------------------------------------------------------------------------
     def _advance(self, out: list[Decision]) -> None:
         """Start what is due, once nothing is in flight: the save-on-failure first, then a due step."""
         if self.plan is not None:
@@ -386,20 +381,18 @@ class Decider:
         self._advance(out)
 
 
-def _key(text: str) -> Key:
-    step, epoch = text.split(":")
-    return int(step), int(epoch)
+def _dump(held: dict[str, dict[Key, list[int]]]) -> dict[str, dict[str, list[int]]]:
+    return {n: {f"{k[0]}:{k[1]}": r for k, r in h.items()} for n, h in held.items()}
+
+
+def _load(held: dict[str, dict[str, list[int]]]) -> dict[str, dict[Key, list[int]]]:
+    return {n: {(int(k.split(":")[0]), int(k.split(":")[1])): list(r) for k, r in h.items()} for n, h in held.items()}
 
 
 def _plain(d: dict[str, Any] | None) -> dict[str, Any] | None:
     """A plan or failure as JSON-able values (a failure's final holdings keyed "step:epoch")."""
-    if d is None or "final" not in d:
-        return d
-    final = {n: {f"{k[0]}:{k[1]}": r for k, r in h.items()} for n, h in d["final"].items()}
-    return {**d, "final": final}
+    return d if d is None or "final" not in d else {**d, "final": _dump(d["final"])}
 
 
 def _unplain(d: dict[str, Any] | None) -> dict[str, Any] | None:
-    if d is None or "final" not in d:
-        return d
-    return {**d, "final": {n: {_key(k): r for k, r in h.items()} for n, h in d["final"].items()}}
+    return d if d is None or "final" not in d else {**d, "final": _load(d["final"])}
