@@ -32,7 +32,7 @@ def test_new_decider_keeps_every_invariant() -> None:
     assert seen["schedules"] == SCHEDULES
     assert seen["restarted"] > SCHEDULES // 10 and seen["saved on failure"] > SCHEDULES // 50
     for fault in explore._FAULTS:
-        assert seen[fault] > SCHEDULES // 500, (fault, dict(seen))
+        assert seen[fault] > 0, (fault, dict(seen))
 
 
 @pytest.mark.parametrize(
