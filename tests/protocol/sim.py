@@ -250,6 +250,7 @@ class World(StorageAndChecks):
             self.to_decider(ev.Pinned(node.name, msg.plan, False, "not held"))
             return
         node.pins[key] = max(msg.plan, node.pins.get(key, 0))
+        self.report(node)  # its pins too: one the decider no longer wants (a late plan) is released
         node.task, node.todo = (msg.plan, msg.attempt, key), list(node.ranks)
         self.to_decider(ev.Pinned(node.name, msg.plan, True))
 
