@@ -14,7 +14,7 @@ import pytest
 from tests.protocol import explore
 
 SCHEDULES = int(os.environ.get("STALWART_EXPLORE_SCHEDULES", "10000"))
-OLD_SEEDS = range(2000)  # each old rule is found well within this (first seeds: 34, 229, 67, 0, 3)
+OLD_SEEDS = range(2000)  # each old rule is found well within this (first seeds: 34, 102, 67, 0, 3)
 
 
 def _report(bad: list[explore.Outcome]) -> str:
@@ -58,7 +58,7 @@ def test_dead_end_by_wall_clock_breaks_with_skew_and_by_epoch_does_not() -> None
     rule by epoch holds on that schedule and on every other one."""
     skewed = [
         seed
-        for seed in range(300)
+        for seed in range(150)
         if explore.run(seed, "dead_end_by_clock", 0.0).violation is None
         and explore.run(seed, "dead_end_by_clock", 2.0).violation is not None
     ]
