@@ -1,0 +1,398 @@
+"""The one checkpoint decider: which step is persisted, saved on failure or given up (docs/protocol.md).
+
+A pure, deterministic state machine — no I/O, no threads, no clocks. ``handle(event)`` takes one
+event (``decider_events``: keepers' reports, membership, failures, preemption, due steps) and returns
+the decisions it makes. It lives where the job's membership is known (the master; rank 0's keeper
+through the rendezvous store without one), so a lost node is an event, never a timeout: a persist in
+flight when a node is lost is given up at once. Every wait is for an event, and every state has an exit
+when membership changes. Epochs, not clocks: snapshots are keyed ``(step, epoch)``; a message about an
+earlier epoch or an old plan is ignored and the log says so. ``state()`` is JSON-able, ``from_state``
+brings it back (the master's journal, the rendezvous store).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint.decider_events import Decision, Event, Key
+
+MAX_ATTEMPTS = 3  # a plan's writes or commit retried this often (storage failing, a keeper restarted)
+
+
+class Decider:
+    def __init__(self, nodes: dict[str, list[int]], epoch: int = 0, max_attempts: int = MAX_ATTEMPTS) -> None:
+        self.epoch = epoch
+        self.nodes: dict[str, list[int]] = {n: sorted(r) for n, r in nodes.items()}
+        self.world: list[int] = sorted(r for rs in self.nodes.values() for r in rs)
+        self.max_attempts = max_attempts
+        self.held: dict[str, dict[Key, list[int]]] = {n: {} for n in self.nodes}  # node → key → ranks
+        self.pins: dict[str, list[Key]] = {n: [] for n in self.nodes}  # what each node reports pinned
+        self.seen: dict[str, tuple[int, int]] = {}  # node → newest (incarnation, seq) heard
+        self.plan: dict[str, Any] | None = None  # the one persist in flight
+        self.next_plan = 1
+        self.due: int | None = None  # newest step due in this epoch, not yet planned
+        self.latest: int | None = None  # the newest committed step
+        self.failure: dict[str, Any] | None = None  # the failed execution's save, until restart may proceed
+        self.lost: list[str] = []  # nodes lost in this epoch (membership)
+        self.settled = -1  # the newest epoch whose failure was settled: later word of it is late
+        self.ended = False
+        self.log: list[str] = []
+
+    def state(self) -> dict[str, Any]:
+        """Everything the decider knows, as JSON-able values (keys become "step:epoch" strings)."""
+        return {
+            "epoch": self.epoch,
+            "nodes": self.nodes,
+            "max_attempts": self.max_attempts,
+            "held": _dump(self.held),
+            "pins": {n: [list(k) for k in p] for n, p in self.pins.items()},
+            "seen": {n: list(s) for n, s in self.seen.items()},
+            "plan": _plain(self.plan),
+            "next_plan": self.next_plan,
+            "due": self.due,
+            "latest": self.latest,
+            "failure": _plain(self.failure),
+            "lost": self.lost,
+            "settled": self.settled,
+            "ended": self.ended,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Decider:
+        d = cls(state["nodes"], state["epoch"], state["max_attempts"])
+        d.held = _load(state["held"])
+        d.pins = {n: [tuple(k) for k in p] for n, p in state["pins"].items()}
+        d.seen = {n: (s[0], s[1]) for n, s in state["seen"].items()}
+        d.plan = _unplain(state["plan"])
+        d.next_plan, d.due, d.latest = state["next_plan"], state["due"], state["latest"]
+        d.failure = _unplain(state["failure"])
+        d.settled, d.ended, d.lost = state["settled"], state["ended"], list(state["lost"])
+        return d
+
+    def idle(self) -> bool:
+        """Nothing in flight or pending: a job may end without losing a decided persist."""
+        return self.plan is None and self.due is None and (self.failure is None or bool(self.failure.get("done")))
+
+    def common(self, held: dict[str, dict[Key, list[int]]], below: Key | None = None) -> Key | None:
+        """The newest key every rank of the world holds (older than ``below``), or None."""
+        counts: dict[Key, int] = {}
+        for h in held.values():
+            for key, ranks in h.items():
+                counts[key] = counts.get(key, 0) + len(ranks)
+        full = [k for k, c in counts.items() if c >= len(self.world) and (below is None or k < below)]
+        return max(full, key=lambda k: (k[0], k[1])) if full else None
+
+    def handle(self, event: Event) -> list[Decision]:
+        out: list[Decision] = []
+        if self.ended and not isinstance(event, ev.Holding):
+            self._note(f"ignored {type(event).__name__}: the job ended")
+            return out
+        method = getattr(self, "_on_" + type(event).__name__)
+        method(event, out)
+        return out
+
+    def _note(self, line: str) -> None:
+        self.log.append(f"[epoch {self.epoch}] {line}")
+
+    def _late(self, what: str, epoch: int) -> bool:
+        """An event of an earlier epoch is late and ignored. One of a later epoch cannot come first: the
+        decider lives where membership is decided, so it hears ``EpochBegan`` before any node can."""
+        if epoch < self.epoch:
+            self._note(f"ignored late {what} from epoch {epoch}")
+            return True
+        assert epoch == self.epoch, f"{what} from epoch {epoch} before that epoch began (now {self.epoch})"
+        return False
+
+    def _on_Holding(self, e: ev.Holding, out: list[Decision]) -> None:
+        mark = (e.incarnation, e.seq)
+        if e.node not in self.nodes or mark <= self.seen.get(e.node, (-1, -1)):
+            self._note(f"ignored a stale or unknown report of node {e.node} {mark}")
+            return
+        restarted = e.node in self.seen and e.incarnation > self.seen[e.node][0]
+        self.seen[e.node] = mark
+        self.held[e.node] = {(s, ep): list(r) for s, ep, r, _ in e.held}
+        self.pins[e.node] = [(s, ep) for s, ep, _, pinned in e.held if pinned]
+        if self.ended:
+            if e.held:
+                out.append(ev.Release(e.node, None, self.next_plan, self.epoch, free=True))
+            return
+        wanted = tuple(self.plan["key"]) if self.plan and e.node in self.plan["nodes"] else None
+        for key in self.pins[e.node]:  # a pin nobody needs any more (its release was lost with a keeper)
+            if key != wanted:
+                out.append(ev.Release(e.node, key, self.next_plan - 1, self.epoch))
+        if restarted and self.plan and e.node in self.plan["nodes"] and e.node not in self.plan["wrote"]:
+            self._retry(f"node {e.node}'s keeper restarted", out)
+        self._advance(out)
+
+    def _on_PersistDue(self, e: ev.PersistDue, out: list[Decision]) -> None:
+        if self._late("persist due", e.epoch) or self.failure is not None or e.epoch <= self.settled:
+            return  # the execution failed: its save-on-failure decides
+        planned = self.plan["key"][0] if self.plan is not None and self.plan["key"][1] == self.epoch else None
+        if (self.latest is None or e.step > self.latest) and e.step > max(self.due or -1, planned or -1):
+            if self.due is not None:
+                self._note(f"coalesced: step {self.due} superseded by step {e.step}")
+            self.due = e.step
+        self._advance(out)
+
+    def _on_Pinned(self, e: ev.Pinned, out: list[Decision]) -> None:
+        plan = self._current(e.plan, e.node)
+        if plan is None:
+            return
+        if not e.ok:
+            self._end_plan(f"node {e.node} does not hold {tuple(plan['key'])}: {e.reason}", out)
+            self._advance(out)
+            return
+        self._pinned(plan, e.node, out)
+
+    def _pinned(self, plan: dict[str, Any], node: str, out: list[Decision]) -> None:
+        if node not in plan["pinned"]:
+            plan["pinned"].append(node)
+        f = self._failure_of(plan)
+        if f is not None and len(plan["pinned"]) == len(plan["nodes"]) and not f["released"]:
+            self._release_restart(tuple(plan["key"]), "every node holds it pinned", out)
+
+    def _failure_of(self, plan: dict[str, Any]) -> dict[str, Any] | None:
+        """The open failure this plan saves for, if it is that save."""
+        f = self.failure
+        return f if f is not None and plan["failure"] is not None and plan["failure"] == f["epoch"] else None
+
+    def _on_Wrote(self, e: ev.Wrote, out: list[Decision]) -> None:
+        plan = self._current(e.plan, e.node)
+        if plan is None:
+            return
+        if e.attempt != plan["attempt"]:
+            self._note(f"ignored node {e.node}'s word on attempt {e.attempt} of plan {e.plan} (now {plan['attempt']})")
+            return
+        if not e.ok:
+            self._retry(f"node {e.node} failed writing: {e.reason}", out)
+            return
+        self._pinned(plan, e.node, out)  # its Pinned may still be on its way
+        if e.node not in plan["wrote"]:
+            plan["wrote"].append(e.node)
+        if len(plan["wrote"]) == len(plan["nodes"]) and not plan["committing"]:
+            plan["committing"] = True
+            out.append(ev.Commit(plan["id"], plan["key"][0], self.epoch))
+
+    def _on_Committed(self, e: ev.Committed, out: list[Decision]) -> None:
+        plan = self._current(e.plan, None)
+        if plan is None:
+            return
+        if not e.ok:
+            plan["committing"] = False
+            self._retry(f"commit failed: {e.reason}", out)
+            return
+        self.latest = plan["key"][0]
+        self._note(f"committed step {self.latest} (plan {plan['id']})")
+        self._finish(out)
+
+    def _on_WorkersGone(self, e: ev.WorkersGone, out: list[Decision]) -> None:
+        if self._late(f"workers-gone of node {e.node}", e.epoch) or e.node not in self.nodes:
+            return
+        if not self._open_failure(e.epoch, out):
+            return
+        self.failure["final"][e.node] = {(s, ep): list(r) for s, ep, r, _ in e.held}
+        self._advance(out)
+
+    def _on_NodeLost(self, e: ev.NodeLost, out: list[Decision]) -> None:
+        if self._late(f"loss of node {e.node}", e.epoch) or e.node not in self.nodes:
+            return
+        self._note(f"node {e.node} lost")
+        if self._open_failure(e.epoch, out):
+            self.failure["final"][e.node] = {}  # its memory is gone with it
+        self.held[e.node], self.pins[e.node] = {}, []
+        self.lost.append(e.node)
+        if self.plan and e.node in self.plan["nodes"]:
+            self._lost_in_plan(e.node, out)
+        self._advance(out)
+
+    def _lost_in_plan(self, node: str, out: list[Decision]) -> None:
+        """A participant is gone: its shards will never come. Given up at once (no timeout)."""
+        if self.plan["committing"]:
+            return  # every shard is written; the commit is the coordinator's alone
+        self._end_plan(f"node {node} lost during the persist", out)
+
+    def _on_Preempted(self, e: ev.Preempted, out: list[Decision]) -> None:
+        if self._late("preemption notice", e.epoch):
+            return
+        if self._open_failure(e.epoch, out):  # else this execution's save is already settled
+            self.failure["preempted"] = True
+
+    def _on_EpochBegan(self, e: ev.EpochBegan, out: list[Decision]) -> None:
+        if e.epoch <= self.epoch:
+            self._note(f"ignored late start of epoch {e.epoch}")
+            return
+        if self.failure is not None:
+            if not self.failure["released"] and self.plan and self._failure_of(self.plan) is not None:
+                self._end_plan(f"epoch {e.epoch} began before the save was pinned", out)
+            if not self.failure.get("preempted"):
+                self.failure = None  # a released save goes on in the background, as a plain plan
+        self.epoch, self.due, self.lost = e.epoch, None, []
+        self.nodes = {n: sorted(r) for n, r in e.nodes}
+        for n in self.nodes:
+            self.held.setdefault(n, {})
+            self.pins.setdefault(n, [])
+        for n in [n for n in self.held if n not in self.nodes]:
+            del self.held[n], self.pins[n]
+        if self.plan and any(n not in self.nodes for n in self.plan["nodes"]):
+            self._lost_in_plan(next(n for n in self.plan["nodes"] if n not in self.nodes), out)
+        self._note(f"epoch {e.epoch} began with nodes {sorted(self.nodes)}")
+
+    def _on_JobEnded(self, e: ev.JobEnded, out: list[Decision]) -> None:
+        self.ended = True
+        if self.plan is not None:
+            self._note(f"job ended: plan {self.plan['id']} (step {self.plan['key'][0]}) given up")
+            out.append(ev.GiveUp(self.plan["id"], self.plan["key"][0], "the job ended", self.epoch))
+            self.plan = None
+        self.due, self.failure = None, None
+        out.append(ev.Release(None, None, self.next_plan, self.epoch, free=True))
+
+    def _on_Timeout(self, e: ev.Timeout, out: list[Decision]) -> None:
+        self._note(f"ignored timer {e.token}: this decider sets none")
+
+    def _open_failure(self, epoch: int, out: list[Decision]) -> bool:
+        """The failure of ``epoch``, opened now if it is not yet; False: its save is already settled."""
+        if self.failure is None and epoch <= self.settled:
+            self._note(f"ignored late word of epoch {epoch}'s failure: its save settled")
+            return False
+        if self.failure is None:
+            self._note("the execution failed: collecting every node's final holdings")
+            self.failure = {"epoch": self.epoch, "final": {}, "released": False, "preempted": False, "tried": []}
+            if self.due is not None:
+                out.append(ev.GiveUp(None, self.due, "superseded by the save-on-failure", self.epoch))
+                self.due = None
+        return True
+
+    def _failure_ready(self) -> bool:
+        """Every node's final holdings are known (its workers gone, or it was lost)."""
+        return all(n in self.failure["final"] for n in self.nodes)
+
+    def _save_on_failure(self, out: list[Decision]) -> None:
+        f = self.failure
+        below = min((tuple(k) for k in f["tried"]), default=None)
+        key = self.common(f["final"], below)
+        if key is None:
+            self._release_restart(None, "no step is held by every rank", out)
+            self._close_failure()
+        elif self.latest is not None and key[0] <= self.latest:
+            self._release_restart(None, f"step {key[0]} is already committed", out)
+            self._close_failure()
+        else:
+            f["tried"].append(list(key))
+            self._start(key, failure=f["epoch"], out=out)
+
+    def _release_restart(self, key: Key | None, why: str, out: list[Decision]) -> None:
+        self.failure["released"] = True
+        self._note(f"restart of epoch {self.failure['epoch']} may proceed: {key} ({why})")
+        out.append(ev.RestartMayProceed(self.failure["epoch"], key, why))
+
+    def _close_failure(self) -> None:
+        self.settled = max(self.settled, self.failure["epoch"])
+        self.failure = None if not self.failure["preempted"] else {**self.failure, "done": True}
+
+    def _advance(self, out: list[Decision]) -> None:
+        """Start what is due, once nothing is in flight: the save-on-failure first, then a due step."""
+        if self.plan is not None:
+            return
+        f = self.failure
+        if f is not None:
+            if not f.get("done") and self._failure_ready():
+                self._save_on_failure(out)
+            return
+        if self.due is None:
+            return
+        key = (self.due, self.epoch)
+        if all(self._holds(r, key) for r in self.world):
+            self.due = None
+            self._start(key, failure=None, out=out)
+        elif (skip := self._moved_past(key)) is not None:
+            out.append(ev.GiveUp(None, key[0], f"rank {skip} moved past it without holding it", self.epoch))
+            self.due = None
+
+    def _holds(self, rank: int, key: Key) -> bool:
+        return any(rank in h.get(key, ()) for h in self.held.values())
+
+    def _moved_past(self, key: Key) -> int | None:
+        """A rank that holds a newer step of this epoch but not ``key``: it will never hold ``key``."""
+        for h in self.held.values():
+            for k, ranks in h.items():
+                if k[1] == key[1] and k[0] > key[0]:
+                    for r in ranks:
+                        if not self._holds(r, key):
+                            return r
+        return None
+
+    def _start(self, key: Key, failure: int | None, out: list[Decision]) -> None:
+        nodes = tuple(sorted(self.nodes))
+        self.plan = {
+            "id": self.next_plan,
+            "key": list(key),
+            "attempt": 1,
+            "nodes": list(nodes),
+            "failure": failure,
+            "pinned": [],
+            "wrote": [],
+            "committing": False,
+        }
+        self.next_plan += 1
+        self._note(f"persist step {key[0]} of epoch {key[1]} (plan {self.plan['id']}, failure={failure})")
+        out.append(ev.Persist(self.plan["id"], key, 1, nodes, self.epoch, failure is not None))
+
+    def _current(self, plan_id: int, node: str | None) -> dict[str, Any] | None:
+        if self.plan is None or self.plan["id"] != plan_id:
+            self._note(f"ignored a late message about plan {plan_id} (from {node or 'the committer'})")
+            return None
+        return self.plan
+
+    def _retry(self, why: str, out: list[Decision]) -> None:
+        plan = self.plan
+        if lost := [n for n in plan["nodes"] if n in self.lost]:
+            self._end_plan(f"{why}; node {lost[0]} is lost", out)
+            self._advance(out)
+            return
+        if plan["attempt"] >= self.max_attempts:
+            self._end_plan(f"{why} (attempt {plan['attempt']} of {self.max_attempts})", out)
+            self._advance(out)
+            return
+        plan["attempt"] += 1
+        plan["wrote"] = []
+        self._note(f"plan {plan['id']} attempt {plan['attempt']}: {why}")
+        key, nodes = tuple(plan["key"]), tuple(plan["nodes"])
+        out.append(ev.Persist(plan["id"], key, plan["attempt"], nodes, self.epoch, plan["failure"] is not None))
+
+    def _end_plan(self, why: str, out: list[Decision]) -> None:
+        """Give the plan up; a failed save-on-failure tries the next older step every rank held."""
+        plan = self.plan
+        self._note(f"gave up step {plan['key'][0]} (plan {plan['id']}): {why}")
+        out.append(ev.GiveUp(plan["id"], plan["key"][0], why, self.epoch))
+        self._finish(out, committed=False)
+
+    def _finish(self, out: list[Decision], committed: bool = True) -> None:
+        plan, self.plan = self.plan, None
+        out.append(ev.Release(None, tuple(plan["key"]), plan["id"], self.epoch))
+        f = self._failure_of(plan)
+        if f is not None:
+            if not committed and not f["released"]:
+                self._advance(out)  # an older step, still before the restart
+                return
+            if not f["released"]:
+                self._release_restart(tuple(plan["key"]) if committed else None, "the save ended", out)
+            self._close_failure()
+        self._advance(out)
+
+
+def _dump(held: dict[str, dict[Key, list[int]]]) -> dict[str, dict[str, list[int]]]:
+    return {n: {f"{k[0]}:{k[1]}": r for k, r in h.items()} for n, h in held.items()}
+
+
+def _load(held: dict[str, dict[str, list[int]]]) -> dict[str, dict[Key, list[int]]]:
+    return {n: {(int(k.split(":")[0]), int(k.split(":")[1])): list(r) for k, r in h.items()} for n, h in held.items()}
+
+
+def _plain(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A plan or failure as JSON-able values (a failure's final holdings keyed "step:epoch")."""
+    return d if d is None or "final" not in d else {**d, "final": _dump(d["final"])}
+
+
+def _unplain(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    return d if d is None or "final" not in d else {**d, "final": _load(d["final"])}

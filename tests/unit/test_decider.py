@@ -1,0 +1,148 @@
+"""The checkpoint decider's key transitions, one event at a time (docs/protocol.md)."""
+
+from __future__ import annotations
+
+import json
+
+from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint.decider import Decider
+
+NODES = {"A": [0, 1], "B": [2, 3]}
+
+
+def held(*keys: tuple[int, int], ranks: tuple[int, ...], pinned: bool = False) -> ev.Held:
+    return tuple((s, e, ranks, pinned) for s, e in keys)
+
+
+def holding(d: Decider, node: str, *keys: tuple[int, int], seq: int, inc: int = 0) -> list:
+    return d.handle(ev.Holding(node, inc, seq, held(*keys, ranks=tuple(NODES[node]))))
+
+
+def of(kind: type, decisions: list) -> list:
+    return [x for x in decisions if isinstance(x, kind)]
+
+
+def persist_started(d: Decider, step: int = 2) -> ev.Persist:
+    holding(d, "A", (step, 0), seq=1)
+    out = d.handle(ev.PersistDue(step, 0)) + holding(d, "B", (step, 0), seq=1)
+    (plan,) = of(ev.Persist, out)
+    return plan
+
+
+def test_a_due_step_is_persisted_once_every_rank_holds_it_then_committed() -> None:
+    d = Decider(NODES)
+    holding(d, "A", (2, 0), seq=1)
+    assert d.handle(ev.PersistDue(2, 0)) == []  # B's ranks do not hold it yet: wait for its report
+    (plan,) = of(ev.Persist, holding(d, "B", (2, 0), seq=1))
+    assert plan.key == (2, 0) and plan.nodes == ("A", "B") and not plan.failure
+    assert d.handle(ev.Wrote("A", plan.plan, 1, True)) == []
+    (commit,) = d.handle(ev.Wrote("B", plan.plan, 1, True))
+    assert commit == ev.Commit(plan.plan, 2, 0)
+    out = d.handle(ev.Committed(plan.plan, True))
+    assert of(ev.Release, out) == [ev.Release(None, (2, 0), plan.plan, 0)] and d.latest == 2 and d.idle()
+
+
+def test_duplicates_and_old_plans_are_ignored_and_logged() -> None:
+    d = Decider(NODES)
+    plan = persist_started(d)
+    assert d.handle(ev.PersistDue(2, 0)) == []  # the same step again (another node's flag)
+    assert d.handle(ev.Wrote("A", plan.plan + 7, 1, True)) == []
+    assert holding(d, "B", (2, 0), seq=1) == []  # an old report
+    assert any("late message about plan" in line for line in d.log)
+    assert any("stale or unknown report" in line for line in d.log)
+
+
+def test_a_node_lost_mid_persist_gives_it_up_at_once() -> None:
+    d = Decider(NODES)
+    plan = persist_started(d)
+    out = d.handle(ev.NodeLost("B", 0))
+    (give_up,) = of(ev.GiveUp, out)
+    assert give_up.plan == plan.plan and "lost" in give_up.why
+    assert not of(ev.StartTimer, out)
+    # its memory went with it: the failure's save has nothing every rank holds
+    (go,) = of(ev.RestartMayProceed, d.handle(ev.WorkersGone("A", 0, held((2, 0), ranks=(0, 1)))))
+    assert go.key is None and "no step" in go.why
+
+
+def test_save_on_failure_pins_the_newest_step_every_rank_holds_then_commits_in_the_background() -> None:
+    d = Decider(NODES)
+    # the mirror case: B's rank 3 died copying step 4, so only step 3 is held by every rank
+    assert d.handle(ev.WorkersGone("B", 0, held((3, 0), ranks=(2, 3)) + held((4, 0), ranks=(2,)))) == []
+    out = d.handle(ev.WorkersGone("A", 0, held((3, 0), (4, 0), ranks=(0, 1))))
+    (plan,) = of(ev.Persist, out)
+    assert plan.key == (3, 0) and plan.failure
+    assert d.handle(ev.Pinned("A", plan.plan, True)) == []
+    (go,) = d.handle(ev.Pinned("B", plan.plan, True))
+    assert go == ev.RestartMayProceed(0, (3, 0), "every node holds it pinned")
+    d.handle(ev.EpochBegan(1, (("A", (0, 1)), ("B", (2, 3)))))
+    d.handle(ev.Wrote("A", plan.plan, 1, True))
+    assert of(ev.Commit, d.handle(ev.Wrote("B", plan.plan, 1, True))) == [ev.Commit(plan.plan, 3, 1)]
+    d.handle(ev.Committed(plan.plan, True))
+    assert d.latest == 3 and d.idle()
+
+
+def test_a_node_missing_the_step_makes_the_save_try_an_older_one_before_the_restart() -> None:
+    d = Decider(NODES)
+    d.handle(ev.WorkersGone("A", 0, held((3, 0), (4, 0), ranks=(0, 1))))
+    (plan,) = of(ev.Persist, d.handle(ev.WorkersGone("B", 0, held((3, 0), (4, 0), ranks=(2, 3)))))
+    out = d.handle(ev.Pinned("B", plan.plan, False, "overwritten"))
+    assert not of(ev.RestartMayProceed, out)
+    (older,) = of(ev.Persist, out)
+    assert older.key == (3, 0) and older.failure
+
+
+def test_late_word_of_an_earlier_epoch_is_ignored() -> None:
+    d = Decider(NODES)
+    d.handle(ev.WorkersGone("A", 0, ()))
+    d.handle(ev.WorkersGone("B", 0, ()))
+    d.handle(ev.EpochBegan(1, (("A", (0, 1)), ("B", (2, 3)))))
+    assert d.handle(ev.WorkersGone("A", 0, ())) == [] and d.failure is None
+    assert d.handle(ev.PersistDue(6, 0)) == [] and d.due is None
+    assert d.handle(ev.EpochBegan(1, (("A", (0, 1)),))) == [] and set(d.nodes) == {"A", "B"}
+    assert sum("ignored late" in line for line in d.log) == 3
+
+
+def test_a_rank_that_moved_past_a_due_step_gives_it_up() -> None:
+    d = Decider(NODES)
+    holding(d, "A", (2, 0), seq=1)
+    d.handle(ev.PersistDue(2, 0))
+    (give_up,) = of(ev.GiveUp, holding(d, "B", (3, 0), (4, 0), seq=1))
+    assert give_up.step == 2 and "moved past" in give_up.why and d.idle()
+
+
+def test_a_restarted_keeper_gets_a_new_attempt_and_its_old_word_counts_for_nothing() -> None:
+    d = Decider(NODES)
+    plan = persist_started(d)
+    (again,) = of(ev.Persist, holding(d, "B", (2, 0), seq=1, inc=1))
+    assert again.attempt == 2 and again.plan == plan.plan
+    d.handle(ev.Wrote("A", plan.plan, 2, True))
+    assert d.handle(ev.Wrote("B", plan.plan, 1, True)) == []  # attempt 1's shards may be torn since
+    assert of(ev.Commit, d.handle(ev.Wrote("B", plan.plan, 2, True)))
+
+
+def test_storage_failing_retries_then_gives_up() -> None:
+    d = Decider(NODES, max_attempts=2)
+    plan = persist_started(d)
+    (again,) = of(ev.Persist, d.handle(ev.Wrote("A", plan.plan, 1, False, "EIO")))
+    out = d.handle(ev.Wrote("A", plan.plan, again.attempt, False, "EIO"))
+    assert of(ev.GiveUp, out) and d.plan is None and d.latest is None
+
+
+def test_the_job_end_frees_every_snapshot_even_one_reported_later() -> None:
+    d = Decider(NODES)
+    persist_started(d)
+    out = d.handle(ev.JobEnded())
+    assert of(ev.GiveUp, out) and ev.Release(None, None, d.next_plan, 0, free=True) in out
+    (free,) = holding(d, "A", (2, 0), seq=5, inc=1)  # a keeper that comes back holding something
+    assert free.node == "A" and free.free
+
+
+def test_the_state_survives_json_and_goes_on_the_same() -> None:
+    a = Decider(NODES)
+    plan = persist_started(a)
+    a.handle(ev.WorkersGone("A", 0, held((2, 0), ranks=(0, 1))))
+    b = Decider.from_state(json.loads(json.dumps(a.state())))
+    assert b.state() == a.state()
+    for e in (ev.WorkersGone("B", 0, held((2, 0), ranks=(2, 3))), ev.Pinned("A", plan.plan, True)):
+        assert a.handle(e) == b.handle(e)
+    assert a.state() == b.state()
