@@ -210,12 +210,7 @@ def run_episode(
             continue
         counts = grant(active, chooser(now, active, gpus), gpus)
         for job, alloc in zip(active, place(active, counts, gpus), strict=True):
-            if alloc != job.alloc:
-                job.alloc = alloc
-                job.configure()
-                if alloc:
-                    job.restart_left = restart_cost_s
-                    job.starts += 1
+            job.reallocate(alloc, restart_cost_s)
     ep.outcomes = [JobOutcome(j.name, j.spec.submit, j.finish, gpu_seconds=j.gpu_seconds) for j in jobs]
     ep.gpu_hours = sum(j.gpu_seconds for j in jobs) / 3600
     ep.reallocations = sum(max(j.starts - 1, 0) for j in jobs)

@@ -62,6 +62,16 @@ class SimJob:
     def batch(self) -> int:
         return len(self.alloc) * self.atomic_bsz * (self.accum_steps + 1)
 
+    def reallocate(self, alloc: tuple[int, ...], restart_cost_s: float) -> None:
+        """Move to ``alloc`` if it differs: reconfigure, and pay a (re)start unless it is no GPU at all."""
+        if alloc == self.alloc:
+            return
+        self.alloc = alloc
+        self.configure()
+        if alloc:
+            self.restart_left = restart_cost_s
+            self.starts += 1
+
     def configure(self) -> None:
         """Pick (atomic batch, accumulation) for the current allocation."""
         if not self.alloc:
@@ -176,13 +186,7 @@ def simulate(
         allocs = chooser.schedule(now, active)
         _check(allocs, nodes, policy)
         for job in active:
-            new = tuple(sorted(allocs.get(job.name, ())))
-            if new != job.alloc:
-                job.alloc = new
-                job.configure()
-                if new:
-                    job.restart_left = restart_cost_s
-                    job.starts += 1
+            job.reallocate(tuple(sorted(allocs.get(job.name, ()))), restart_cost_s)
     reallocations = sum(max(j.starts - 1, 0) for j in jobs)  # restarts after the first start
     outcomes = [JobOutcome(j.name, j.spec.submit, j.finish, gpu_seconds=j.gpu_seconds) for j in jobs]
     name = Path(workload_label(workload)).stem
