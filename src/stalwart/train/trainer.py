@@ -116,6 +116,9 @@ class Trainer:
         pipe = self.pm.pipeline  # per-micro-batch stage forwards: the timeline's send → recv arrows
         self.stage_forwards = StageForwards(self.timer, pipe.modules, pipe.ids) if pipe is not None else None
         self._forward_fault: Any = None  # chaos at point "forward" for the step under way
+        self._begun_n = 0  # micro-batches per step the MoE loss weight was last set for
+        self._has_moe = self.pm.has_moe
+        self._zero_aux = torch.zeros((), dtype=torch.float32, device=self.pm.device)
         self.flops_per_token = flops_per_token(
             self.n_params, self.model_args.n_layers, self.model_args.dim, cfg.data.seq_len
         )
@@ -194,17 +197,19 @@ class Trainer:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward over this dp rank's share of the global batch, as micro-batches or the
-        pipeline schedule; gradients end up as the mean over the global batch. Returns the global mean
-        loss (a device tensor, the same on every rank)."""
+        pipeline schedule; gradients end up as the mean over the global batch. Returns this dp rank's
+        mean loss (a device tensor; ``train_step`` averages it over the dp ranks asynchronously)."""
         pm = self.pm
         inputs, targets = inputs.to(pm.device), targets.to(pm.device)
         n = pm.micro_batches(inputs.shape[0])
-        pm.begin_step(n)
+        if n != self._begun_n:  # the MoE loss weight is a module attribute: set once per n (a module walk)
+            pm.begin_step(n)
+            self._begun_n = n
         if pm.pipeline is not None:  # forward, backward and P2P waits interleave: one compute section
             with self.timer.section("pipeline"), self._autocast(), self._chaos_at_forward():
                 loss = pm.pipeline.step(inputs, targets, n, self._on_loss)
             self.stage_forwards.flush(n)
-            return pm.mean_over_dp(loss)
+            return loss
         total = torch.zeros((), dtype=torch.float32, device=pm.device)
         mb = pm.options.micro_batch
         for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
@@ -214,7 +219,7 @@ class Trainer:
                 with self.timer.section("backward", compute=False):  # waits on gradient reduction
                     loss.backward()
             total += pm.local_value(loss)
-        return pm.mean_over_dp(total)
+        return total
 
     def train_step(self) -> StepStats | Verdict:
         """One optimizer step on the next global batch — unless a hook (the guard) judges it bad: then
@@ -224,16 +229,19 @@ class Trainer:
         for hook in self.hooks:
             hook.before_step(self, step)
         self._forward_fault = chaos.due("forward", step=step, rank=self.env.rank)
-        self.pm.train()
+        if not self.pm.parts[0].training:  # nothing on the step path sets eval; a walk only if something did
+            self.pm.train()
         with self.timer.section("data"):
             inputs, targets = self.dataset.batch(self.sampler.next_batch(self.pm.dp_rank, self.pm.dp_size))
-        loss = self.forward_backward(inputs, targets)
+        loss, loss_reduce = self.pm.sum_over_dp_async(self.forward_backward(inputs, targets))
         with self.timer.section("grad_clip", compute=False):  # the norm's all-reduce
             grad_norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
-        stats = StepStats(step, loss, grad_norm, self._aux_loss(), self.scheduler.get_last_lr()[0])
+        lr = self.scheduler.get_last_lr()[0]
+        stats = StepStats(step, loss, grad_norm, self._aux_loss(), lr, loss_reduce=loss_reduce, dp_size=self.pm.dp_size)
         for hook in self.hooks:
             verdict = hook.after_backward(self, stats)
             if verdict is not None:
+                stats.settle()  # no collective left in flight
                 self.optimizer.zero_grad(set_to_none=True)
                 return verdict
         with self.timer.section("optimizer"):
@@ -241,6 +249,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step
+        stats.settle()
         try:
             for hook in self.hooks:
                 hook.after_step(self, stats)
@@ -273,8 +282,10 @@ class Trainer:
 
     def _aux_loss(self) -> torch.Tensor:
         """The MoE load-balancing loss averaged over all ranks (one all-reduce, MoE models only)."""
+        if not self._has_moe:  # dense: no module walk per step, a constant 0
+            return self._zero_aux
         aux = self.pm.aux_loss()
-        if self.pm.has_moe and self.env.world_size > 1:
+        if self.env.world_size > 1:
             dist.all_reduce(aux)
             aux = aux / self.env.world_size
         return aux
