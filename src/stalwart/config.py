@@ -42,6 +42,9 @@ class DataConfig:
     # Stream positions never served, "START:STOP,..." (half-open). Reproduces a guard rollback's skip:
     # summary.json guard.skip_samples of the rolled-back run is the value to copy here.
     skip_samples: str = ""
+    # Batches read (and moved to the device) ahead by a background thread while the step runs; 0 = read
+    # in the step. The samples and their order are the same whatever the value (stalwart.data.prefetch).
+    prefetch: int = 2
 
 
 @dataclass
@@ -229,6 +232,8 @@ class Config:
         ):
             if value <= 0:
                 raise ValueError(f"{key} must be positive, got {value}")
+        if d.prefetch < 0:
+            raise ValueError(f"data.prefetch must be ≥ 0 (global batches read ahead; 0 = off), got {d.prefetch}")
         if not 0 <= t.warmup_steps <= t.steps:
             raise ValueError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:

@@ -33,7 +33,7 @@ import stalwart
 from stalwart import chaos, runtime
 from stalwart._compat import set_deterministic_algorithms
 from stalwart.config import Config
-from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
+from stalwart.data import BatchLoader, GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
 from stalwart.models import build_model, count_params
@@ -46,7 +46,7 @@ from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepH
 from stalwart.train.metrics import MetricsHook
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallel import build_mesh, parallelize
-from stalwart.train.parallel.mesh import Coords
+from stalwart.train.parallel.mesh import Coords, Mesh
 from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.resolve import rank0_plan, resolve
 from stalwart.utils import state_dict_hash
@@ -64,6 +64,18 @@ def configure_determinism(cfg: Config, env: DistEnv) -> None:
         if env.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
+
+
+def tp_data_group(mesh: Mesh) -> tuple[dist.ProcessGroup | None, int]:
+    """A gloo group over this rank's tensor-parallel group and its first rank: the one that reads the
+    (identical) batch for all of them (None when tp = 1). Every rank creates every TP group's, in order."""
+    dm = mesh.device_mesh
+    names = list(dm.mesh_dim_names or ())
+    if "tp" not in names or dm.mesh.shape[names.index("tp")] == 1:
+        return None, 0
+    ranks = dm.mesh.movedim(names.index("tp"), -1).reshape(-1, dm.mesh.shape[names.index("tp")]).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
+    return group, next(g[0] for g in ranks if dist.get_rank() in g)
 
 
 def mesh_coords(c: Coords) -> dict[str, int]:
@@ -110,6 +122,17 @@ class Trainer:
             cfg.data.seed,
             cfg.data.shuffle,
             parse_skip_ranges(cfg.data.skip_samples),
+        )
+        share, share_src = tp_data_group(self.pm.mesh)  # TP ranks read one batch: the first reads, all get it
+        self.loader = BatchLoader(
+            self.dataset,
+            self.sampler,
+            self.pm.dp_rank,
+            self.pm.dp_size,
+            cfg.data.prefetch,
+            self.pm.device,
+            share,
+            share_src,
         )
         self.step = 0
         self.timer = SectionTimer(env.device)
@@ -232,7 +255,7 @@ class Trainer:
         if not self.pm.parts[0].training:  # nothing on the step path sets eval; a walk only if something did
             self.pm.train()
         with self.timer.section("data"):
-            inputs, targets = self.dataset.batch(self.sampler.next_batch(self.pm.dp_rank, self.pm.dp_size))
+            inputs, targets = self.loader.next()  # read ahead in the background (data.prefetch)
         loss, loss_reduce = self.pm.sum_over_dp_async(self.forward_backward(inputs, targets))
         with self.timer.section("grad_clip", compute=False):  # the norm's all-reduce
             grad_norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
@@ -309,7 +332,9 @@ class Trainer:
             stalwart.finished()  # teardown below (final persist, hashes) is not a hang
             if self.ckpt is not None:
                 self.ckpt.ensure_durable(self.step)  # the final state is durable before we report success
+            self.loader.close()  # the reads already submitted (they pair up across a TP group)
         except BaseException:
+            self.loader.close(timeout=1.0)  # a peer may be gone: a daemon thread, not waited for long
             if self.ckpt is not None:
                 self.ckpt.close(success=False)  # snapshots stay for a restart
             raise
