@@ -133,7 +133,7 @@ class BatchLoader:
             result, ids = task
             try:
                 result.set_result(self._to_device(self._read(ids)))
-            except BaseException as e:  # noqa: BLE001 - handed to the step that takes this batch
+            except BaseException as e:  # handed to the step that takes this batch
                 result.set_exception(e)
 
     def close(self, timeout: float | None = None) -> None:
