@@ -69,6 +69,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, FLOP/s; enables MFU in metrics (0 = unknown)
     rank_records: bool = True  # every rank writes OUT_DIR/ranks/rank{R}.jsonl (docs/observe.md)
     flight_dumps: bool = True  # under `stalwart run`: answer the agent's Flight Recorder requests on a hang
+    compile: bool = False  # torch.compile each transformer block (stalwart.train.compile)
     tensorboard: str = "auto"  # rank 0's metrics as OUT_DIR/tensorboard events: auto (if installed) | on | off
 
 

@@ -15,6 +15,7 @@ The model is built on the meta device and only this rank's shards are materialis
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -41,6 +42,7 @@ from stalwart.observe import tensorboard
 from stalwart.observe.flight import start_for_worker
 from stalwart.observe.timers import SectionTimer, StageForwards
 from stalwart.plan.compute import flops_per_token
+from stalwart.train.compile import attention_backend, compile_blocks
 from stalwart.train.guard import Verdict
 from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepHook, StepStats
 from stalwart.train.metrics import MetricsHook
@@ -60,6 +62,8 @@ def configure_determinism(cfg: Config, env: DistEnv) -> None:
     np.random.seed(t.seed + env.rank)
     torch.manual_seed(t.seed + env.rank)
     if t.deterministic:
+        if t.compile:  # inductor's own determinism flag is set only once inductor is imported
+            importlib.import_module("torch._inductor.config")
         set_deterministic_algorithms()
         if env.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -113,6 +117,7 @@ class Trainer:
             init_seed=cfg.train.seed,
         )
         self.model = self.pm.module
+        self.compiled_blocks = compile_blocks(self.pm.parts) if cfg.train.compile else 0
         self.accum = self.plan.grad_accum
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -364,6 +369,9 @@ class Trainer:
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
             "wall_s": wall,
             "samples_consumed": self.sampler.consumed,
+            "compiled_blocks": self.compiled_blocks,
+            "attention": self.attention_report(),
+            "prefetch": self.cfg.data.prefetch,
             "final_hash": final_hash,
             "optim_hash": self.optimizer_hash(),
             "metrics": str(out / "metrics.jsonl"),
@@ -385,6 +393,16 @@ class Trainer:
         if not self.optimizer.state:
             return None
         return state_dict_hash(get_optimizer_state_dict(self.model, self.optimizer), group=self.pm.pp_group)
+
+    def attention_report(self) -> dict[str, Any]:
+        """The SDPA kernel this run's attention used (summary.json "attention")."""
+        autocast = self._autocast()
+        dtype = torch.bfloat16 if isinstance(autocast, torch.autocast) else torch.float32
+        a, c = self.model_args, self.cfg
+        out = attention_backend(a, c.train.micro_batch, c.data.seq_len, self.plan.layout.tp, dtype, self.pm.device)
+        if self.compiled_blocks:
+            out["how"] += "; the blocks are compiled: inductor may lower attention itself"
+        return out
 
     def checkpoint_report(self) -> dict[str, Any]:
         info, w = self.ckpt.last_restore, self.ckpt.writer.stats
