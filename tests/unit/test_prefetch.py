@@ -104,8 +104,12 @@ def test_a_rollback_and_a_skip_drop_the_batches_read_ahead(stdlib_data):
 
 
 def test_a_negative_depth_is_refused(stdlib_data):
+    from stalwart.config import load_config
+
     with pytest.raises(ValueError, match="data.prefetch"):
         loader_for(stdlib_data, depth=-1)
+    with pytest.raises(ValueError, match="data.prefetch"):
+        load_config(None, {"data.prefetch": -1}).validate()
 
 
 # -- a tensor-parallel group reads once ------------------------------------------------------------
