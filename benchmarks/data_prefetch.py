@@ -118,17 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "hidden": 1 - (pre - fast) / (slow - fast) if slow > fast else None,
         "prefetch_vs_fast_step_ratio": pre / fast,
-        "cpu_count": os.cpu_count(),
-        "load_avg": os.getloadavg(),
+        "machine": {"cpus": os.cpu_count(), "load_avg_1_5_15min": os.getloadavg()},  # a shared box's load
     }
-    if a.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"step: fast {fast * 1e3:.1f} ms, slow {slow * 1e3:.1f} ms, slow+prefetch {pre * 1e3:.1f} ms; "
-            f"data wait {med['slow']['data_s'] * 1e3:.1f} → {med['slow+prefetch']['data_s'] * 1e3:.1f} ms; "
-            f"hidden {result['hidden']:.2f}"
-        )
+    line = (
+        f"step: fast {fast * 1e3:.1f} ms, slow {slow * 1e3:.1f} ms, slow+prefetch {pre * 1e3:.1f} ms; "
+        f"data wait {med['slow']['data_s'] * 1e3:.1f} → {med['slow+prefetch']['data_s'] * 1e3:.1f} ms; "
+        f"hidden {result['hidden']}"
+    )
+    print(json.dumps(result) if a.json else line)
     return 0
 
 
