@@ -9,8 +9,9 @@ three settings run alternately ``--repeats`` times in the same run:
 * ``slow+prefetch``: the delay, read ahead (``data.prefetch = --depth``).
 
 Reported per setting: median step time and median "data" section (the step's wait for its batch, from
-the rank records), and ``hidden`` = 1 − (slow+prefetch − fast) / (slow − fast) on the medians: 1 when
-the read costs the step nothing, 0 when prefetch hides none of it.
+the rank records); ``hidden`` = 1 − (slow+prefetch − fast) / (slow − fast) on the step-time medians
+(1: the read costs the step nothing, 0: prefetch hides none of it; None when the noise of a loaded
+machine exceeds the delay), and ``data_wait_hidden`` = 1 − the data wait with prefetch / without.
 
     python benchmarks/data_prefetch.py --json
 """
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "hidden": 1 - (pre - fast) / (slow - fast) if slow > fast else None,
         "prefetch_vs_fast_step_ratio": pre / fast,
+        # the step's own wait for its batch (the "data" section): robust to a loaded box's step-time noise
+        "data_wait_hidden": 1 - med["slow+prefetch"]["data_s"] / med["slow"]["data_s"],
         "machine": {"cpus": os.cpu_count(), "load_avg_1_5_15min": os.getloadavg()},  # a shared box's load
     }
     line = (

@@ -63,17 +63,16 @@ def test_compiled_blocks_follow_eager_and_resume_bitwise(make):
     want = run(eager, 4)
     full = make(True, "compiled")
     assert full.compiled_blocks == full.model_args.n_layers
-    got = run(full, 4)
+    got = run(full, 2)
+    saved = {k: copy.deepcopy(v.state_dict()) for k, v in full.state.items()}  # what a checkpoint holds
+    got += run(full, 2)  # the uninterrupted compiled run goes on
     assert got == pytest.approx(want, abs=1e-5, rel=0), "compiled losses within 1e-5 of eager"
     assert full.weights_hash() != eager.weights_hash(), "the compiled run did not run compiled code"
 
-    first = make(True, "first")
-    run(first, 2)
-    saved = {k: copy.deepcopy(v.state_dict()) for k, v in first.state.items()}  # what a checkpoint holds
-    resumed = make(True, "resumed")
+    resumed = make(True, "resumed")  # a fresh compiled trainer restored from the state after step 2
     for key, value in saved.items():
         resumed.state[key].load_state_dict(value)
-    resumed.step = first.step
-    assert [*run(first, 0), *run(resumed, 2)] == got[2:], "resumed losses bitwise those of the full run"
+    resumed.step = 2
+    assert run(resumed, 2) == got[2:], "resumed losses bitwise those of the uninterrupted run"
     assert resumed.weights_hash() == full.weights_hash()
     assert resumed.optimizer_hash() == full.optimizer_hash()
