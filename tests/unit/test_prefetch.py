@@ -123,7 +123,7 @@ def _tp_worker(rank: int, data: str, init: str, out: str, depth: int) -> None:
 
     from stalwart.plan.parallel import Layout
     from stalwart.train.parallel import build_mesh
-    from stalwart.train.trainer import tp_data_group
+    from stalwart.train.parallel.mesh import tp_data_group
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     group, src = tp_data_group(build_mesh(Layout(tp=2), "cpu"))

@@ -48,7 +48,7 @@ from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepH
 from stalwart.train.metrics import MetricsHook
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallel import build_mesh, parallelize
-from stalwart.train.parallel.mesh import Coords, Mesh
+from stalwart.train.parallel.mesh import Coords, tp_data_group
 from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.resolve import rank0_plan, resolve
 from stalwart.utils import state_dict_hash
@@ -68,18 +68,6 @@ def configure_determinism(cfg: Config, env: DistEnv) -> None:
         if env.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
-
-
-def tp_data_group(mesh: Mesh) -> tuple[dist.ProcessGroup | None, int]:
-    """A gloo group over this rank's tensor-parallel group and its first rank: the one that reads the
-    (identical) batch for all of them (None when tp = 1). Every rank creates every TP group's, in order."""
-    dm = mesh.device_mesh
-    names = list(dm.mesh_dim_names or ())
-    if "tp" not in names or dm.mesh.shape[names.index("tp")] == 1:
-        return None, 0
-    ranks = dm.mesh.movedim(names.index("tp"), -1).reshape(-1, dm.mesh.shape[names.index("tp")]).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
-    return group, next(g[0] for g in ranks if dist.get_rank() in g)
 
 
 def mesh_coords(c: Coords) -> dict[str, int]:
