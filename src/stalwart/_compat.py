@@ -308,6 +308,19 @@ def set_deterministic_algorithms() -> None:
         torch._C._set_deterministic_algorithms(True, warn_only=False)
 
 
+def sdpa_backend(
+    q: Any, k: Any, v: Any, attn_mask: Any = None, is_causal: bool = False, enable_gqa: bool = False
+) -> str:
+    """The backend ``F.scaled_dot_product_attention`` dispatches these inputs to (flash_attention,
+    efficient_attention, cudnn_attention, math; the CPU has its own flash kernel): torch's own choice
+    function, the one the eager call runs."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)
+    return SDPBackend(choice).name.lower()
+
+
 # --- end of training section ------------------------------------------------------------------
 
 

@@ -46,6 +46,9 @@ class DataConfig:
     # Stream positions never served, "START:STOP,..." (half-open). Reproduces a guard rollback's skip:
     # summary.json guard.skip_samples of the rolled-back run is the value to copy here.
     skip_samples: str = ""
+    # Batches read (and moved to the device) ahead by a background thread while the step runs; 0 = read
+    # in the step. The samples and their order are the same whatever the value (stalwart.data.prefetch).
+    prefetch: int = 2
 
 
 @dataclass
@@ -70,6 +73,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # per device, FLOP/s; enables MFU in metrics (0 = unknown)
     rank_records: bool = True  # every rank writes OUT_DIR/ranks/rank{R}.jsonl (docs/observe.md)
     flight_dumps: bool = True  # under `stalwart run`: answer the agent's Flight Recorder requests on a hang
+    compile: bool = False  # torch.compile each transformer block (stalwart.train.compile)
     tensorboard: str = "auto"  # rank 0's metrics as OUT_DIR/tensorboard events: auto (if installed) | on | off
 
 
@@ -257,6 +261,8 @@ class Config:
                 raise ValueError(f"{key} must be positive, got {value}")
         if p.alq_bits not in (2, 4, 8):
             raise ValueError(f"parallel.alq_bits must be 2, 4 or 8 (whole codes per byte), got {p.alq_bits}")
+        if d.prefetch < 0:
+            raise ValueError(f"data.prefetch must be ≥ 0 (global batches read ahead; 0 = off), got {d.prefetch}")
         if not 0 <= t.warmup_steps <= t.steps:
             raise ValueError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:

@@ -441,3 +441,15 @@ def test_flight_recorder_dump_lists_collectives_on_gloo() -> None:
     assert [e["collective_seq_id"] for e in mine] == [1, 2]
     assert all(e["profiling_name"].endswith("all_reduce") and e["input_sizes"] == [[3]] for e in mine)
     assert all(isinstance(e["retired"], bool) for e in mine)
+
+
+def test_sdpa_backend_names_the_kernel_torch_dispatches_to() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 2, 16, 8)
+    assert _compat.sdpa_backend(q, q, q, is_causal=True) in {"flash_attention", "math"}
+    with sdpa_kernel(SDPBackend.MATH):  # only math allowed: the choice follows
+        assert _compat.sdpa_backend(q, q, q, is_causal=True) == "math"
+    mask = torch.zeros(2, 16, 16)
+    k = torch.randn(1, 1, 16, 8)
+    assert _compat.sdpa_backend(q, k, k, attn_mask=mask, enable_gqa=True) in {"flash_attention", "math"}

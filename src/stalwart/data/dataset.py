@@ -62,7 +62,11 @@ class TokenDataset:
         start = i * self.seq_len
         return self._tokens(start, start + self.seq_len + 1)
 
+    def rows(self, indices: np.ndarray) -> torch.Tensor:
+        """The samples' tokens, (len(indices), seq_len + 1) int64: inputs and targets in one tensor."""
+        return torch.from_numpy(np.stack([self[int(i)] for i in indices]).astype(np.int64))
+
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (len(indices), seq_len) int64."""
-        rows = torch.from_numpy(np.stack([self[int(i)] for i in indices]).astype(np.int64))
+        rows = self.rows(indices)
         return rows[:, :-1], rows[:, 1:]

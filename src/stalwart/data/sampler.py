@@ -96,10 +96,11 @@ class GlobalSampler:
             start += take
         return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
 
-    def _next_positions(self) -> tuple[list[tuple[int, int]], int]:
-        """The next global batch as contiguous position runs outside the skip ranges, and the
-        position after it."""
-        pos, need, runs = self.consumed, self.global_batch, []
+    def _next_positions(self, consumed: int | None = None) -> tuple[list[tuple[int, int]], int]:
+        """The global batch starting at ``consumed`` (default: the next one) as contiguous position
+        runs outside the skip ranges, and the position after it."""
+        pos = self.consumed if consumed is None else consumed
+        need, runs = self.global_batch, []
         for a, b in self.skip_ranges:
             if b <= pos:
                 continue
@@ -135,15 +136,22 @@ class GlobalSampler:
     def next_batch(self, rank: int, world_size: int) -> np.ndarray:
         """Sample ids for this rank in the next global batch; advances by one global batch (plus any
         skip range it jumps over)."""
+        ids, self.consumed = self.batch_at(self.consumed, rank, world_size)
+        return ids
+
+    def batch_at(self, consumed: int, rank: int, world_size: int) -> tuple[np.ndarray, int]:
+        """This rank's sample ids of the global batch that starts after ``consumed`` positions, and
+        ``consumed`` after it; changes nothing (a prefetcher reads ahead without moving the state a
+        checkpoint captures)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        start = rank * self.global_batch // world_size
+        stop = (rank + 1) * self.global_batch // world_size
         if not self.skip_ranges:
-            ids = self.samples_at(*self.rank_slice(rank, world_size))
-            self.consumed += self.global_batch
-            return ids
-        runs, after = self._next_positions()
-        start, stop = (i - self.consumed for i in self.rank_slice(rank, world_size))
+            return self.samples_at(consumed + start, consumed + stop), consumed + self.global_batch
+        runs, after = self._next_positions(consumed)
         batch = np.concatenate([self.samples_at(a, b) for a, b in runs])
-        self.consumed = after
-        return batch[start:stop]
+        return batch[start:stop], after
 
     def skip(self, n_batches: int) -> tuple[int, int]:
         """Never serve the next n global batches (e.g. past a loss spike). Their positions join the

@@ -8,7 +8,9 @@ training guard, metrics. The Trainer calls, for every hook in order:
     after_step(trainer, stats)              # the update is applied, trainer.step == stats.step
 
 ``StepStats`` holds the step's numbers as *device* tensors; a hook that needs them on the host pays a
-sync (the guard does, every step; metrics read them only once their copy to the host finished).
+sync (the guard does, every step; metrics read them only once their copy to the host finished). The
+loss's data-parallel all-reduce may still be under way in ``after_backward`` (``stats.settle()`` first);
+the Trainer settles it before ``after_step``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ class StepStats:
     aux_loss: torch.Tensor  # MoE load-balancing loss (mean over ranks), 0 for dense models
     lr: float  # the rate this step's update used
     checkpoint_s: float = 0.0  # host time the snapshot call blocked this step (set by CheckpointHook)
+    loss_reduce: Any = None  # the loss's data-parallel all-reduce still under way (``settle`` ends it)
+    dp_size: int = 1
+
+    def settle(self) -> None:
+        """Make ``loss`` the global mean: wait for its all-reduce (started asynchronously so that it
+        overlaps clipping and the update; on CUDA the wait only orders streams). Idempotent."""
+        if self.loss_reduce is not None:
+            self.loss_reduce.wait()
+            self.loss_reduce = None
+            self.loss.div_(self.dp_size)
 
 
 class StepHook:
@@ -79,6 +91,7 @@ class GuardHook(StepHook):
         self.guard, self.world_size = guard, world_size
 
     def after_backward(self, trainer: Trainer, stats: StepStats) -> Verdict | None:
+        stats.settle()
         totals = torch.stack([stats.loss.double(), stats.grad_norm.double()])
         dist.all_reduce(totals)
         loss, grad_norm = (totals / self.world_size).tolist()

@@ -15,6 +15,7 @@ The model is built on the meta device and only this rank's shards are materialis
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -33,7 +34,7 @@ import stalwart
 from stalwart import chaos, runtime
 from stalwart._compat import set_deterministic_algorithms
 from stalwart.config import Config
-from stalwart.data import GlobalSampler, TokenDataset, ensure_default_corpus
+from stalwart.data import BatchLoader, GlobalSampler, TokenDataset, ensure_default_corpus
 from stalwart.data.sampler import parse_skip_ranges
 from stalwart.dist import DistEnv
 from stalwart.models import build_model, count_params
@@ -41,12 +42,13 @@ from stalwart.observe import tensorboard
 from stalwart.observe.flight import start_for_worker
 from stalwart.observe.timers import SectionTimer, StageForwards
 from stalwart.plan.compute import flops_per_token
+from stalwart.train.compile import attention_backend, compile_blocks
 from stalwart.train.guard import Verdict
 from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepHook, StepStats
 from stalwart.train.metrics import MetricsHook
 from stalwart.train.optim import build_optimizer, build_scheduler
 from stalwart.train.parallel import build_mesh, parallelize
-from stalwart.train.parallel.mesh import Coords
+from stalwart.train.parallel.mesh import Coords, tp_data_group
 from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.resolve import rank0_plan, resolve
 from stalwart.utils import state_dict_hash
@@ -60,6 +62,8 @@ def configure_determinism(cfg: Config, env: DistEnv) -> None:
     np.random.seed(t.seed + env.rank)
     torch.manual_seed(t.seed + env.rank)
     if t.deterministic:
+        if t.compile:  # inductor's own determinism flag is set only once inductor is imported
+            importlib.import_module("torch._inductor.config")
         set_deterministic_algorithms()
         if env.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -101,6 +105,7 @@ class Trainer:
             init_seed=cfg.train.seed,
         )
         self.model = self.pm.module
+        self.compiled_blocks = compile_blocks(self.pm.parts) if cfg.train.compile else 0
         self.accum = self.plan.grad_accum
         self.optimizer = build_optimizer(self.model, cfg.train, cfg.optim.name)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -111,11 +116,25 @@ class Trainer:
             cfg.data.shuffle,
             parse_skip_ranges(cfg.data.skip_samples),
         )
+        share, share_src = tp_data_group(self.pm.mesh)  # TP ranks read one batch: the first reads, all get it
+        self.loader = BatchLoader(
+            self.dataset,
+            self.sampler,
+            self.pm.dp_rank,
+            self.pm.dp_size,
+            cfg.data.prefetch,
+            self.pm.device,
+            share,
+            share_src,
+        )
         self.step = 0
         self.timer = SectionTimer(env.device)
         pipe = self.pm.pipeline  # per-micro-batch stage forwards: the timeline's send → recv arrows
         self.stage_forwards = StageForwards(self.timer, pipe.modules, pipe.ids) if pipe is not None else None
         self._forward_fault: Any = None  # chaos at point "forward" for the step under way
+        self._begun_n = 0  # micro-batches per step the MoE loss weight was last set for
+        self._has_moe = self.pm.has_moe
+        self._zero_aux = torch.zeros((), dtype=torch.float32, device=self.pm.device)
         self.flops_per_token = flops_per_token(
             self.n_params,
             self.model_args.n_layers,
@@ -199,17 +218,19 @@ class Trainer:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward over this dp rank's share of the global batch, as micro-batches or the
-        pipeline schedule; gradients end up as the mean over the global batch. Returns the global mean
-        loss (a device tensor, the same on every rank)."""
+        pipeline schedule; gradients end up as the mean over the global batch. Returns this dp rank's
+        mean loss (a device tensor; ``train_step`` averages it over the dp ranks asynchronously)."""
         pm = self.pm
         inputs, targets = inputs.to(pm.device), targets.to(pm.device)
         n = pm.micro_batches(inputs.shape[0])
-        pm.begin_step(n)
+        if n != self._begun_n:  # the MoE loss weight is a module attribute: set once per n (a module walk)
+            pm.begin_step(n)
+            self._begun_n = n
         if pm.pipeline is not None:  # forward, backward and P2P waits interleave: one compute section
             with self.timer.section("pipeline"), self._autocast(), self._chaos_at_forward():
                 loss = pm.pipeline.step(inputs, targets, n, self._on_loss)
             self.stage_forwards.flush(n)
-            return pm.mean_over_dp(loss)
+            return loss
         total = torch.zeros((), dtype=torch.float32, device=pm.device)
         mb = pm.options.micro_batch
         for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
@@ -219,7 +240,7 @@ class Trainer:
                 with self.timer.section("backward", compute=False):  # waits on gradient reduction
                     loss.backward()
             total += pm.local_value(loss)
-        return pm.mean_over_dp(total)
+        return total
 
     def train_step(self) -> StepStats | Verdict:
         """One optimizer step on the next global batch — unless a hook (the guard) judges it bad: then
@@ -229,16 +250,19 @@ class Trainer:
         for hook in self.hooks:
             hook.before_step(self, step)
         self._forward_fault = chaos.due("forward", step=step, rank=self.env.rank)
-        self.pm.train()
+        if not self.pm.parts[0].training:  # nothing on the step path sets eval; a walk only if something did
+            self.pm.train()
         with self.timer.section("data"):
-            inputs, targets = self.dataset.batch(self.sampler.next_batch(self.pm.dp_rank, self.pm.dp_size))
-        loss = self.forward_backward(inputs, targets)
+            inputs, targets = self.loader.next()  # read ahead in the background (data.prefetch)
+        loss, loss_reduce = self.pm.sum_over_dp_async(self.forward_backward(inputs, targets))
         with self.timer.section("grad_clip", compute=False):  # the norm's all-reduce
             grad_norm = self.pm.clip_grad_norm_(self.cfg.train.grad_clip)
-        stats = StepStats(step, loss, grad_norm, self._aux_loss(), self.scheduler.get_last_lr()[0])
+        lr = self.scheduler.get_last_lr()[0]
+        stats = StepStats(step, loss, grad_norm, self._aux_loss(), lr, loss_reduce=loss_reduce, dp_size=self.pm.dp_size)
         for hook in self.hooks:
             verdict = hook.after_backward(self, stats)
             if verdict is not None:
+                stats.settle()  # no collective left in flight
                 self.optimizer.zero_grad(set_to_none=True)
                 return verdict
         with self.timer.section("optimizer"):
@@ -246,6 +270,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step
+        stats.settle()
         try:
             for hook in self.hooks:
                 hook.after_step(self, stats)
@@ -278,8 +303,10 @@ class Trainer:
 
     def _aux_loss(self) -> torch.Tensor:
         """The MoE load-balancing loss averaged over all ranks (one all-reduce, MoE models only)."""
+        if not self._has_moe:  # dense: no module walk per step, a constant 0
+            return self._zero_aux
         aux = self.pm.aux_loss()
-        if self.pm.has_moe and self.env.world_size > 1:
+        if self.env.world_size > 1:
             dist.all_reduce(aux)
             aux = aux / self.env.world_size
         return aux
@@ -303,7 +330,9 @@ class Trainer:
             stalwart.finished()  # teardown below (final persist, hashes) is not a hang
             if self.ckpt is not None:
                 self.ckpt.ensure_durable(self.step)  # the final state is durable before we report success
+            self.loader.close()  # the reads already submitted (they pair up across a TP group)
         except BaseException:
+            self.loader.close(timeout=1.0)  # a peer may be gone: a daemon thread, not waited for long
             if self.ckpt is not None:
                 self.ckpt.close(success=False)  # snapshots stay for a restart
             raise
@@ -333,6 +362,9 @@ class Trainer:
             "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
             "wall_s": wall,
             "samples_consumed": self.sampler.consumed,
+            "compiled_blocks": self.compiled_blocks,
+            "attention": self.attention_report(),
+            "prefetch": self.cfg.data.prefetch,
             "final_hash": final_hash,
             "optim_hash": self.optimizer_hash(),
             "metrics": str(out / "metrics.jsonl"),
@@ -354,6 +386,16 @@ class Trainer:
         if not self.optimizer.state:
             return None
         return state_dict_hash(get_optimizer_state_dict(self.model, self.optimizer), group=self.pm.pp_group)
+
+    def attention_report(self) -> dict[str, Any]:
+        """The SDPA kernel this run's attention used (summary.json "attention")."""
+        autocast = self._autocast()
+        dtype = torch.bfloat16 if isinstance(autocast, torch.autocast) else torch.float32
+        a, c = self.model_args, self.cfg
+        out = attention_backend(a, c.train.micro_batch, c.data.seq_len, self.plan.layout.tp, dtype, self.pm.device)
+        if self.compiled_blocks:
+            out["how"] += "; the blocks are compiled: inductor may lower attention itself"
+        return out
 
     def checkpoint_report(self) -> dict[str, Any]:
         info, w = self.ckpt.last_restore, self.ckpt.writer.stats

@@ -169,11 +169,19 @@ class ParallelModel:
     def mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
         """This dp rank's mean loss → the global batch's mean, the same on every rank (one all-reduce
         over the data-parallel ranks, asynchronous to the host)."""
+        total, work = self.sum_over_dp_async(loss)
+        if work is not None:
+            work.wait()
+        return total.div_(self.dp_size) if work is not None else total
+
+    def sum_over_dp_async(self, loss: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start the sum of ``loss`` over the data-parallel ranks: (the tensor it lands in, the work to
+        wait for, None when there is nothing to reduce). The Trainer waits only where a value is used,
+        so the all-reduce overlaps clipping and the update."""
         if self.dp_size == 1:
-            return loss
-        loss = loss.clone()
-        dist.all_reduce(loss, group=axis(self.mesh, "dp").get_group())
-        return loss.div_(self.dp_size)
+            return loss, None
+        total = loss.clone()
+        return total, dist.all_reduce(total, group=axis(self.mesh, "dp").get_group(), async_op=True)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The plain step for scripts and tests without a Trainer (no hooks, timers or autocast; the

@@ -76,3 +76,15 @@ class Coords:
 def coords(mesh: Mesh) -> Coords:
     dp, pp, tp = mesh["dp"], mesh["pp"], mesh["tp"]
     return Coords(dp.get_local_rank(), dp.size(), pp.get_local_rank(), pp.size(), tp.get_local_rank(), tp.size())
+
+
+def tp_data_group(mesh: Mesh) -> tuple[dist.ProcessGroup | None, int]:
+    """A gloo group over this rank's tensor-parallel group and its first rank: the one that reads the
+    (identical) batch for all of them (None when tp = 1). Every rank creates every TP group's, in order."""
+    dm = mesh.device_mesh
+    names = list(dm.mesh_dim_names or ())
+    if "tp" not in names or dm.mesh.shape[names.index("tp")] == 1:
+        return None, 0
+    ranks = dm.mesh.movedim(names.index("tp"), -1).reshape(-1, dm.mesh.shape[names.index("tp")]).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
+    return group, next(g[0] for g in ranks if dist.get_rank() in g)
