@@ -315,3 +315,16 @@ def flight_recorder_dump() -> dict[str, Any]:
 
 
 # --- end of flight recorder section -----------------------------------------------------------------
+
+
+# -- async tensor parallelism (CUDA) ----------------------------------------------------------------
+def enable_async_tp(group_name: str) -> None:
+    """Inductor's micro-pipeline TP pass (private flag ``_micro_pipeline_tp``) plus symmetric memory
+    for the TP group: needed explicitly up to torch 2.12, deprecated ("no need to call") from 2.13."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory
+
+    inductor_config._micro_pipeline_tp = True
+    enable = _symmetric_memory.enable_symm_mem_for_group
+    if not getattr(enable, "__deprecated__", None):
+        enable(group_name)

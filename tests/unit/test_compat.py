@@ -435,3 +435,16 @@ def test_flight_recorder_dump_lists_collectives_on_gloo() -> None:
     assert [e["collective_seq_id"] for e in mine] == [1, 2]
     assert all(e["profiling_name"].endswith("all_reduce") and e["input_sizes"] == [[3]] for e in mine)
     assert all(isinstance(e["retired"], bool) for e in mine)
+
+
+def test_enable_async_tp_sets_inductors_micro_pipeline_flag() -> None:
+    import torch._inductor.config as inductor_config
+
+    from stalwart import _compat
+
+    before = inductor_config._micro_pipeline_tp
+    try:
+        _compat.enable_async_tp("0")  # a no-op for symmetric memory on torch ≥ 2.13
+        assert inductor_config._micro_pipeline_tp is True
+    finally:
+        inductor_config._micro_pipeline_tp = before

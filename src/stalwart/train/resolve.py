@@ -127,7 +127,13 @@ def resolve(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunP
         reshard_after_forward=p.reshard_after_forward,
         compress=p.compress,
         powersgd_rank=p.powersgd_rank,
+        fsdp_prefetch=p.fsdp_prefetch,
+        ddp_bucket_mb=p.ddp_bucket_mb,
+        async_tp=p.async_tp,
+        pp_scatter_gather=p.pp_scatter_gather,
     )
+    if options.async_tp and not getattr(t, "compile", False):
+        raise ValueError("parallel.async_tp is an inductor pass over compiled blocks: it needs train.compile = true")
     virtual = options.virtual_stages if layout.pp > 1 else 1
     layout.check_model(args, moe, virtual)
     options.check(layout)

@@ -37,10 +37,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from stalwart.models.moe import moe_modules, set_aux_grad_scale
 from stalwart.plan.parallel import Layout
 from stalwart.train.parallel import compress as compress_mod
+from stalwart.train.parallel import overlap
 from stalwart.train.parallel.expert import apply_expert_parallel, expert_fsdp_divide_factor, expert_modules
 from stalwart.train.parallel.materialize import is_meta, materialize
 from stalwart.train.parallel.mesh import Coords, Mesh, axis, coords
 from stalwart.train.parallel.pipeline import SCHEDULES, PipelineRunner, lm_loss, split_model
+from stalwart.train.parallel.pp_boundary import send_full_activations
 from stalwart.train.parallel.recompute import MODES as RECOMPUTE_MODES
 from stalwart.train.parallel.recompute import apply_recompute
 from stalwart.train.parallel.tensor import apply_tensor_parallel, loss_context
@@ -59,6 +61,10 @@ class ParallelOptions:
     compress: str = "none"  # none | bf16 | fp16 | powersgd (DDP); bf16/fp16 = reduce dtype under FSDP2
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
+    fsdp_prefetch: int = 1  # FSDP2: blocks whose all-gathers each block issues ahead (0 = implicit only)
+    ddp_bucket_mb: float = 25.0  # DDP: gradient bucket size; buckets all-reduce during the backward
+    async_tp: bool = False  # TP: inductor's micro-pipelined collectives (CUDA + compiled blocks only)
+    pp_scatter_gather: bool = True  # PP×TP: send the 1/tp sequence slice (False: the whole activation)
 
     def check(self, layout: Layout) -> None:
         if self.micro_batch < 1:
@@ -77,6 +83,9 @@ class ParallelOptions:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
         compress_mod.check_mode(self.compress, layout.uses_ddp)
+        overlap.check_fsdp_prefetch(self.fsdp_prefetch)
+        overlap.check_ddp_bucket_mb(self.ddp_bucket_mb)
+        overlap.check_async_tp(self.async_tp, layout.tp)
         if self.compress != "none" and layout.dp == 1:
             raise ValueError(f"compress={self.compress!r} compresses data-parallel gradients but dp = 1")
 
@@ -279,6 +288,7 @@ def _apply_fsdp(part: nn.Module, mesh: Mesh, layout: Layout, options: ParallelOp
                 experts.set_gradient_divide_factor(expert_fsdp_divide_factor(layout.dp_replicate, layout.dp_shard))
         fully_shard(block, mesh=dp_mesh, **kwargs)
     fully_shard(part, mesh=dp_mesh, **kwargs)
+    overlap.set_fsdp_prefetch(list(part.layers.values()), options.fsdp_prefetch)
 
 
 def parallelize(
@@ -312,6 +322,12 @@ def parallelize(
     if layout.tp > 1:
         for part in parts_m:
             use_lp = apply_tensor_parallel(part, mesh["tp"], options.loss_parallel and layout.pp == 1) or use_lp
+        if options.async_tp:
+            overlap.enable_async_tp(mesh["tp"], device)
+        if layout.pp > 1 and not options.pp_scatter_gather:
+            n_stages = layout.pp * options.virtual_stages
+            for part, i in zip(parts_m, ids):
+                send_full_activations(part, mesh["tp"], first=i == 0, last=i == n_stages - 1)
     if layout.ep > 1:
         for part in parts_m:
             apply_expert_parallel(part, mesh["ep"])
@@ -328,6 +344,7 @@ def parallelize(
             model,
             process_group=mesh["dp_replicate"].get_group(),
             broadcast_buffers=False,
+            bucket_cap_mb=options.ddp_bucket_mb,
             device_ids=[device.index] if device.type == "cuda" else None,
         )
         hook_state = compress_mod.register(
