@@ -78,6 +78,7 @@ class PlanInputs:
     virtual_stages: int = 1
     top: int = 10
     compute_efficiency: float = StepModel.compute_efficiency
+    overlap: bool = True  # DP gradient reduce and ZeRO-3 gathers hidden under compute (parallel.ddp_bucket_mb, fsdp_prefetch)
     # reliability
     gpu_fail_per_day: float = 0.001  # probability one GPU fails on a given day
     node_mtbf_hours: float = 0.0  # extra per-node failures (0 = none)
@@ -301,7 +302,7 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
         virtual_stages=inp.virtual_stages,
         fixed=fixed,
         mem=mem_opts,
-        model=StepModel(compute_efficiency=inp.compute_efficiency),
+        model=StepModel(compute_efficiency=inp.compute_efficiency, overlap_dp=inp.overlap, overlap_zero3=inp.overlap),
     )
     best = found.layouts[0] if found.layouts else None
     if inp.mfu is not None:
