@@ -238,7 +238,9 @@ class Config:
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
             raise ValueError(f"need 0 < train.lr and 0 ≤ train.min_lr ≤ train.lr (got {t.lr}, {t.min_lr})")
         if p.fsdp_prefetch < 0:
-            raise ValueError(f"parallel.fsdp_prefetch must be ≥ 0 (0 = FSDP2's implicit prefetch), got {p.fsdp_prefetch}")
+            raise ValueError(
+                f"parallel.fsdp_prefetch must be ≥ 0 (0 = FSDP2's implicit prefetch), got {p.fsdp_prefetch}"
+            )
         if p.ddp_bucket_mb <= 0:
             raise ValueError(f"parallel.ddp_bucket_mb must be positive, got {p.ddp_bucket_mb}")
         self.checkpoint.validate()

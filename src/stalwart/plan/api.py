@@ -78,7 +78,7 @@ class PlanInputs:
     virtual_stages: int = 1
     top: int = 10
     compute_efficiency: float = StepModel.compute_efficiency
-    overlap: bool = True  # DP gradient reduce and ZeRO-3 gathers hidden under compute (parallel.ddp_bucket_mb, fsdp_prefetch)
+    overlap: bool = True  # DP gradient reduce and ZeRO-3 gathers hidden under compute (DDP buckets, FSDP2 prefetch)
     # reliability
     gpu_fail_per_day: float = 0.001  # probability one GPU fails on a given day
     node_mtbf_hours: float = 0.0  # extra per-node failures (0 = none)
