@@ -1,5 +1,5 @@
 """`stalwart run` gives its workers the NCCL defaults (docs/techniques.md): a real agent and worker,
-the worker's own environment read back."""
+the worker's own environment read back (the off switch and the parser: tests/unit/test_nccl_env.py)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,3 @@ def test_defaults_set_and_user_value_wins(tmp_path):
     for name, (value, _) in NCCL_DEFAULTS.items():
         if name != "NCCL_IB_TIMEOUT":
             assert got.get(name) == value, name
-
-
-def test_off_switch(tmp_path):
-    got = worker_env(tmp_path, "--nccl-env", "off", env={"NCCL_IB_RETRY_CNT": "5"})
-    assert got["NCCL_IB_RETRY_CNT"] == "5"
-    # TorchElastic's own default for this one is 1 (abort the communicator, then end the process)
-    assert got.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1"
-    ours = set(NCCL_DEFAULTS) - {"NCCL_IB_RETRY_CNT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
-    assert not ours & set(got), "off: none of stalwart's defaults is set"
