@@ -288,7 +288,6 @@ def _apply_fsdp(part: nn.Module, mesh: Mesh, layout: Layout, options: ParallelOp
                 experts.set_gradient_divide_factor(expert_fsdp_divide_factor(layout.dp_replicate, layout.dp_shard))
         fully_shard(block, mesh=dp_mesh, **kwargs)
     fully_shard(part, mesh=dp_mesh, **kwargs)
-    overlap.set_fsdp_prefetch(list(part.layers.values()), options.fsdp_prefetch)
 
 
 def parallelize(
@@ -355,6 +354,7 @@ def parallelize(
         if fsdp:
             for part in parts_m:
                 _apply_fsdp(part, mesh, layout, options)
+                overlap.prefetch_fsdp(part, options.fsdp_prefetch, device)
             if meta:  # FSDP2 sharded the meta parameters: allocate and initialise this rank's shards only
                 materialize(model, parts_m, device, init_seed)
         module = model

@@ -3,8 +3,9 @@
 - FSDP2: explicit prefetch of the next ``depth`` blocks' all-gathers, in forward (block i issues
   blocks i+1..i+depth's all-gathers before its own compute) and backward (block i issues i-1..i-depth).
   ``depth = 0`` leaves FSDP2's implicit prefetch alone, which overlaps only where the host runs ahead
-  of the device (CUDA streams); explicit prefetch also overlaps on the CPU, where gloo's collectives
-  run on gloo's own threads while the main thread computes.
+  of the device (CUDA streams). Off CUDA, FSDP2 would still issue a prefetched all-gather synchronously
+  (``async_op=False``), so there the unshards are made asynchronous too: the gloo all-gather then runs
+  on gloo's threads while the main thread computes, and the next block waits for it.
 - DDP: gradient buckets of ``ddp_bucket_mb`` are all-reduced as soon as they are full, during the
   backward (one bucket as large as the model = no overlap: its all-reduce starts after the backward).
 - TP: async TP (micro-pipelined all-gather/reduce-scatter matmuls) is an inductor pass over compiled
@@ -48,6 +49,13 @@ def set_fsdp_prefetch(blocks: list[nn.Module], depth: int) -> None:
             block.set_modules_to_forward_prefetch(ahead)
         if behind:
             block.set_modules_to_backward_prefetch(behind)
+
+
+def prefetch_fsdp(part: nn.Module, depth: int, device: torch.device) -> None:
+    """Explicit prefetch over ``part``'s blocks; off CUDA also asynchronous unshards (see above)."""
+    set_fsdp_prefetch(list(part.layers.values()), depth)
+    if depth > 0 and device.type != "cuda":
+        _compat.fsdp_async_unshard(part)
 
 
 def check_async_tp(enabled: bool, tp: int, device: torch.device | None = None) -> None:
