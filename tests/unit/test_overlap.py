@@ -65,6 +65,12 @@ def test_config_checks_the_overlap_keys():
 
     with pytest.raises(ValueError, match="train.compile"):
         resolve(load_config(overrides={"parallel.tp": 2, "parallel.async_tp": True}), 2)
+    fsdp = load_config(overrides={"parallel.dp_mode": "fsdp", "parallel.tp": 2, "parallel.fsdp_prefetch": 2})
+    assert resolve(fsdp, 4).summary()["overlap"] == {"fsdp_prefetch": 2, "async_tp": False}
+    ddp = resolve(load_config(overrides={"parallel.ddp_bucket_mb": 4}), 2)
+    assert ddp.options.ddp_bucket_mb == 4.0 and ddp.summary()["overlap"] == {"ddp_bucket_mb": 4.0}
+    pp_tp = resolve(load_config(overrides={"parallel.pp": 2, "parallel.tp": 2, "parallel.pp_scatter_gather": False}), 4)
+    assert pp_tp.summary()["overlap"] == {"async_tp": False, "pp_scatter_gather": False}
 
 
 def test_planner_shows_exposed_communication_with_and_without_overlap(capsys):

@@ -49,6 +49,13 @@ class RunPlan:
             out.update(schedule=o.schedule, virtual_stages=o.virtual_stages, layer_split=o.layer_split)
         if o.compress != "none":
             out["compress"] = o.compress
+        overlap = {
+            "ddp_bucket_mb": o.ddp_bucket_mb if lo.uses_ddp else None,
+            "fsdp_prefetch": o.fsdp_prefetch if lo.dp > 1 and not lo.uses_ddp else None,
+            "async_tp": o.async_tp if lo.tp > 1 else None,
+            "pp_scatter_gather": o.pp_scatter_gather if lo.pp > 1 and lo.tp > 1 else None,
+        }
+        out["overlap"] = {k: v for k, v in overlap.items() if v is not None}  # docs/techniques.md
         if self.why:
             out["auto"] = self.why
         return out
