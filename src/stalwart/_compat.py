@@ -338,3 +338,23 @@ def flight_recorder_dump() -> dict[str, Any]:
 
 
 # --- end of flight recorder section -----------------------------------------------------------------
+
+
+# -- FSDP2 asynchronous unshard (explicit prefetch off CUDA) ----------------------------------------
+def fsdp_async_unshard(module: Any) -> None:
+    """``FSDPModule._set_unshard_async_op(True)`` (private in torch 2.13): pre-forward/backward and
+    prefetched all-gathers return their work and are waited for where the parameters are needed."""
+    module._set_unshard_async_op(True)
+
+
+# -- async tensor parallelism (CUDA) ----------------------------------------------------------------
+def enable_async_tp(group_name: str) -> None:
+    """Inductor's micro-pipeline TP pass (private flag ``_micro_pipeline_tp``) plus symmetric memory
+    for the TP group: needed explicitly up to torch 2.12, deprecated ("no need to call") from 2.13."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory
+
+    inductor_config._micro_pipeline_tp = True
+    enable = _symmetric_memory.enable_symm_mem_for_group
+    if not getattr(enable, "__deprecated__", None):
+        enable(group_name)

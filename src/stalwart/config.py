@@ -107,6 +107,10 @@ class ParallelConfig:
     powersgd_rank: int = 1
     alq_bits: int = 4  # compress = "alq": bits per gradient value (sign + level index): 2 | 4 | 8
     alq_update_every: int = 50  # compress = "alq": steps between refits of the quantization levels
+    fsdp_prefetch: int = 1  # FSDP2: each block prefetches the next N blocks' all-gathers (0 = implicit only)
+    ddp_bucket_mb: float = 25.0  # DDP: gradient bucket MB; full buckets all-reduce during the backward
+    async_tp: bool = False  # tp > 1 on CUDA with compiled blocks: micro-pipelined TP collectives
+    pp_scatter_gather: bool = True  # pp, tp > 1: a stage sends its 1/tp slice (false: the whole activation)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     cpu_offload: bool = False  # FSDP2 only: sharded parameters, gradients and optimizer state on the host
 
@@ -267,6 +271,12 @@ class Config:
             raise ValueError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
             raise ValueError(f"need 0 < train.lr and 0 ≤ train.min_lr ≤ train.lr (got {t.lr}, {t.min_lr})")
+        if p.fsdp_prefetch < 0:
+            raise ValueError(
+                f"parallel.fsdp_prefetch must be ≥ 0 (0 = FSDP2's implicit prefetch), got {p.fsdp_prefetch}"
+            )
+        if p.ddp_bucket_mb <= 0:
+            raise ValueError(f"parallel.ddp_bucket_mb must be positive, got {p.ddp_bucket_mb}")
         self.checkpoint.validate()
         self.guard.validate(self.checkpoint)
 

@@ -45,6 +45,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compress", default="none")
     p.add_argument("--alq-update-every", type=int, default=50)
     p.add_argument("--no-loss-parallel", action="store_true")
+    p.add_argument("--no-pp-scatter-gather", action="store_true", help="PP×TP: send whole activations")
+    p.add_argument("--fsdp-prefetch", type=int, default=1)
+    p.add_argument("--ddp-bucket-mb", type=float, default=25.0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -228,6 +231,9 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
         compress=args.compress,
         alq_update_every=args.alq_update_every,
         loss_parallel=not args.no_loss_parallel,
+        pp_scatter_gather=not args.no_pp_scatter_gather,
+        fsdp_prefetch=args.fsdp_prefetch,
+        ddp_bucket_mb=args.ddp_bucket_mb,
     )
     pm = parallelize(model, layout, mesh, options, device=env.device, init_seed=args.seed)
     routing = RoutingCounter(pm.module) if args.record_routing else None  # every rank holds other rows
@@ -254,6 +260,9 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
     # every rank must agree on the loss it reports
     gathered = [None] * env.world_size
     dist.all_gather_object(gathered, losses)
+    sent = [None] * env.world_size  # bytes each rank's pipeline stages posted to isend (fwd, bwd)
+    mine = (pm.pipeline.sent.forward, pm.pipeline.sent.backward) if pm.pipeline is not None else (0, 0)
+    dist.all_gather_object(sent, mine)
     result = {
         "layout": layout.as_dict(),
         "describe": layout.describe(),
@@ -264,6 +273,7 @@ def parallel(args: argparse.Namespace, data: TokenDataset) -> dict:
         "step_times": times,
         "ranks_agree": all(g == losses for g in gathered),
         "uses_ddp": layout.uses_ddp,
+        "pp_sent_bytes": sent,
     }
     if routing is not None:
         result["routing"] = routing.steps

@@ -453,3 +453,35 @@ def test_sdpa_backend_names_the_kernel_torch_dispatches_to() -> None:
     mask = torch.zeros(2, 16, 16)
     k = torch.randn(1, 1, 16, 8)
     assert _compat.sdpa_backend(q, k, k, attn_mask=mask, enable_gqa=True) in {"flash_attention", "math"}
+
+
+def test_enable_async_tp_sets_inductors_micro_pipeline_flag() -> None:
+    import torch._inductor.config as inductor_config
+
+    from stalwart import _compat
+
+    before = inductor_config._micro_pipeline_tp
+    try:
+        _compat.enable_async_tp("0")  # a no-op for symmetric memory on torch ≥ 2.13
+        assert inductor_config._micro_pipeline_tp is True
+    finally:
+        inductor_config._micro_pipeline_tp = before
+
+
+def test_fsdp_async_unshard_sets_every_param_groups_flag() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from stalwart import _compat
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _compat.fsdp_async_unshard(model)
+    groups = [g for m in model.modules() for g in m._get_fsdp_state()._fsdp_param_groups if hasattr(m, "unshard")]
+    assert groups and all(g.unshard_async_op for g in groups)

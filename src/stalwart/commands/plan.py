@@ -274,6 +274,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.60,
         help="fraction of peak reached by wide matmuls in the step-time model (default 0.60)",
     )
+    g.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="model data-parallel communication as not overlapped with compute (stalwart overlaps it by default: "
+        "DDP buckets during the backward, FSDP2 prefetch; docs/techniques.md)",
+    )
 
     g = p.add_argument_group("reliability")
     g.add_argument(

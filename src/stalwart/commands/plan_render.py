@@ -68,7 +68,8 @@ def render(result: dict[str, Any], section: str) -> None:
     layouts = result.get("layouts")
     if layouts is not None:
         table = Table(title=f"layouts, fastest first ({result.get('layouts_feasible', len(layouts))} fit)")
-        for col in ("#", "dp", "tp", "pp", "cp", "ep", "mb", "recompute", "mem GB", "step s", "tokens/s", "MFU"):
+        cols = ("#", "dp", "tp", "pp", "cp", "ep", "mb", "recompute", "mem GB", "step s", "tokens/s", "MFU", "comm")
+        for col in cols:
             table.add_column(col, justify="right")
         for i, lo in enumerate(layouts, 1):
             table.add_row(
@@ -79,6 +80,7 @@ def render(result: dict[str, Any], section: str) -> None:
                 f"{lo['step_time_s']:.3g}",
                 f"{lo['tokens_per_s']:.3g}",
                 f"{lo['mfu']:.3f}",
+                f"{lo['exposed_comm_fraction']:.0%}",
             )
         console.print(table)
         rejected = result.get("layouts_rejected") or {}

@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
-from stalwart.launch import autoscale, die_with_agent, eviction, park, preempt, slurm, stragglers, zygote
+from stalwart.launch import autoscale, die_with_agent, eviction, nccl_env, park, preempt, slurm, stragglers, zygote
 from stalwart.launch.agent import NodeEvicted, NodeParked, StalwartAgent
 from stalwart.launch.client import MasterClient, MasterError, write_address
 from stalwart.launch.failure_save import FailureSave
@@ -139,6 +139,7 @@ def run(argv: list[str]) -> int:
     if replica_sync(args):  # the workers' saves wait for their copies (the keeper learns it from replica_env)
         os.environ[runtime.ENV_REPLICA_SYNC] = "1"
     os.environ[runtime.ENV_EXIT_GRACE] = repr(args.exit_grace)  # a returned script's process ends within it
+    nccl_env.apply_defaults(os.environ, args.nccl_env == "on")  # the user's own values win
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
     failure_save = FailureSave(node_job)
     storage_watch = StorageWatch(keeper.status_copy)

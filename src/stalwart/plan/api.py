@@ -82,6 +82,7 @@ class PlanInputs:
     virtual_stages: int = 1
     top: int = 10
     compute_efficiency: float = StepModel.compute_efficiency
+    overlap: bool = True  # DP gradient reduce and ZeRO-3 gathers hidden under compute (DDP buckets, FSDP2 prefetch)
     # reliability
     gpu_fail_per_day: float = 0.001  # probability one GPU fails on a given day
     node_mtbf_hours: float = 0.0  # extra per-node failures (0 = none)
@@ -298,7 +299,7 @@ def plan(inp: PlanInputs) -> dict[str, Any]:
 
     # Layouts (also the source of MFU when none is given).
     fixed = {k: getattr(inp, k) for k in ("dp", "tp", "pp", "cp", "ep", "micro_batch") if getattr(inp, k)}
-    step_model = StepModel(compute_efficiency=inp.compute_efficiency)
+    step_model = StepModel(compute_efficiency=inp.compute_efficiency, overlap_dp=inp.overlap, overlap_zero3=inp.overlap)
     found = search(
         shape,
         cluster,

@@ -35,6 +35,7 @@ class Candidate:
             tokens_per_s=self.step.tokens_per_s,
             mfu=self.step.mfu,
             hfu=self.step.hfu,
+            exposed_comm_fraction=self.step.exposed_comm_fraction,
             memory_breakdown_gb=self.memory.gb(),
             step_breakdown_s={
                 k: v for k, v in self.step.as_dict().items() if k not in ("total", "tokens_per_s", "mfu", "hfu")

@@ -53,6 +53,12 @@ class StepTime:
     mfu: float  # model FLOPs (the plan's FLOPs/token) ÷ peak
     hfu: float  # including recomputation
 
+    @property
+    def exposed_comm_fraction(self) -> float:
+        """Share of the step spent in communication not hidden under compute (bubble excluded)."""
+        comm = self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm + self.dp_comm + self.zero3_comm
+        return comm / self.total if self.total > 0 else 0.0
+
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 

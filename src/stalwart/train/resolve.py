@@ -49,6 +49,13 @@ class RunPlan:
             out.update(schedule=o.schedule, virtual_stages=o.virtual_stages, layer_split=o.layer_split)
         if o.compress != "none":
             out["compress"] = o.compress
+        overlap = {
+            "ddp_bucket_mb": o.ddp_bucket_mb if lo.uses_ddp else None,
+            "fsdp_prefetch": o.fsdp_prefetch if lo.dp > 1 and not lo.uses_ddp else None,
+            "async_tp": o.async_tp if lo.tp > 1 else None,
+            "pp_scatter_gather": o.pp_scatter_gather if lo.pp > 1 and lo.tp > 1 else None,
+        }
+        out["overlap"] = {k: v for k, v in overlap.items() if v is not None}  # docs/techniques.md
         if self.why:
             out["auto"] = self.why
         return out
@@ -131,7 +138,13 @@ def resolve(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunP
         alq_bits=p.alq_bits,
         alq_update_every=p.alq_update_every,
         cpu_offload=p.cpu_offload,
+        fsdp_prefetch=p.fsdp_prefetch,
+        ddp_bucket_mb=p.ddp_bucket_mb,
+        async_tp=p.async_tp,
+        pp_scatter_gather=p.pp_scatter_gather,
     )
+    if options.async_tp and not getattr(t, "compile", False):
+        raise ValueError("parallel.async_tp is an inductor pass over compiled blocks: it needs train.compile = true")
     virtual = options.virtual_stages if layout.pp > 1 else 1
     layout.check_model(args, moe, virtual)
     options.check(layout)

@@ -37,10 +37,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from stalwart.models.moe import moe_modules, set_aux_grad_scale
 from stalwart.plan.parallel import Layout
 from stalwart.train.parallel import compress as compress_mod
+from stalwart.train.parallel import overlap
 from stalwart.train.parallel.expert import apply_expert_parallel, expert_fsdp_divide_factor, expert_modules
 from stalwart.train.parallel.materialize import is_meta, materialize
 from stalwart.train.parallel.mesh import Coords, Mesh, axis, coords
 from stalwart.train.parallel.pipeline import SCHEDULES, PipelineRunner, lm_loss, split_model
+from stalwart.train.parallel.pp_boundary import send_full_activations
 from stalwart.train.parallel.recompute import MODES as RECOMPUTE_MODES
 from stalwart.train.parallel.recompute import apply_recompute
 from stalwart.train.parallel.tensor import apply_tensor_parallel, loss_context
@@ -62,6 +64,10 @@ class ParallelOptions:
     alq_bits: int = 4  # alq: bits per value (sign + level index): 2 | 4 | 8
     alq_update_every: int = 50  # alq: steps between level refits
     cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimizer state live on the host
+    fsdp_prefetch: int = 1  # FSDP2: blocks whose all-gathers each block issues ahead (0 = implicit only)
+    ddp_bucket_mb: float = 25.0  # DDP: gradient bucket size; buckets all-reduce during the backward
+    async_tp: bool = False  # TP: inductor's micro-pipelined collectives (CUDA + compiled blocks only)
+    pp_scatter_gather: bool = True  # PP×TP: send the 1/tp sequence slice (False: the whole activation)
 
     def check(self, layout: Layout) -> None:
         if self.micro_batch < 1:
@@ -86,6 +92,9 @@ class ParallelOptions:
                 "FSDP2 shards to offload; set parallel.dp_mode='fsdp' with more than one data-parallel rank "
                 "(or parallel.cpu_offload=false)"
             )
+        overlap.check_fsdp_prefetch(self.fsdp_prefetch)
+        overlap.check_ddp_bucket_mb(self.ddp_bucket_mb)
+        overlap.check_async_tp(self.async_tp, layout.tp)
         if self.compress != "none" and layout.dp == 1:
             raise ValueError(f"compress={self.compress!r} compresses data-parallel gradients but dp = 1")
 
@@ -331,6 +340,12 @@ def parallelize(
     if layout.tp > 1:
         for part in parts_m:
             use_lp = apply_tensor_parallel(part, mesh["tp"], options.loss_parallel and layout.pp == 1) or use_lp
+        if options.async_tp:
+            overlap.enable_async_tp(mesh["tp"], device)
+        if layout.pp > 1 and not options.pp_scatter_gather:
+            n_stages = layout.pp * options.virtual_stages
+            for part, i in zip(parts_m, ids):
+                send_full_activations(part, mesh["tp"], first=i == 0, last=i == n_stages - 1)
     if layout.ep > 1:
         for part in parts_m:
             apply_expert_parallel(part, mesh["ep"])
@@ -347,6 +362,7 @@ def parallelize(
             model,
             process_group=mesh["dp_replicate"].get_group(),
             broadcast_buffers=False,
+            bucket_cap_mb=options.ddp_bucket_mb,
             device_ids=[device.index] if device.type == "cuda" else None,
         )
         hook_state = compress_mod.register(
@@ -362,6 +378,7 @@ def parallelize(
         if fsdp:
             for part in parts_m:
                 _apply_fsdp(part, mesh, layout, options)
+                overlap.prefetch_fsdp(part, options.fsdp_prefetch, device)
             if meta:  # FSDP2 sharded the meta parameters: allocate and initialise this rank's shards only
                 host = torch.device("cpu") if options.cpu_offload else device  # offload: shards on the host
                 materialize(model, parts_m, host, init_seed, buffer_device=device)

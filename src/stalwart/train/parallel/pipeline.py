@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from stalwart.models.llama import embed, rope_tables
+from stalwart.train.parallel.pp_boundary import SentBytes
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -210,6 +211,7 @@ class PipelineRunner:
         self._schedule: _PipelineSchedule | None = None
         self._n_microbatches = 0
         self.on_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # the step's loss hook; set per step
+        self.sent = SentBytes()  # bytes posted to isend by this rank's stages (benchmarks, tests)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, target)
@@ -227,6 +229,8 @@ class PipelineRunner:
         stages = [
             PipelineStage(m, i, self.n_stages, self.device, group=self.group) for m, i in zip(self.modules, self.ids)
         ]
+        for stage in stages:
+            self.sent.watch(stage)
         if self.kind == "interleaved_1f1b":
             sched: _PipelineSchedule = ScheduleInterleaved1F1B(
                 stages, n_microbatches, loss_fn=self._loss, scale_grads=True
