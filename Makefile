@@ -32,8 +32,11 @@ lint: setup-test
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/lint-imports
 
+# Two test processes (pytest-xdist), one module each at a time: most e2e time is waiting on real
+# processes (restarts, heartbeats, keepers), so two modules share the 2 cores CI has. PYTEST_JOBS=0: serial.
+PYTEST_JOBS ?= 2
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 # On a CUDA machine: tests/gpu + benchmarks/gpu_step.py, one summary (docs/gpu.md). Where stalwart's
 # dependencies are already installed (the lent GPU machines), skip the venv: make gpu-check GPU_PY=python3
