@@ -28,7 +28,9 @@ COMMON = (
     "--train.micro_batch=2",
     "--checkpoint.enabled=true",
     "--checkpoint.persist_every_steps=4",
-    "--checkpoint.keeper_idle_s=30",
+    # The keeper outlives a killed launch this long: the next launch (seconds, minutes on a loaded box)
+    # must find its snapshots; 30 s let it clean up before a slow relaunch attached (seen at load 30).
+    "--checkpoint.keeper_idle_s=180",
 )
 
 
