@@ -54,7 +54,10 @@ def pick_device(backend: str, cuda_devices: int, local_rank: int, local_world_si
     return backend, device
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+PG_TIMEOUT_S = 600.0  # every process group of a job: a collective waits at most this long
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = PG_TIMEOUT_S) -> DistEnv:
     env = worker_env()
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend, device = pick_device(backend, cuda_devices, env.local_rank, env.local_world_size)

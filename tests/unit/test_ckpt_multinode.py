@@ -313,3 +313,27 @@ def test_a_save_on_failure_while_a_worker_of_rank_0s_node_still_runs_declares_an
     NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)  # the final one
     assert multinode.settled(storage, EPOCH)["step"] == 8
     assert multinode._get(storage, ".stage", "failure.json")["newest"] == 8
+
+
+def test_a_relaunch_forgets_the_earlier_launchs_failure_and_settle_records(nodes, tmp_path):
+    """A requeued or relaunched job's rendezvous rounds start at 0 again, while storage still holds the
+    earlier launch's records (execution EPOCH): left, every snapshot of the new launch above step 8 would
+    be a dead end, and its first preemption would read "settled" at once. Rank 0 removes them before its
+    first restore; an earlier execution's records within one launch stay."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    multinode.declare_failure(storage, EPOCH, 8)
+    multinode.settle(storage, EPOCH, 8, "the earlier launch's save")
+    assert multinode._dead_end(storage, 12, 0) is not None and multinode.settled(storage, 0) is not None
+    assert multinode.forget_records_from(storage, 0) == ["failure.json", "settled.json"]
+    assert multinode._dead_end(storage, 12, 0) is None and multinode.settled(storage, 0) is None
+
+    multinode.declare_failure(storage, 1, 8)  # this launch's execution 1 failed; execution 2 restores
+    multinode.settle(storage, 1, 8, "execution 1's save")
+    assert multinode.forget_records_from(storage, 2) == []
+    assert multinode._dead_end(storage, 12, 1) is not None and multinode.settled(storage, 1)["step"] == 8
+
+    # A node's execution is its workers' (job.json), not that of a snapshot restored from the earlier launch.
+    snapshot(nodes[0], 0, [4], epoch=EPOCH)
+    job = {"storage": storage.url, "world_size": WORLD, "ranks": [0], "epoch": 0}
+    atomic_write(nodes[0].job, json.dumps(job).encode())
+    assert NodeJob(nodes[0].root).epoch() == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,11 @@ class _Unreadable(TokenDataset):
         raise AssertionError("read on a rank that should receive the batch")
 
 
+class _Failing(TokenDataset):
+    def rows(self, indices):  # the group's reader meets an I/O error
+        raise OSError("disk gone")
+
+
 def _tp_worker(rank: int, data: str, init: str, out: str, depth: int) -> None:
     import torch.distributed as dist
 
@@ -135,6 +141,22 @@ def _tp_worker(rank: int, data: str, init: str, out: str, depth: int) -> None:
     np.save(f"{out}/rank{rank}.npy", np.stack(batches))
     with open(f"{out}/rank{rank}.reads", "w") as f:
         f.write(str(loader.reads))
+    # The reader's read fails: it still broadcasts (rows of -1), so every rank raises on that batch,
+    # none waits in a broadcast that never comes or takes the next batch's rows for this one.
+    dataset = (_Failing if rank == 0 else _Unreadable)(data, SEQ)
+    failing = BatchLoader(dataset, sampler, 0, 1, 0, loader.device, group, src)
+    try:
+        served(failing, 1)
+        raised = "nothing"
+    except Exception as err:
+        raised = type(err).__name__
+    with open(f"{out}/rank{rank}.raised", "w") as f:
+        f.write(raised)
+    # A failed read that nobody takes (a rollback dropped it) raises nowhere: the next batch still pairs.
+    again = BatchLoader(
+        (TokenDataset if rank == 0 else _Unreadable)(data, SEQ), sampler, 0, 1, 0, loader.device, group, src
+    )
+    np.save(f"{out}/rank{rank}.after.npy", np.stack(served(again, 1)))
     dist.destroy_process_group()
 
 
@@ -144,12 +166,23 @@ def test_a_tp_group_reads_each_batch_once_and_every_rank_gets_the_tp1_batches(st
     depth = 2
     init = f"file://{tmp_path}/store"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_tp_worker, args=(str(stdlib_data), init, str(tmp_path), depth), nprocs=2, start_method="spawn")
+    ctx = mp.start_processes(
+        _tp_worker, args=(str(stdlib_data), init, str(tmp_path), depth), nprocs=2, start_method="spawn", join=False
+    )
+    deadline = time.monotonic() + 240
+    while not ctx.join(5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the TP group hung (raised: {[(tmp_path / f'rank{r}.raised').exists() for r in (0, 1)]})")
     want = np.stack(reference(stdlib_data, None, 0, 1, 5))  # what a tp=1 run reads
     for rank in (0, 1):
         assert np.array_equal(np.load(tmp_path / f"rank{rank}.npy"), want), f"rank {rank}"
     # rank 0 read the 5 served batches plus the 2 already submitted ahead at close; rank 1 none
     assert [(tmp_path / f"rank{r}.reads").read_text() for r in (0, 1)] == [str(5 + depth), "0"]
+    assert [(tmp_path / f"rank{r}.raised").read_text() for r in (0, 1)] == ["OSError", "RuntimeError"]
+    after = [np.load(tmp_path / f"rank{r}.after.npy") for r in (0, 1)]
+    assert np.array_equal(after[0], after[1]), "the ranks of one TP group trained on different tokens"
 
 
 if __name__ == "__main__":

@@ -66,15 +66,20 @@ def test_a_kept_directory_expires_after_its_keep_time(shm):
 
 def test_an_unmarked_directory_expires_its_jobs_keep_time_after_its_last_change(shm):
     """Left by an older stalwart or a SIGKILLed agent: no kept.json, so its newest file's time counts, and
-    the job's own keep_shm_s (else the default)."""
+    the longer of the job's own keep_shm_s and gc's keep_s (an unmarked directory may be a job between
+    restarts that nobody holds: a short keep_shm_s, meant for kept snapshots, must not remove it)."""
     t0 = 1_800_000_000.0
     ended_job(shm, "own", policy={"keep_shm_s": 50.0}, mtime=t0)
+    ended_job(shm, "long", policy={"keep_shm_s": 2 * DEFAULT_KEEP_S}, mtime=t0)
     ended_job(shm, "default", mtime=t0)
     entries = by_name(scan(shm, now=t0 + 60))
-    assert entries["own"].expired and not entries["default"].expired
+    assert not entries["own"].expired and not entries["default"].expired, "gc's keep_s is the floor"
     assert entries["own"].age_s == pytest.approx(60) and entries["own"].until is None
-    assert by_name(scan(shm, keep_s=30.0, now=t0 + 40))["default"].expired
-    assert by_name(scan(shm, now=t0 + DEFAULT_KEEP_S))["default"].expired
+    short = by_name(scan(shm, keep_s=30.0, now=t0 + 60))
+    assert short["own"].expired and short["default"].expired and not short["long"].expired
+    assert not by_name(scan(shm, keep_s=30.0, now=t0 + 40))["own"].expired, "the job's own 50 s is longer"
+    at_default = by_name(scan(shm, now=t0 + DEFAULT_KEEP_S))
+    assert at_default["default"].expired and at_default["own"].expired and not at_default["long"].expired
 
 
 def _holder(lock: Path, how: str) -> subprocess.Popen:

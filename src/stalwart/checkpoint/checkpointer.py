@@ -197,6 +197,18 @@ class Checkpointer:
             self.keeper.ensure()
 
     # -- public API ----------------------------------------------------------------------------
+    def _forget_earlier_launch(self) -> None:
+        """Rank 0 of a job across nodes, before the restore's collectives: an earlier launch's failure and
+        settle records go (``multinode.forget_records_from``). Storage that fails here fails the persists
+        later, where its handling is; the restore goes on."""
+        if self.rank != 0 or self.world <= len(self.node_ranks) or not self.persisting:
+            return
+        try:
+            if gone := multinode.forget_records_from(self.storage, self.epoch):
+                log.info("an earlier launch's %s removed (this launch's executions start again at 0)", gone)
+        except Exception as err:
+            log.warning("could not read the multi-node records in %s: %r", self.storage.url, err)
+
     def _next_trajectory(self) -> tuple[int, int]:
         """A restore begins a later trajectory: the snapshots taken after it carry (epoch, restores)."""
         self.writer.restores += 1
@@ -206,6 +218,7 @@ class Checkpointer:
         """Load the newest usable state into ``state``'s objects; returns the step to resume after
         (0 for a fresh start). Collective: every rank must call it."""
         tstate = self._bind(state)
+        self._forget_earlier_launch()
         info = restore_state(
             tstate, self.paths, self.storage, self.rank, self.world, self.group, trajectory=self._next_trajectory()
         )

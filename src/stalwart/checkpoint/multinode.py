@@ -165,6 +165,20 @@ def declare_failure(storage: Storage, epoch: int, newest: int) -> None:
     _put(storage, {"epoch": epoch, "newest": newest}, STAGE, FAILURE)
 
 
+def forget_records_from(storage: Storage, epoch: int) -> list[str]:
+    """Before execution ``epoch`` restores (rank 0): remove the failure and settle records that name it
+    or a later one. Within a launch they cannot exist yet (an execution's failure is declared before the
+    next one restores); they are an earlier launch's, whose rendezvous rounds started at 0 again, and
+    would make this launch's snapshots dead ends and its preemptions settled at once. Returns what went."""
+    gone = []
+    for name in (FAILURE, SETTLED):
+        record = _get(storage, STAGE, name)
+        if record is not None and int(record.get("epoch", -1)) >= epoch:
+            _remove(storage, STAGE, name)
+            gone.append(name)
+    return gone
+
+
 def _dead_end(storage: Storage, step: int, epoch: int | None) -> dict[str, Any] | None:
     """The declared failure that makes this snapshot (``step`` of execution ``epoch``) a dead end, if any."""
     if epoch is None:

@@ -33,7 +33,7 @@ from typing import Any
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
-from stalwart.checkpoint.snapshot import SnapshotView, epoch_of
+from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.runtime import worker_env
 
@@ -159,12 +159,10 @@ class NodeJob:
         return out
 
     def epoch(self) -> int:
-        """The newest execution this node's workers ran: ``job.json`` is written at each start, and every
-        snapshot header names the execution that took it (``runtime.ENV_EPOCH``)."""
-        epochs = [int(self.job().get("epoch", 0))]
-        for r in self.paths.ranks():
-            epochs += [epoch_of(s.header) for s in complete_slots(self.paths, r)]
-        return max(epochs)
+        """The execution this node's workers ran last (``runtime.ENV_EPOCH``): ``job.json``'s, which they
+        write at each start. Not the snapshots' (a snapshot restored from an earlier launch names that
+        launch's execution)."""
+        return int(self.job().get("epoch", 0))
 
     def newest_agreed(self, world: int) -> int:
         """The newest step all of this node's ranks hold at ``world`` ranks, or -1."""

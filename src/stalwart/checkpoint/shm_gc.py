@@ -149,7 +149,9 @@ def scan(shm_root: str | Path, keep_s: float = DEFAULT_KEEP_S, now: float | None
         until = kept.get("until")
         if until is None:
             policy = (read_json(paths.job) or {}).get("policy") or {}
-            deadline = newest + float(policy.get("keep_shm_s", keep_s))
+            # Unmarked: maybe a job between restarts that nobody holds (plain torchrun, memory-only), so
+            # never sooner than ``keep_s``, whatever short keep_shm_s the job chose for its kept snapshots.
+            deadline = newest + max(float(policy.get("keep_shm_s", keep_s)), keep_s)
         else:
             deadline = float(until)
         live = owner(paths)

@@ -103,13 +103,25 @@ class BatchLoader:
 
     def _read(self, ids: np.ndarray) -> torch.Tensor:
         """The batch's token rows (len(ids), seq_len + 1), read here or received from the TP group's reader."""
+        failed: BaseException | None = None
         if self.share is None or dist.get_rank() == self.share_src:
-            rows = self.dataset.rows(ids)
+            try:
+                rows = self.dataset.rows(ids)
+            except Exception as err:
+                if self.share is None:
+                    raise
+                # The group still gets one broadcast per read (else every later read pairs with the wrong
+                # batch): rows of -1, never a token id, tell the others this read failed.
+                failed, rows = err, torch.full((len(ids), self.dataset.seq_len + 1), -1, dtype=torch.int64)
             self.reads += 1
         else:
             rows = torch.empty((len(ids), self.dataset.seq_len + 1), dtype=torch.int64)
         if self.share is not None:
             dist.broadcast(rows, src=self.share_src, group=self.share)
+            if failed is not None:
+                raise failed
+            if rows.numel() and int(rows[0, 0]) < 0:
+                raise RuntimeError(f"the TP group's reader (rank {self.share_src}) failed to read this batch")
         return rows
 
     def _to_device(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:

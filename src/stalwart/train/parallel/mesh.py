@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from stalwart._compat import flatten_mesh, slice_flattened
+from stalwart.dist import PG_TIMEOUT_S
 from stalwart.plan.parallel import CP_UNSUPPORTED, MESH_DIMS, Layout
 
 
@@ -86,5 +88,6 @@ def tp_data_group(mesh: Mesh) -> tuple[dist.ProcessGroup | None, int]:
     if "tp" not in names or dm.mesh.shape[names.index("tp")] == 1:
         return None, 0
     ranks = dm.mesh.movedim(names.index("tp"), -1).reshape(-1, dm.mesh.shape[names.index("tp")]).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
+    timeout = timedelta(seconds=PG_TIMEOUT_S)  # gloo's own default is 30 min: a hung peer would stall reads that long
+    group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout, backend="gloo")
     return group, next(g[0] for g in ranks if dist.get_rank() in g)
