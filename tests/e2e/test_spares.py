@@ -223,7 +223,9 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
     prechecks = {
         n: json.loads((tmp_path / f"summary{n}.json").read_text())["prechecks"] for n in (survivor, replacement)
     }
-    assert len(prechecks[survivor]) == 2 and len(prechecks[replacement]) == 1, prechecks
+    # The spare checks before each rendezvous it enters: once, or again when its wait beyond --nnodes MAX
+    # went round once more before the loss (seen under load in CI4); it trains after one that passed.
+    assert len(prechecks[survivor]) == 2 and len(prechecks[replacement]) >= 1, prechecks
     assert all(p["ok"] and p["seconds"] < 2.0 for ps in prechecks.values() for p in ps), prechecks
 
 

@@ -15,6 +15,8 @@ def test_defaults_fill_only_what_is_missing():
         k: v for k, (v, _) in NCCL_DEFAULTS.items() if k != "NCCL_IB_TIMEOUT"
     }
     assert env["PATH"] == "/bin"
+    old_name = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}  # the user's setting under torch's older name wins too
+    assert "TORCH_FR_BUFFER_SIZE" not in apply_defaults(old_name) and "TORCH_FR_BUFFER_SIZE" not in old_name
 
 
 def test_off_switch_sets_nothing():

@@ -19,7 +19,7 @@ NCCL_DEFAULTS: dict[str, tuple[str, str]] = {
         "a failed or timed-out collective ends the process (without ncclCommAbort, which can itself hang "
         "on a broken fabric), so the agent sees a dead rank and restarts instead of waiting on a hang",
     ),
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": (
+    "TORCH_FR_BUFFER_SIZE": (
         "2000",
         "Flight Recorder keeps the last 2000 collectives per rank: what `stalwart`'s hang diagnosis reads",
     ),
@@ -38,6 +38,13 @@ NCCL_DEFAULTS: dict[str, tuple[str, str]] = {
 }
 
 
+# A user's setting under torch's older name wins too (torch reads both; the old one warns as deprecated).
+ALIASES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "NCCL_ASYNC_ERROR_HANDLING",
+}
+
+
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--nccl-env",
@@ -53,6 +60,10 @@ def apply_defaults(environ: MutableMapping[str, str], enabled: bool = True) -> d
     """Set each default that ``environ`` does not already hold; return what was set."""
     if not enabled:
         return {}
-    added = {name: value for name, (value, _) in NCCL_DEFAULTS.items() if name not in environ}
+    added = {
+        name: value
+        for name, (value, _) in NCCL_DEFAULTS.items()
+        if name not in environ and ALIASES.get(name, "") not in environ
+    }
     environ.update(added)
     return added
