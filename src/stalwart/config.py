@@ -129,7 +129,7 @@ class CheckpointConfig:
     persist_every_s: float = 0.0  # also persist the newest snapshot every S seconds (0 = off)
     keep_last: int = 3  # committed checkpoints to keep
     keep_every: int = 0  # also keep every step divisible by this (0 = none)
-    shm_dir: str = "/dev/shm"  # tmpfs for the snapshots (needs 2 x the state size free)
+    shm_dir: str = ""  # tmpfs for the snapshots (2 x the state free); "" = $STALWART_SHM_DIR or /dev/shm
     keeper_idle_s: float = 120.0  # the keeper exits after this long without live workers
     # A job that ended with storage lacking its newest snapshot (preemption, SIGTERM, memory-only) keeps
     # them in shm_dir this long for a requeue; then the next job on the node or `stalwart ckpt gc` removes them

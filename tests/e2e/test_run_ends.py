@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
-from stalwart.checkpoint.shm import JobPaths, atomic_write, secure_job_dir, user_dir
+from stalwart.checkpoint.node_job import SHM_DIR_ENV, NodeJob, job_dir_for
+from stalwart.checkpoint.shm import JobPaths, atomic_write, secure_job_dir
 from stalwart.checkpoint.shm_gc import mark_kept
 from tests.e2e.test_run import launch
 
@@ -37,8 +37,10 @@ def _finished_once(proc, summary, out) -> None:
 
 
 @pytest.mark.parametrize("warm", ["on", "off"])
-def test_a_script_leaving_an_executor_and_a_checkpointer_open_ends_once(tmp_path, warm):
-    expired = plant_expired_snapshots()
+def test_a_script_leaving_an_executor_and_a_checkpointer_open_ends_once(tmp_path, warm, shm_root, monkeypatch):
+    # A private root: another `stalwart run` on the host (a parallel test) would collect /dev/shm's first.
+    monkeypatch.setenv(SHM_DIR_ENV, str(shm_root))
+    expired = plant_expired_snapshots(shm_root)
     proc, summary, out, _ = _run(tmp_path, run_args=("--warm-start", warm))
     _finished_once(proc, summary, out)
     # it ended by itself: no hang declared, no watchdog (which names what it waited for)
@@ -51,9 +53,9 @@ def test_a_script_leaving_an_executor_and_a_checkpointer_open_ends_once(tmp_path
     assert not NodeJob.of_agent(run["job_id"], run["node_id"]).root.exists()
 
 
-def plant_expired_snapshots() -> Path:
+def plant_expired_snapshots(shm_root: Path) -> Path:
     """An ended job's directory whose keep time has passed, as a preempted job's keeper leaves it."""
-    paths = JobPaths(secure_job_dir(user_dir(DEFAULT_SHM_ROOT) / f"ended-{uuid.uuid4().hex[:8]}"))
+    paths = JobPaths(secure_job_dir(job_dir_for("", shm_root, f"ended-{uuid.uuid4().hex[:8]}")))
     paths.rank_dir(0).mkdir()
     atomic_write(paths.slot(0, 0, "bin"), b"\0" * 4096)
     mark_kept(paths, 1.0, "test", now=time.time() - 60)

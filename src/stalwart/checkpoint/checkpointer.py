@@ -34,7 +34,7 @@ import torch.distributed as dist
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
-from stalwart.checkpoint.node_job import NodeJob, job_dir_for
+from stalwart.checkpoint.node_job import NodeJob, default_shm_root, job_dir_for
 from stalwart.checkpoint.peer_restore import gather, invalidate_replicas_after
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots, read_json
@@ -69,7 +69,7 @@ class Checkpointer:
         persist_every_s: float = 0.0,
         keep_last: int = 3,
         keep_every: int = 0,
-        shm_root: str = "/dev/shm",
+        shm_root: str | None = None,
         job_id: str | None = None,
         keeper: bool = True,
         keeper_idle_s: float = 120.0,
@@ -97,6 +97,7 @@ class Checkpointer:
                 f"checkpoint persist_every_steps={persist_every_steps} must be a multiple of "
                 f"memory_every={memory_every}: only snapshotted steps can be persisted"
             )
+        shm_root = shm_root or default_shm_root()
         if not Path(shm_root).is_dir():
             raise ValueError(f"checkpoint shm_dir {shm_root!r} is not a directory; use a tmpfs such as /dev/shm")
         self.group = process_group

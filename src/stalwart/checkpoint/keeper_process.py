@@ -22,7 +22,7 @@ from pathlib import Path
 
 from stalwart import runtime
 from stalwart.checkpoint.keeper import LOG_FORMAT, Keeper, log
-from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
+from stalwart.checkpoint.node_job import NodeJob, default_shm_root
 from stalwart.checkpoint.peer_restore import FETCHED
 from stalwart.checkpoint.replicas import REPLICAS_DIR
 from stalwart.checkpoint.replicator import STATUS_FILE, ReplicaConfig, Replicator
@@ -190,8 +190,8 @@ class KeeperProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> KeeperProcess:
-        if not Path(DEFAULT_SHM_ROOT).is_dir():  # no flash checkpoints possible here without another shm_dir
-            log.warning("no %s: no keeper started for this job", DEFAULT_SHM_ROOT)
+        if not Path(default_shm_root()).is_dir():  # no flash checkpoints possible here without another shm_dir
+            log.warning("no %s: no keeper started for this job", default_shm_root())
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # The keeper journals beside the status copy: a reused run directory's old records are not news.

@@ -38,7 +38,15 @@ from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.runtime import worker_env
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-DEFAULT_SHM_ROOT = "/dev/shm"
+SHM_DIR_ENV = "STALWART_SHM_DIR"
+
+
+def default_shm_root() -> str:
+    """Where snapshots live unless a job names its own root: ``$STALWART_SHM_DIR`` (a tmpfs elsewhere, or a
+    private root per test session; `stalwart run`'s keeper and its workers read the same) or /dev/shm."""
+    return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
+
+
 # A keeper must not look like a worker to torch (nor inherit NCCL's watchdog settings).
 _DROP_ENV = (
     "RANK",
@@ -56,7 +64,7 @@ _DROP_ENV = (
 
 
 def job_dir_for(
-    storage_url: str, shm_root: str | Path = DEFAULT_SHM_ROOT, job_id: str | None = None, node_id: str | None = None
+    storage_url: str, shm_root: str | Path | None = None, job_id: str | None = None, node_id: str | None = None
 ) -> Path:
     """The shared-memory directory of a job on this node: one per storage location (or explicit job
     id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
@@ -66,7 +74,7 @@ def job_dir_for(
     node = node_id or env.node_id
     if node:
         key += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", node)
-    return user_dir(shm_root) / key
+    return user_dir(shm_root or default_shm_root()) / key
 
 
 def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:
@@ -83,7 +91,7 @@ class NodeJob:
     @classmethod
     def of_agent(cls, job_id: str, node_id: str) -> NodeJob:
         """The directory the agent's keeper serves: the default shm root, named by job and node id."""
-        return cls(job_dir_for("", DEFAULT_SHM_ROOT, job_id, node_id))
+        return cls(job_dir_for("", None, job_id, node_id))
 
     @property
     def root(self) -> Path:

@@ -70,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "worker or keeper owns them) and remove those whose keep time (checkpoint.keep_shm_s) has passed; "
         "--all removes every one no live process owns.",
     )
-    a.add_argument("--shm-dir", default="/dev/shm", help="the shm root (checkpoint.shm_dir; default /dev/shm)")
+    a.add_argument("--shm-dir", default=None, help="the shm root (checkpoint.shm_dir; default $STALWART_SHM_DIR or /dev/shm)")
     a.add_argument("--all", action="store_true", help="also remove snapshots not yet expired (no live job's)")
     a.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     a.add_argument(
@@ -138,7 +138,9 @@ def _persist(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     from stalwart.checkpoint import shm_gc
+    from stalwart.checkpoint.node_job import default_shm_root
 
+    args.shm_dir = args.shm_dir or default_shm_root()
     entries = shm_gc.scan(args.shm_dir, shm_gc.DEFAULT_KEEP_S if args.keep_s is None else args.keep_s)
     removed = {d.path for d in shm_gc.sweep(entries, everything=args.all, dry_run=args.dry_run)}
     if args.json:

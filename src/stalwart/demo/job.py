@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
+from stalwart.checkpoint.node_job import default_shm_root
 from stalwart.checkpoint.shm import user_dir
 from stalwart.launch.master import Master, new_token
 from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR, ENV_JOB_TOKEN
@@ -39,7 +40,7 @@ class DemoOptions:
     hang_timeout_s: float = 10.0
     reference: bool = True  # compare against a fault-free run (cached)
     job_timeout_s: float = 900.0
-    shm_root: str = "/dev/shm"  # the trainer's checkpoint.shm_dir default
+    shm_root: str = ""  # the trainer's checkpoint.shm_dir default ("" = $STALWART_SHM_DIR or /dev/shm)
 
     def fault_steps(self) -> list[tuple[str, int]]:
         n = len(self.faults)
@@ -201,5 +202,5 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
                 os.killpg(p.pid, 9)
                 p.wait()
         master.stop()
-        for shm in user_dir(opts.shm_root).glob(f"{job_id}*"):  # left behind by a failed job
+        for shm in user_dir(opts.shm_root or default_shm_root()).glob(f"{job_id}*"):  # left behind by a failed job
             shutil.rmtree(shm, ignore_errors=True)

@@ -291,10 +291,10 @@ def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str])
     is. It learns storage and policy from the job.json the workers write, and idles without one."""
     # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
     from stalwart.checkpoint.keeper_process import KeeperProcess
-    from stalwart.checkpoint.node_job import DEFAULT_SHM_ROOT, NodeJob
+    from stalwart.checkpoint.node_job import NodeJob, default_shm_root
     from stalwart.checkpoint.shm_gc import collect
 
-    if (stale := collect(DEFAULT_SHM_ROOT)) is not None:  # ended jobs' snapshots: the expired go now
+    if (stale := collect(default_shm_root())) is not None:  # ended jobs' snapshots: the expired go now
         print(f"stalwart run: {stale}", file=sys.stderr)
     job = NodeJob.of_agent(job_id, node_id)
     return job, KeeperProcess(job, run_dir.absolute() / "keeper.log", env=env).start()

@@ -201,7 +201,7 @@ class Trainer:
             persist_every_s=c.persist_every_s,
             keep_last=c.keep_last,
             keep_every=c.keep_every,
-            shm_root=c.shm_dir,
+            shm_root=c.shm_dir or None,
             keeper_idle_s=c.keeper_idle_s,
             keep_shm_s=c.keep_shm_s,
             keeper_log=out / "keeper.log",
