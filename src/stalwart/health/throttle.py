@@ -8,14 +8,18 @@ main thread used (``/proc/PID/schedstat``, nanoseconds) and, for every second of
 and a worker that sleeps or waits costs nothing — a fixed stop/continue period would instead stretch
 sections at random, depending on how they line up with the period. Chaos ``slow:at=node[:factor=F]``
 turns it on (see ``stalwart.chaos.faults``); it exists for tests and demos only (CPU work; a GPU
-kernel would not be slowed).
+kernel would not be slowed). ``stalwart run --share-with`` sets the factor as it goes (``set_factor``;
+``math.inf`` holds the workers stopped) to keep an opportunistic job out of a production job's way.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -41,6 +45,11 @@ class Throttle:
         self._lock = threading.Lock()  # a stop/continue completes before pause() returns
         self._seen: dict[int, int] = {}  # pid → CPU ns at the last tick
         self.stopped_s = 0.0  # total time the workers were held, for tests and logs
+        # Every stop, as wall-clock (start, end) and the total held by its end: the agent does not count
+        # held time as a worker's silence (``stopped_since``).
+        self._spans: list[tuple[float, float, float]] = []
+        self._held_from: float | None = None
+        self._spans_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="stalwart-throttle", daemon=True)
 
     def start(self) -> Throttle:
@@ -55,6 +64,12 @@ class Throttle:
 
     def resume(self) -> None:
         self._active.set()
+
+    def set_factor(self, factor: float) -> None:
+        """From now on work takes ``factor``× as long (1: free; ``math.inf``: held stopped until changed)."""
+        if not factor >= 1.0:
+            raise ValueError(f"a throttle factor must be ≥ 1 or inf (got {factor})")
+        self.factor = factor
 
     def close(self) -> None:
         self._stop.set()
@@ -87,6 +102,9 @@ class Throttle:
         while not self._stop.wait(self.tick_s):
             if not self._active.wait(1.0):
                 continue
+            if math.isinf(self.factor):
+                self._hold()
+                continue
             debt += self._debt_s()
             if debt < self.tick_s:
                 continue
@@ -94,9 +112,50 @@ class Throttle:
                 if not self._active.is_set():
                     continue
                 pids = list(self._seen)
+                self._began_stop()
                 self._signal(pids, signal.SIGSTOP)
                 self._stop.wait(debt)
                 self._signal(pids, signal.SIGCONT)
-            self.stopped_s += debt
+                self._ended_stop()
             debt = 0.0
             self._debt_s()  # the held time is not CPU time: start counting afresh
+
+    def _hold(self) -> None:
+        """Keep the workers stopped (new ones too) while the factor is infinite and the throttle active."""
+        with self._lock:
+            held: set[int] = set()
+            self._began_stop()
+            while math.isinf(self.factor) and self._active.is_set() and not self._stop.is_set():
+                fresh = [pid for pid in self.pids() if pid not in held]
+                self._signal(fresh, signal.SIGSTOP)
+                held.update(fresh)
+                self._stop.wait(self.tick_s * 5)
+            self._signal(list(held), signal.SIGCONT)
+            self._ended_stop()
+        self._debt_s()  # the held time is not CPU time: start counting afresh
+
+    # -- held time, for the hang detector ---------------------------------------------------------------
+    def _began_stop(self) -> None:
+        self._held_from = time.time()
+
+    def _ended_stop(self) -> None:
+        now = time.time()
+        with self._spans_lock:
+            start, self._held_from = self._held_from or now, None
+            self.stopped_s += now - start
+            self._spans.append((start, now, self.stopped_s))
+            if len(self._spans) > 50_000:  # hours of ticks: what a silence allowance spans is far newer
+                del self._spans[:25_000]
+
+    def stopped_since(self, since: float) -> float:
+        """Seconds the workers were held stopped after wall-clock time ``since`` (up to now)."""
+        with self._spans_lock:
+            now, held_from, spans = time.time(), self._held_from, self._spans
+            total = self.stopped_s + (now - held_from if held_from is not None else 0.0)
+            i = bisect.bisect_right(spans, since, key=lambda span: span[1])  # the first span ending after it
+            if i < len(spans):  # held before ``since``: the spans before i, and the part of span i before it
+                start, end, held_by_end = spans[i]
+                before = held_by_end - (end - start) + max(0.0, since - start)
+            else:
+                before = self.stopped_s + (max(0.0, since - held_from) if held_from is not None else 0.0)
+            return max(0.0, total - before)

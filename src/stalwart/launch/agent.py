@@ -82,7 +82,7 @@ class StalwartAgent(LocalElasticAgent):
         window_s: float = 5.0,
         chaos_file: Path | None = None,
         precheck: PrecheckConfig | None = None,
-        slowdown: float | None = None,
+        throttle: Callable[[Callable[[], list[int]]], Throttle] | None = None,
         join_info: dict[str, Any] | None = None,
         zygote: Zygote | None = None,
         storage_watch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any] | None]] | None = None,
@@ -115,8 +115,8 @@ class StalwartAgent(LocalElasticAgent):
         self.zygote = zygote  # warm start: workers are forked by it, TorchElastic sees stand-ins
         self.worker_pid = zygote.worker_pid if zygote else (lambda pid: pid)  # the real worker behind a pid
         self.notice: Preemption | None = None  # set by `stalwart run` once armed (launch.preempt)
-        # chaos slow:at=node: a straggler on demand (stops and continues the workers, see health.throttle)
-        self.throttle = Throttle(self._worker_pids, slowdown) if slowdown else None
+        # chaos slow:at=node (a straggler on demand) or --share-with: stops and continues the workers
+        self.throttle = throttle(self._worker_pids) if throttle else None
         self._worker_store: TCPStore | None = None  # this round's worker store, on group rank 0's node
         self.status = NodeStatus(window_s)  # shared with the heartbeat thread (locked)
         self.heartbeat = Heartbeat(
@@ -214,7 +214,7 @@ class StalwartAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             if overdue := self.returned.overdue(progress, now, self._running):
                 self.returned.note_ended(overdue, self._dump_and_kill(group, overdue))
-            incident = detect.hang(self.hang, progress, now, fault_of)
+            incident = detect.hang(self.hang, detect.unheld(progress, self.throttle), now, fault_of)
             if incident is not None:
                 self._kill_hung(group, incident)
                 result = RunResult(state=WorkerState.FAILED)

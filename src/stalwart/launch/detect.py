@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from stalwart.health.log_rules import NEVER, Diagnosis, diagnose, last_traceback
+from stalwart.health.throttle import Throttle
 from stalwart.launch.hang import HangDetector
 from stalwart.launch.progress import Progress
 
@@ -60,6 +61,13 @@ def with_last_step(incident: Incident, progress: list[Progress]) -> Incident:
     incident.last_step = max((p.step for p in progress), default=-1)
     incident.details.update(last_step=incident.last_step, ranks=incident.ranks)
     return incident
+
+
+def unheld(progress: list[Progress], throttle: Throttle | None) -> list[Progress]:
+    """For the hang detector: the time a throttle held the workers since a report is not their silence."""
+    if throttle is None:
+        return progress
+    return [replace(p, time=p.time + throttle.stopped_since(p.time)) for p in progress]
 
 
 def hang(

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,19 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
 from stalwart.health.precheck import PrecheckConfig
-from stalwart.launch import autoscale, die_with_agent, eviction, nccl_env, park, preempt, slurm, stragglers, zygote
+from stalwart.health.throttle import Throttle
+from stalwart.launch import (
+    autoscale,
+    die_with_agent,
+    eviction,
+    nccl_env,
+    park,
+    preempt,
+    share,
+    slurm,
+    stragglers,
+    zygote,
+)
 from stalwart.launch.agent import NodeEvicted, NodeParked, StalwartAgent
 from stalwart.launch.client import MasterClient, MasterError, write_address
 from stalwart.launch.failure_save import FailureSave
@@ -68,6 +81,7 @@ def run(argv: list[str]) -> int:
         if not token:
             raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
         master_store(args, MasterClient(args.master, token))
+    share.validate(args)
     rendezvous_defaults(args)
     config, cmd, cmd_args = torchrun.config_from_args(args)
     warm = zygote.from_args(args, cmd, cmd_args)  # cmd_args already have the local-rank macro
@@ -144,6 +158,9 @@ def run(argv: list[str]) -> int:
     failure_save = FailureSave(node_job)
     storage_watch = StorageWatch(keeper.status_copy)
 
+    slowed = slow is not None and slow.action == "delay"
+    governed = share.throttle_factory(args, run_dir)  # --share-with: yield to a production job
+
     def new_agent() -> tuple[WorkerSpec, StalwartAgent]:
         """A fresh rendezvous handler and agent: the first, and one per return from parking."""
         spec = WorkerSpec(
@@ -170,7 +187,7 @@ def run(argv: list[str]) -> int:
             on_failure=failure_save,
             chaos_file=chaos_file,
             precheck=PrecheckConfig() if args.precheck else None,
-            slowdown=slow.node_factor if slow is not None and slow.action == "delay" else None,
+            throttle=governed or (partial(Throttle, factor=slow.node_factor) if slowed else None),
             join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
             zygote=warm,
             storage_watch=storage_watch,
@@ -241,6 +258,8 @@ def run(argv: list[str]) -> int:
             "prechecks": agent.prechecks,
             "storage": storage_watch.status,
         }
+        if isinstance(agent.throttle, share.ShareGovernor):
+            summary["share"] = agent.throttle.summary()
         if preempted is not None:
             # Every node's word before the requeue: Slurm kills what is left of the step KillWait
             # seconds after it, and the master's node must not take the others' journal with it.

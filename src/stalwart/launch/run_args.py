@@ -11,7 +11,7 @@ from pathlib import Path
 from torch.distributed import run as torchrun
 
 from stalwart import runtime
-from stalwart.launch import autoscale, eviction, nccl_env, preempt, stragglers, zygote
+from stalwart.launch import autoscale, eviction, nccl_env, preempt, share, stragglers, zygote
 from stalwart.launch.client import MasterClient
 from stalwart.launch.hang import HangPolicy
 from stalwart.launch.store import client_rdzv_conf
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     zygote.add_arguments(g)
     preempt.add_arguments(g)
     nccl_env.add_arguments(g)
+    share.add_arguments(g)
     g.add_argument(
         "--replicas",
         type=int,

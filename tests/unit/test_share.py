@@ -1,0 +1,109 @@
+"""The share governor's control loop against a production job whose slowdown is known: its step sleeps
+``BASE`` plus ``BASE`` × the share of a CPU a real busy guest process used meanwhile. So the guest may run
+at most ``BOUND`` of the time, and the governor has to find that out from step times alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stalwart.health.throttle import Throttle, cpu_ns
+from stalwart.launch.client import ADDRESS_FILE
+from stalwart.launch.share import HostSteps, ShareGovernor
+from stalwart.runtime.progress import PHASES, ProgressWriter
+
+BASE, BOUND = 0.02, 0.4
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def busy_guest():
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _production_job(run_dir: Path, guest_pid: int, stop: threading.Event) -> None:
+    """Steps whose time grows with the guest's CPU use, reported as a worker under `stalwart run` does."""
+    (run_dir / ADDRESS_FILE).write_text(json.dumps({"node_id": "n0"}))
+    writer = ProgressWriter(run_dir / "progress" / "n0", 0)
+    step = 0
+    while not stop.is_set():
+        t0, used0 = time.monotonic(), cpu_ns(guest_pid) or 0
+        time.sleep(BASE)
+        share = ((cpu_ns(guest_pid) or 0) - used0) * 1e-9 / (time.monotonic() - t0)
+        time.sleep(BASE * min(share, 1.0))
+        step += 1
+        writer.report(step)
+    writer.set_phase("done")
+    assert PHASES.index("done") >= 0
+
+
+def test_the_governor_finds_the_duty_cycle_that_keeps_the_production_job_within_its_bound(tmp_path, busy_guest):
+    stop = threading.Event()
+    host = threading.Thread(target=_production_job, args=(tmp_path, busy_guest.pid, stop), daemon=True)
+    host.start()
+    governor = ShareGovernor(
+        lambda: [busy_guest.pid], HostSteps(tmp_path), BOUND, tmp_path / "share.jsonl", window_steps=4, window_s=0.2
+    ).start()
+    try:
+        time.sleep(6.0)
+    finally:
+        stop.set()
+        host.join(5)
+    time.sleep(governor.idle_s + 0.5)  # the production job is done: the guest runs free
+    assert governor.factor == 1.0 and _state(busy_guest.pid) in "RS"
+    governor.close()
+    summary = governor.summary()
+    shares = [w for w in governor.windows if w.phase == "share"]
+    assert summary["windows"]["probe"] >= 2 and len(shares) >= 8, summary
+    # Within the bound (what the step times say; a sleep-based step has little noise of its own) …
+    assert summary["host_slowdown"] <= 1 + BOUND + 0.1, summary
+    # … and the guest got what the bound leaves: neither held for good nor let loose.
+    late = [w.duty for w in shares[len(shares) // 2 :]]
+    assert 0.1 <= statistics.fmean(late) <= 0.85, [w.duty for w in shares]
+    assert summary["windows"]["idle"] == 1
+    assert [json.loads(line)["phase"] for line in (tmp_path / "share.jsonl").read_text().splitlines()] == [
+        w.phase for w in governor.windows
+    ]
+
+
+def test_a_held_process_is_stopped_until_released_and_the_held_time_is_accounted(busy_guest):
+    throttle = Throttle(lambda: [busy_guest.pid], math.inf).start()
+    try:
+        t0 = time.time()
+        deadline = time.monotonic() + 10
+        while _state(busy_guest.pid) != "T":
+            assert time.monotonic() < deadline, "never stopped"
+            time.sleep(0.01)
+        time.sleep(0.5)
+        held = throttle.stopped_since(t0)
+        assert 0.45 <= held <= time.time() - t0, held
+        throttle.set_factor(1.0)
+        deadline = time.monotonic() + 10
+        while _state(busy_guest.pid) == "T":
+            assert time.monotonic() < deadline, "never continued"
+            time.sleep(0.01)
+        after = time.time()
+        time.sleep(0.3)
+        assert throttle.stopped_since(after) == 0.0  # free: nothing held since
+        assert throttle.stopped_since(t0) == pytest.approx(throttle.stopped_s)
+        assert throttle.stopped_since(t0 + 0.2) == pytest.approx(throttle.stopped_s - 0.2, abs=0.05)
+    finally:
+        throttle.close()
+    with pytest.raises(ValueError, match="≥ 1 or inf"):
+        throttle.set_factor(0.5)
+    assert os.path.exists(f"/proc/{busy_guest.pid}")
