@@ -18,7 +18,7 @@ import pytest
 
 from stalwart.health.throttle import Throttle, cpu_ns
 from stalwart.launch.client import ADDRESS_FILE
-from stalwart.launch.share import HostSteps, ShareGovernor
+from stalwart.launch.share import HostSteps, ShareGovernor, Tuning
 from stalwart.runtime.progress import PHASES, ProgressWriter
 
 BASE, BOUND = 0.02, 0.4
@@ -56,15 +56,15 @@ def test_the_governor_finds_the_duty_cycle_that_keeps_the_production_job_within_
     stop = threading.Event()
     host = threading.Thread(target=_production_job, args=(tmp_path, busy_guest.pid, stop), daemon=True)
     host.start()
-    governor = ShareGovernor(
-        lambda: [busy_guest.pid], HostSteps(tmp_path), BOUND, tmp_path / "share.jsonl", window_steps=4, window_s=0.2
-    ).start()
+    tuning = Tuning(window_steps=4, window_s=0.2)
+    governor = ShareGovernor(lambda: [busy_guest.pid], HostSteps(tmp_path), BOUND, tmp_path / "share.jsonl", tuning)
+    governor.start()
     try:
         time.sleep(6.0)
     finally:
         stop.set()
         host.join(5)
-    time.sleep(governor.idle_s + 0.5)  # the production job is done: the guest runs free
+    time.sleep(governor.tuning.idle_s + 0.5)  # the production job is done: the guest runs free
     assert governor.factor == 1.0 and _state(busy_guest.pid) in "RS"
     governor.close()
     summary = governor.summary()

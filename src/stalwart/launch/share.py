@@ -135,32 +135,26 @@ class HostSteps:
             self._reader.close()
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """The governor's windows and steps (defaults for steps of 10 ms to seconds)."""
+
+    window_steps: int = 8  # a window is at least this many production steps …
+    window_s: float = 0.5  # … and this long: short steps' times are noisy
+    idle_s: float = 3.0  # no production step this long (or 5 steps' time): the guest runs free
+    probe_every: int = 6  # share windows between probes
+    step: float = 0.1  # the duty cycle's additive increase
+    poll_s: float = 0.02  # how often the production job's records are read
+
+
 class ShareGovernor(Throttle):
     """The guest's throttle, driven by the production job's measured step time (see the module doc)."""
 
     def __init__(
-        self,
-        pids: Callable[[], list[int]],
-        host: HostSteps,
-        bound: float,
-        log_path: Path,
-        window_steps: int = 8,
-        window_s: float = 0.5,
-        idle_s: float = 3.0,
-        probe_every: int = 6,
-        step: float = 0.1,
-        poll_s: float = 0.02,
+        self, pids: Callable[[], list[int]], host: HostSteps, bound: float, log_path: Path, tuning: Tuning = Tuning()
     ) -> None:
         super().__init__(pids, math.inf)  # held until the first probe has measured the production job alone
-        self.host, self.bound, self.log_path = host, bound, log_path
-        self.window_steps, self.window_s, self.idle_s, self.probe_every, self.step, self.poll_s = (
-            window_steps,
-            window_s,
-            idle_s,
-            probe_every,
-            step,
-            poll_s,
-        )
+        self.host, self.bound, self.log_path, self.tuning = host, bound, log_path, tuning
         self._alone: list[float] = []  # the production job's step time in the recent probes
         self.duty = 0.5
         self.baseline_s: float | None = None
@@ -197,7 +191,7 @@ class ShareGovernor(Throttle):
     def _govern(self) -> None:
         since_probe = 0
         while not self._halt.is_set():
-            if len(self._alone) < 2 or since_probe >= self.probe_every:
+            if len(self._alone) < 2 or since_probe >= self.tuning.probe_every:
                 self.set_factor(math.inf)
                 window = self._measure("probe", 0.0)
                 if window is not None:
@@ -210,9 +204,9 @@ class ShareGovernor(Throttle):
             if window is None:
                 continue
             if window.host_step_s > (1.0 + self.bound) * self.baseline_s:
-                self.duty = self.duty / 2 if self.duty > self.step / 4 else 0.0
+                self.duty = self.duty / 2 if self.duty > self.tuning.step / 4 else 0.0
             else:
-                self.duty = min(1.0, self.duty + self.step)
+                self.duty = min(1.0, self.duty + self.tuning.step)
 
     def _measure(self, phase: str, duty: float) -> Window | None:
         """The production job's mean step time over the next window (``window_steps`` and ``window_s``, for
@@ -222,7 +216,7 @@ class ShareGovernor(Throttle):
         if first is None:
             return None
         last = first
-        while last[0] - first[0] < self.window_steps or last[1] - first[1] < self.window_s:
+        while last[0] - first[0] < self.tuning.window_steps or last[1] - first[1] < self.tuning.window_s:
             now = self._next_step(last)
             if now is None:
                 return None
@@ -235,12 +229,12 @@ class ShareGovernor(Throttle):
     def _next_step(self, after: tuple[int, float] | None) -> tuple[int, float] | None:
         """The first production report newer than ``after`` (or than now); None after ``idle_s`` without."""
         start, since = self.host.read(), time.monotonic()
-        while not self._halt.wait(self.poll_s):
+        while not self._halt.wait(self.tuning.poll_s):
             now = self.host.read()
             base = after or start
             if now is not None and (base is None or now[0] > base[0]):
                 return now
-            if time.monotonic() - since > max(self.idle_s, 5 * (self.baseline_s or 0.0)):
+            if time.monotonic() - since > max(self.tuning.idle_s, 5 * (self.baseline_s or 0.0)):
                 self._go_idle(now or base)
                 return None
         return None
@@ -249,7 +243,7 @@ class ShareGovernor(Throttle):
         """Nothing to protect: the guest runs free until the production job steps again, then probes."""
         self.set_factor(1.0)
         t0 = time.time()
-        while not self._halt.wait(self.poll_s * 5):
+        while not self._halt.wait(self.tuning.poll_s * 5):
             now = self.host.read()
             if now is not None and (last is None or now[0] != last[0]):
                 break
