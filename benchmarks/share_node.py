@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "e2e" / "scripts" / "busy_steps.py"
@@ -39,10 +40,17 @@ def _steps(out: Path, rank: int = 0) -> list[dict]:
 def one(setup: str, root: Path, args: argparse.Namespace) -> dict[str, float]:
     """The production job's median step time (and the guest's steps/s) while both trained."""
     prod_run = root / setup / "prod-run"
+    prod_run.mkdir(parents=True)  # --share-with names it before the production job starts
     guest = None
-    if setup != "alone":  # the guest first, for the seconds the production job's start takes
+    if setup != "alone":  # the guest first, training before the production job starts
         share = ("--share-with", str(prod_run), "--share-bound", str(args.bound)) if setup == "governed" else ()
         guest = _job(root / setup / "guest-run", root / setup / "guest", args.guest_workers, args.seconds + 30, *share)
+        ready = [root / setup / "guest" / f"steps-rank{r}.jsonl" for r in range(args.guest_workers)]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() and p.stat().st_size for p in ready):  # the guest trains: its start is over
+            if guest.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{setup}: the guest did not start training (exit {guest.poll()})")
+            time.sleep(0.1)
     prod = _job(prod_run, root / setup / "prod", 1, args.seconds)
     if prod.wait(timeout=args.seconds + 300) != 0:
         raise RuntimeError(f"{setup}: the production job failed (exit {prod.returncode})")

@@ -153,7 +153,8 @@ class ShareGovernor(Throttle):
     def __init__(
         self, pids: Callable[[], list[int]], host: HostSteps, bound: float, log_path: Path, tuning: Tuning = Tuning()
     ) -> None:
-        super().__init__(pids, math.inf)  # held until the first probe has measured the production job alone
+        super().__init__(pids, math.inf)
+        self.set_factor(1.0)  # free until the production job trains (``_govern`` decides before any worker runs)
         self.host, self.bound, self.log_path, self.tuning = host, bound, log_path, tuning
         self._alone: list[float] = []  # the production job's step time in the recent probes
         self.duty = 0.5
@@ -190,6 +191,8 @@ class ShareGovernor(Throttle):
     # -- the loop ------------------------------------------------------------------------------------
     def _govern(self) -> None:
         since_probe = 0
+        if self.host.read() is None:  # no production job training (yet): the guest runs free meanwhile
+            self._go_idle(None)
         while not self._halt.is_set():
             if len(self._alone) < 2 or since_probe >= self.tuning.probe_every:
                 self.set_factor(math.inf)
