@@ -75,7 +75,7 @@ def test_the_governor_finds_the_duty_cycle_that_keeps_the_production_job_within_
     # … and the guest got what the bound leaves: neither held for good nor let loose.
     late = [w.duty for w in shares[len(shares) // 2 :]]
     assert 0.1 <= statistics.fmean(late) <= 0.85, [w.duty for w in shares]
-    assert summary["windows"]["idle"] == 1
+    assert governor.windows[-1].phase == "idle"  # it ended free (and may have started so, before a report)
     assert [json.loads(line)["phase"] for line in (tmp_path / "share.jsonl").read_text().splitlines()] == [
         w.phase for w in governor.windows
     ]

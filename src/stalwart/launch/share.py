@@ -11,8 +11,8 @@ cycle of ``stalwart.health.throttle``: a feedback loop holds the production job'
   is the fastest of the last three: a change in its work is followed, and noise (its own first steps, a
   neighbour) errs on the production job's side.
 - **Share**: the guest runs at duty cycle ``d`` (it may compute ``d`` of the time it wants) for a window;
-  over the bound halves ``d`` (down to held), within it adds ``step`` (up to free). So it settles just
-  below the bound, as MuxFlow's and AntMan's controllers do.
+  over the bound cuts ``d`` in proportion to the excess (at most by half; down to held), one within it
+  adds ``step`` (up to free). So it settles just below the bound, as MuxFlow's and AntMan's controllers do.
 - **Idle**: when the production job reports no step for ``idle_s`` (it ended, is restarting or saving)
   the guest runs free, and is held again for a probe once steps resume.
 
@@ -206,8 +206,9 @@ class ShareGovernor(Throttle):
             window = self._measure("share", self.duty)
             if window is None:
                 continue
-            if window.host_step_s > (1.0 + self.bound) * self.baseline_s:
-                self.duty = self.duty / 2 if self.duty > self.tuning.step / 4 else 0.0
+            over = window.host_step_s / ((1.0 + self.bound) * self.baseline_s)
+            if over > 1.0:  # cut in proportion (at most by half): a noisy window costs the guest little
+                self.duty = self.duty * max(0.5, 1.0 / over) if self.duty > self.tuning.step / 4 else 0.0
             else:
                 self.duty = min(1.0, self.duty + self.tuning.step)
 
