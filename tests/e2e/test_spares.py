@@ -132,23 +132,25 @@ def caught_up(job: str, lost: int, survivor: int, world: int) -> Callable[[], bo
 
 
 def stop_job(
-    nodes: dict[int, subprocess.Popen], job: str, reference: subprocess.Popen, master: subprocess.Popen
+    nodes: dict[int, subprocess.Popen], job: str, reference: subprocess.Popen | None, master: subprocess.Popen
 ) -> None:
-    """Whatever still runs: nodes die as hosts do (shared memory too), then the reference and the master."""
+    """Whatever still runs: nodes die as hosts do (shared memory too), then the reference (None: one
+    that another test shares, stopped by its fixture) and the master."""
     for n, p in nodes.items():
         if p.poll() is None:
             lose_node(p, job, n)
-    if reference.poll() is None:
+    if reference is not None and reference.poll() is None:
         reference.kill()
     master.terminate()
     master.wait(10)
 
 
-def same_as_reference(tmp_path: Path, steps: int) -> dict:
-    """The job's summary, checked against the fault-free reference run's: world size 2, every step and
-    sample, bitwise the same weights and optimizer state."""
+def same_as_reference(tmp_path: Path, steps: int, reference: Path | None = None) -> dict:
+    """The job's summary, checked against the fault-free reference run's (its outputs under
+    ``reference``, default TMP/reference): world size 2, every step and sample, bitwise the same
+    weights and optimizer state."""
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    expected = json.loads((tmp_path / "reference" / "out" / "summary.json").read_text())
+    expected = json.loads(((reference or tmp_path / "reference") / "out" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == steps
     assert (summary["final_hash"], summary["optim_hash"]) == (expected["final_hash"], expected["optim_hash"])
     assert summary["samples_consumed"] == steps * test_elastic.BATCH
