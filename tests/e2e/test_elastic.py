@@ -28,6 +28,10 @@ from .test_master import TOKEN
 pytestmark = pytest.mark.e2e
 STEPS, BATCH = 120, 16
 RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a dead node is out in ~3 s
+# One intra-op thread per worker: by default a node's only worker takes every core, and with several
+# nodes (and the reference) on the CI box's two cores its threads wait for each other; a 1-process
+# run under load 8 took 35 s for 11 steps with two threads, 3 s with one (same losses).
+ONE_THREAD = "--train.threads=1"
 
 
 def start_master(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -82,6 +86,7 @@ def train_args(data: Path, out: Path) -> list[str]:
         "--checkpoint.enabled=true",
         f"--checkpoint.dir={out / 'ckpt'}",
         "--checkpoint.persist_every_steps=5",
+        ONE_THREAD,
     ]
 
 
