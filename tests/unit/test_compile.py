@@ -1,14 +1,12 @@
 """``train.compile``: the compiled step follows the eager one (losses within 1e-5), really is compiled
 (its arithmetic differs in the last bits), and a compiled run restored from a mid-run state continues
-bitwise as the uninterrupted compiled run. Slow by nature (inductor generates and compiles C++, per
-block): the shapes are the smallest the debug model takes, with 2 of its 4 blocks (the test's own
-registry entry; every block is compiled alike). Needs a C++ compiler: skipped, saying so, without.
+bitwise as the uninterrupted compiled run. Slow by nature (inductor generates and compiles C++);
+the shapes are the smallest the debug model takes. Needs a C++ compiler: skipped, saying so, without.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -21,22 +19,17 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def make(stdlib_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def make(stdlib_data: Path, tmp_path: Path):
     from stalwart.config import load_config
     from stalwart.dist import init_distributed, shutdown
-    from stalwart.models import SPECS
     from stalwart.train.trainer import Trainer
 
-    debug = SPECS["debug"]
-    two_blocks = dataclasses.replace(debug, name="debug-2", args=dataclasses.replace(debug.args, n_layers=2))
-    monkeypatch.setitem(SPECS, "debug-2", two_blocks)
     env = init_distributed("gloo")
 
     def build(compile: bool, name: str) -> Trainer:
         cfg = load_config(
             "configs/debug.toml",
             {
-                "model.name": "debug-2",
                 "data.dir": str(stdlib_data),
                 "data.prepare_default": False,
                 "data.seq_len": 32,
