@@ -66,7 +66,7 @@ while state["step"] < args.steps:
 )
 
 
-def reference_losses() -> dict[int, float]:
+def reference_losses(steps: int) -> dict[int, float]:
     """The same arithmetic in one process, the whole batch at once."""
     g = torch.Generator().manual_seed(0)
     x, true_w = (
@@ -74,20 +74,20 @@ def reference_losses() -> dict[int, float]:
         torch.randn(16, 1, generator=g, dtype=torch.float64),
     )
     y, w, out = x @ true_w, torch.zeros(16, 1, dtype=torch.float64), {}
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         err = x @ w - y
         out[step] = (err**2).sum().item() / BATCH
         w = w - LR * (2 * x.T @ err) / BATCH
     return out
 
 
-def run_job(tmp_path, when_parked=None) -> tuple[dict, list[dict], list[dict]]:
-    """The three-node job under `--autoscale on`; ``when_parked()`` runs once node2 is parked. Returns
-    the master's last autoscale view, its park/unpark/evict decisions and rank 0's loss rows."""
+def run_job(tmp_path, when_parked=None, steps: int = STEPS) -> tuple[dict, list[dict], list[dict]]:
+    """The three-node job under `--autoscale on` for ``steps`` steps; ``when_parked()`` runs once node2 is
+    parked. Returns the master's last autoscale view, its park/unpark/evict decisions and rank 0's loss rows."""
     job = f"autoscale-{uuid.uuid4().hex[:8]}"
     (tmp_path / "job").mkdir()
     (tmp_path / "regression.py").write_text(REGRESSION)
-    script = (str(tmp_path / "regression.py"), "--out", str(tmp_path / "job"), "--steps", str(STEPS))
+    script = (str(tmp_path / "regression.py"), "--out", str(tmp_path / "job"), "--steps", str(steps))
     master, address = start_master(
         tmp_path, "--autoscale", "on", "--autoscale-cooldown", "0", "--autoscale-restart-cost", "1"
     )
@@ -115,8 +115,8 @@ def run_job(tmp_path, when_parked=None) -> tuple[dict, list[dict], list[dict]]:
     acted = [d for d in Journal(tmp_path / "journal.sqlite").decisions() if d["action"] in ("evict", "park", "unpark")]
     rows = [json.loads(line) for line in (tmp_path / "job" / "losses.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in rows}  # a redone step keeps the value that went on
-    assert sorted(losses) == list(range(1, STEPS + 1)), "every step trained"
-    expected = reference_losses()
+    assert sorted(losses) == list(range(1, steps + 1)), "every step trained"
+    expected = reference_losses(steps)
     worst = max(abs(losses[s] - expected[s]) for s in expected)
     assert worst < 1e-4, f"loss curve parted from the fixed-batch reference by {worst}"
     return scale, acted, rows
@@ -145,7 +145,9 @@ def test_a_parked_node_rejoins_when_the_others_slow_down(tmp_path):
         for n in (0, 1):
             (tmp_path / "job" / f"node{n}.factor").write_text("8")
 
-    scale, acted, rows = run_job(tmp_path, slow_the_others)
+    # 90 steps: under load 5 node2 was parked by step 13 and back by step 21; the 8×-slow steps after
+    # that only run to the end
+    scale, acted, rows = run_job(tmp_path, slow_the_others, steps=90)
     assert [(d["action"], d["details"]["node_id"]) for d in acted] == [("park", "node2"), ("unpark", "node2")]
     assert acted[1]["details"]["best"] == 3 and (scale["current"], scale["best"]) == (3, 3), scale
     assert worlds(rows) == [3, 2, 3], "trained at 3 nodes, at 2, and at 3 again"

@@ -71,6 +71,7 @@ def run_two_nodes(tmp_path: Path, data: Path, chaos: str | None = None) -> dict:
                 f"--checkpoint.dir={tmp_path / 'ckpt'}",
                 "--checkpoint.persist_every_steps=4",
                 "--checkpoint.keeper_idle_s=20",
+                "--train.threads=1",  # each node's only worker would take both cores (test_elastic.ONE_THREAD)
             ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
         for proc in procs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,12 @@ from stalwart.launch.journal import Journal
 from .test_master import TOKEN
 
 pytestmark = pytest.mark.e2e
-STEPS, BATCH = 160, 16
+STEPS, BATCH = 120, 16
 RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a dead node is out in ~3 s
+# One intra-op thread per worker: by default a node's only worker takes every core, and with several
+# nodes (and the reference) on the CI box's two cores its threads wait for each other; a 1-process
+# run under load 8 took 35 s for 11 steps with two threads, 3 s with one (same losses).
+ONE_THREAD = "--train.threads=1"
 
 
 def start_master(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -81,6 +86,7 @@ def train_args(data: Path, out: Path) -> list[str]:
         "--checkpoint.enabled=true",
         f"--checkpoint.dir={out / 'ckpt'}",
         "--checkpoint.persist_every_steps=5",
+        ONE_THREAD,
     ]
 
 
@@ -92,7 +98,8 @@ def losses(out: Path) -> dict[int, float]:
 
 def agent_cmd(tmp_path: Path, address: str, job: str, n: int, nproc: int = 1, slow_s: float = 0.1) -> list[str]:
     """`stalwart run` for node ``n`` of an elastic job (1–2 nodes, master-served rendezvous), without
-    the worker command. Chaos slows every step by ``slow_s``, so a node is lost mid-run, not after it."""
+    the worker command. Chaos slows every step by ``slow_s``, so a node is lost mid-run, not after it
+    (0: no pace from the command line; a `Pace` file may set one)."""
     return [
         sys.executable,
         "-m",
@@ -116,11 +123,28 @@ def agent_cmd(tmp_path: Path, address: str, job: str, n: int, nproc: int = 1, sl
         f"node{n}",
         "--max-restarts",
         "3",
-        "--chaos",
-        f"slow:seconds={slow_s:g}",
+        *(["--chaos", f"slow:seconds={slow_s:g}"] if slow_s else []),
         "--run-dir",
         str(tmp_path / f"run{n}"),
     ]
+
+
+class Pace:
+    """Seconds every step of a job's workers sleeps, changed while they run: a chaos file
+    (STALWART_CHAOS_FILE) that workers re-read when it changes. Slow where a test must act mid-run,
+    full speed where it only waits for the end."""
+
+    def __init__(self, path: Path, seconds: float) -> None:
+        self.path = path
+        self.set(seconds)
+
+    def set(self, seconds: float) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(f"slow:seconds={seconds:g}\n" if seconds else "")
+        os.replace(tmp, self.path)  # a worker never reads half a line
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "STALWART_CHAOS_FILE": str(self.path)}
 
 
 def start_node(
@@ -132,16 +156,21 @@ def start_node(
     run: Sequence[str] = (),
     train: Sequence[str] = (),
     script: Sequence[str] = (),
+    pace: Pace | None = None,
 ) -> subprocess.Popen:
     """One node's `stalwart run` of the trainer (`train`: more overrides) or of `script`; `run`: more
-    flags for stalwart run (later ones win)."""
+    flags for stalwart run (later ones win). ``pace``: steps paced by that file instead of 0.1 s."""
     cmd = [
-        *agent_cmd(tmp_path, address, job, n),
+        *agent_cmd(tmp_path, address, job, n, slow_s=0 if pace else 0.1),
         *run,
         *(script or ["-m", "stalwart", "train", *train_args(data, tmp_path), *train]),
     ]
     return subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{n}.log", "w"), start_new_session=True
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"node{n}.log", "w"),
+        start_new_session=True,
+        env=pace.env() if pace else None,
     )
 
 
@@ -176,27 +205,46 @@ def lose_node(proc: subprocess.Popen, job: str, n: int, when: Callable[[], bool]
 def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_checkpoint(stdlib_data, tmp_path):
     job = f"elastic-{uuid.uuid4().hex[:8]}"
     master, address = start_master(tmp_path)
-    nodes = [start_node(tmp_path, stdlib_data, address, job, n) for n in range(2)]
+    # The fault-free 2-rank run, meanwhile: the loss curve the job must follow.
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "stalwart", "train", "--nproc", "2", *train_args(stdlib_data, tmp_path / "reference")],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "reference.log", "w"),
+    )
+    # Paced while the test acts mid-run: 0.1 s a step until the loss, 0.25 s while node 0 trains alone
+    # (the returning node's start takes seconds and the job must not end before it grows), full speed
+    # once the grown job committed (the rest only runs to the end).
+    pace = Pace(tmp_path / "pace", 0.1)
+    nodes = [start_node(tmp_path, stdlib_data, address, job, n, pace=pace) for n in range(2)]
     try:
         storage = Storage(str(tmp_path / "ckpt"))
+
+        def world_of_latest() -> tuple[int, int | None]:
+            latest = storage.latest()
+            return latest or 0, ((storage.manifest(latest) or {}).get("world_size") if latest else None)
+
         deadline = time.monotonic() + 240
         committed = None
         while committed is None:  # a checkpoint of both nodes' ranks to shrink from
             assert time.monotonic() < deadline, "no two-rank checkpoint was committed"
             assert all(p.poll() is None for p in nodes), (tmp_path / "node0.log").read_text()[-3000:]
-            latest = storage.latest()
-            manifest = storage.manifest(latest) if latest else None
-            committed = latest if manifest and manifest["world_size"] == 2 and latest >= 10 else None
+            latest, world = world_of_latest()
+            committed = latest if world == 2 and latest >= 10 else None
             time.sleep(0.2)
+        pace.set(0.25)
         lose_node(nodes[1], job, 1)
         # Shrunk: node 0 trains alone, from step `committed` or later, and commits one-rank checkpoints.
-        while not (storage.latest() and (storage.manifest(storage.latest()) or {}).get("world_size") == 1):
+        while world_of_latest()[1] != 1:
             assert time.monotonic() < deadline + 120 and nodes[0].poll() is None, (tmp_path / "node0.log").read_text()[
                 -4000:
             ]
             time.sleep(0.2)
         shrunk_at = storage.latest()
-        nodes[1] = start_node(tmp_path, stdlib_data, address, job, 1)  # the node is back: grow
+        nodes[1] = start_node(tmp_path, stdlib_data, address, job, 1, pace=pace)  # the node is back: grow
+        while not (world_of_latest()[1] == 2 or any(p.poll() is not None for p in nodes)):
+            assert time.monotonic() < deadline + 240, "the job never grew back"
+            time.sleep(0.2)
+        pace.set(0)  # grown (or over: the checks below say which)
         for p in nodes:
             p.wait(timeout=300)
             assert p.returncode == 0, (tmp_path / f"node{nodes.index(p)}.log").read_text()[-4000:]
@@ -214,14 +262,8 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         assert len(redone) <= 1, f"steps {redone} were trained again after the grow"
         # The loss curve of a fault-free 2-rank run, within 1e-3: world 2 → 1 → 2 changes only the order
         # of floating-point sums (gradient accumulation makes up the missing rank's share of the batch).
-        reference = tmp_path / "reference"
-        subprocess.run(
-            [sys.executable, "-m", "stalwart", "train", "--nproc", "2", *train_args(stdlib_data, reference)],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        got, want = losses(tmp_path / "out"), losses(reference / "out")
+        assert reference.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+        got, want = losses(tmp_path / "out"), losses(tmp_path / "reference" / "out")
         assert set(got) == set(want) == set(range(1, STEPS + 1))
         worst = max(abs(got[s] - want[s]) / want[s] for s in want)
         assert worst <= 1e-3, f"loss differs from the fault-free run by {worst:.1e} (relative) at some step"
@@ -233,5 +275,7 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         for p in nodes:
             if p.poll() is None:
                 lose_node(p, job, nodes.index(p))
+        if reference.poll() is None:
+            reference.kill()
         master.terminate()
         master.wait(10)

@@ -63,6 +63,7 @@ def command(tmp_path: Path, data: Path, run: str, *run_flags: str) -> list[str]:
         f"--checkpoint.dir={tmp_path / 'ckpt'}",
         "--checkpoint.persist_every_steps=1000",  # only the preemption persists
         "--checkpoint.memory_every=1",  # a snapshot every step: HELD_6's reasoning
+        "--train.threads=1",  # test_slurm's agents run one worker each: it would take both cores
     ]
 
 

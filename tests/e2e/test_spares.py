@@ -34,11 +34,11 @@ from stalwart.launch.client import MasterClient
 from stalwart.launch.journal import Journal
 
 from . import test_elastic
-from .test_elastic import lose_node, start_master, start_node
+from .test_elastic import Pace, lose_node, start_master, start_node
 from .test_master import TOKEN
 
 pytestmark = pytest.mark.e2e
-STEPS = 60
+STEPS = 40
 EVICTED = 3  # stalwart run's exit code for a node that left the job
 
 
@@ -50,22 +50,31 @@ def node(
     n: int,
     chaos: str = "",
     script: tuple[str, ...] = (),
-    pace: float = 0.05,
+    pace: float | Pace = 0.05,
 ) -> subprocess.Popen:
     """test_elastic's node (debug trainer, `--nnodes 1:2`), with a precheck; or running `script`.
-    `pace`: seconds each step sleeps, so a test has time to act mid-run."""
-    base = f"slow:seconds={pace}"
+    `pace`: seconds each step sleeps, so a test has time to act mid-run (a `Pace`: as that file says)."""
+    base = "" if isinstance(pace, Pace) else f"slow:seconds={pace}"
     flags = (
         "--precheck",
         "--straggler-window",
         "1",
         "--summary-json",
         str(tmp_path / f"summary{n}.json"),
-        "--chaos",
-        f"{base};{chaos}" if chaos else base,
+        *(("--chaos", ";".join(c for c in (base, chaos) if c)) if base or chaos else ()),
         "--replica-sync",  # copies in step with training: a memory restore however far async copies trail (CI18)
     )
-    return start_node(tmp_path, data, address, job, n, run=flags, train=(f"--train.steps={STEPS}",), script=script)
+    return start_node(
+        tmp_path,
+        data,
+        address,
+        job,
+        n,
+        run=flags,
+        train=(f"--train.steps={STEPS}",),
+        script=script,
+        pace=pace if isinstance(pace, Pace) else None,
+    )
 
 
 def wait_for(
@@ -123,23 +132,25 @@ def caught_up(job: str, lost: int, survivor: int, world: int) -> Callable[[], bo
 
 
 def stop_job(
-    nodes: dict[int, subprocess.Popen], job: str, reference: subprocess.Popen, master: subprocess.Popen
+    nodes: dict[int, subprocess.Popen], job: str, reference: subprocess.Popen | None, master: subprocess.Popen
 ) -> None:
-    """Whatever still runs: nodes die as hosts do (shared memory too), then the reference and the master."""
+    """Whatever still runs: nodes die as hosts do (shared memory too), then the reference (None: one
+    that another test shares, stopped by its fixture) and the master."""
     for n, p in nodes.items():
         if p.poll() is None:
             lose_node(p, job, n)
-    if reference.poll() is None:
+    if reference is not None and reference.poll() is None:
         reference.kill()
     master.terminate()
     master.wait(10)
 
 
-def same_as_reference(tmp_path: Path, steps: int) -> dict:
-    """The job's summary, checked against the fault-free reference run's: world size 2, every step and
-    sample, bitwise the same weights and optimizer state."""
+def same_as_reference(tmp_path: Path, steps: int, reference: Path | None = None) -> dict:
+    """The job's summary, checked against the fault-free reference run's (its outputs under
+    ``reference``, default TMP/reference): world size 2, every step and sample, bitwise the same
+    weights and optimizer state."""
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    expected = json.loads((tmp_path / "reference" / "out" / "summary.json").read_text())
+    expected = json.loads(((reference or tmp_path / "reference") / "out" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == steps
     assert (summary["final_hash"], summary["optim_hash"]) == (expected["final_hash"], expected["optim_hash"])
     assert summary["samples_consumed"] == steps * test_elastic.BATCH
@@ -170,11 +181,13 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
     client = MasterClient(address, TOKEN)
     nodes: dict[int, subprocess.Popen] = {}
     reference = reference_run(tmp_path, stdlib_data)  # the fault-free run, meanwhile
+    # 40 steps at ≥ 0.2 s: the round trains for ≥ 8 s, time to see it and kill a member mid-run; after
+    # the kill the job cannot go on until it regrouped, and it trains the rest at full speed
+    pace = Pace(tmp_path / "pace", 0.2)
     try:
-        # 60 steps at ≥ 0.1 s: the round trains for ≥ 6 s, time to see it and kill a member mid-run
         for n in range(3):
-            nodes[n] = node(tmp_path, stdlib_data, address, job, n, pace=0.1)
-        nodes[3] = node(tmp_path, stdlib_data, address, job, 3, "nan:at=precheck", pace=0.1)
+            nodes[n] = node(tmp_path, stdlib_data, address, job, n, pace=pace)
+        nodes[3] = node(tmp_path, stdlib_data, address, job, 3, "nan:at=precheck", pace=pace)
         # Two nodes form the round; the third waits beyond --nnodes MAX (TorchElastic keeps it out).
         # (Watched while the bad node is still in its precheck: on a loaded host that may outlast the
         # round's training, CI saw the job end first when the test waited for the bad node.)
@@ -193,11 +206,12 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
         # node killed before its first copy has nothing in another's memory; CI13 saw that once)
         wait_for(f"node{lost}'s copies", copying(job, lost, Storage(str(tmp_path / "ckpt"))), nodes, tmp_path)
         lose_node(nodes[lost], job, lost)
-        for n in (survivor, int(spare[-1])):
-            assert nodes[n].wait(timeout=180) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
-        # The bad node failed its precheck, was evicted and never joined.
+        # The bad node failed its precheck, was evicted and never joined (while the job still ran).
         assert nodes[3].wait(timeout=90) == EVICTED, (tmp_path / "node3.log").read_text()[-3000:]
         assert "precheck failed" in (tmp_path / "node3.log").read_text()
+        pace.set(0)
+        for n in (survivor, int(spare[-1])):
+            assert nodes[n].wait(timeout=180) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
         assert reference.wait(timeout=120) == 0, (tmp_path / "reference.log").read_text()[-3000:]
     finally:
         stop_job(nodes, job, reference, master)
@@ -271,7 +285,7 @@ while state["step"] < args.steps:
 
 
 def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place(tmp_path):
-    job, steps = f"straggler-{uuid.uuid4().hex[:8]}", 150
+    job, steps = f"straggler-{uuid.uuid4().hex[:8]}", 120
     (tmp_path / "job").mkdir()
     (tmp_path / "work.py").write_text(WORK)
     script = (str(tmp_path / "work.py"), "--out", str(tmp_path / "job"), "--steps", str(steps))
@@ -282,12 +296,14 @@ def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place
     )
     client = MasterClient(address, TOKEN)
     nodes: dict[int, subprocess.Popen] = {}
+    pace = Pace(tmp_path / "pace", 0.05)  # paced until the eviction, the rest at full speed
     try:
-        nodes[0] = node(tmp_path, tmp_path, address, job, 0, script=script)
-        nodes[1] = node(tmp_path, tmp_path, address, job, 1, "slow:at=node:factor=10", script=script)
+        nodes[0] = node(tmp_path, tmp_path, address, job, 0, script=script, pace=pace)
+        nodes[1] = node(tmp_path, tmp_path, address, job, 1, "slow:at=node:factor=10", script=script, pace=pace)
         wait_for("node0 and node1 joining", joined(client, "node0", "node1"), nodes, tmp_path)
-        nodes[2] = node(tmp_path, tmp_path, address, job, 2, script=script)
+        nodes[2] = node(tmp_path, tmp_path, address, job, 2, script=script, pace=pace)
         assert nodes[1].wait(timeout=90) == EVICTED, (tmp_path / "node1.log").read_text()[-3000:]
+        pace.set(0)
         for n in (0, 2):
             assert nodes[n].wait(timeout=120) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
     finally:

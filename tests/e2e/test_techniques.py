@@ -18,7 +18,6 @@ from tests.e2e.test_train_layouts import MORE, STEPS, assert_matches, checkpoint
 
 pytestmark = pytest.mark.e2e
 TECH = ("--model.parallel_block=true", "--model.attn_window=16", "--model.embed_norm=true", "--optim.name=lamb")
-ONE_THREAD = "--train.threads=1"  # five runs side by side on the CI box's two cores: no oversubscription
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -31,7 +30,7 @@ def test_techniques_follow_one_process_under_tp_ddp_and_offloaded_fsdp(stdlib_da
         return clean, train(disk, stdlib_data, *TECH, *fsdp, *checkpointed(disk, shm_root, 0), steps=STEPS + MORE)
 
     ref, tp2, ddp, (offloaded, resumed) = concurrently(
-        partial(train, tmp_path / "ref", stdlib_data, *TECH, ONE_THREAD, nproc=1, steps=STEPS + MORE),
+        partial(train, tmp_path / "ref", stdlib_data, *TECH, nproc=1, steps=STEPS + MORE),
         partial(train, tmp_path / "tp2", stdlib_data, *TECH, "--parallel.tp=2"),
         partial(train, tmp_path / "ddp", stdlib_data, *TECH),
         fsdp_then_resume,

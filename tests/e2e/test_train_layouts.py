@@ -39,6 +39,7 @@ COMMON = (
     "--train.lr=3e-3",
     "--train.min_lr=3e-3",
     "--train.log_every=100",
+    "--train.threads=1",  # a 1-process run takes both cores by default: oversubscribed beside others (test_elastic)
 )
 
 
