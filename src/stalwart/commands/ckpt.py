@@ -70,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "worker or keeper owns them) and remove those whose keep time (checkpoint.keep_shm_s) has passed; "
         "--all removes every one no live process owns.",
     )
-    a.add_argument("--shm-dir", default=None, help="the shm root (checkpoint.shm_dir; default $STALWART_SHM_DIR or /dev/shm)")
+    a.add_argument(
+        "--shm-dir", default=None, help="the shm root (checkpoint.shm_dir; default $STALWART_SHM_DIR or /dev/shm)"
+    )
     a.add_argument("--all", action="store_true", help="also remove snapshots not yet expired (no live job's)")
     a.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     a.add_argument(
