@@ -107,3 +107,18 @@ def test_a_held_process_is_stopped_until_released_and_the_held_time_is_accounted
     with pytest.raises(ValueError, match="≥ 1 or inf"):
         throttle.set_factor(0.5)
     assert os.path.exists(f"/proc/{busy_guest.pid}")
+
+
+def test_a_failing_governor_leaves_the_guest_free_and_says_so(tmp_path, caplog):
+    class Broken(HostSteps):
+        def read(self):
+            raise RuntimeError("unreadable records")
+
+    governor = ShareGovernor(lambda: [], Broken(tmp_path), BOUND, tmp_path / "share.jsonl")
+    with caplog.at_level("ERROR", logger="stalwart.share"):
+        governor.start()
+        governor._governor.join(5)
+    governor.close()
+    assert governor.factor == 1.0
+    assert "the governor stopped; this job now runs unthrottled" in caplog.text
+    assert "unreadable records" in caplog.text

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import statistics
@@ -38,6 +39,8 @@ from typing import Any
 from stalwart.health.throttle import Throttle
 from stalwart.launch.client import ADDRESS_FILE
 from stalwart.launch.progress import ProgressReader
+
+log = logging.getLogger("stalwart.share")
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -119,7 +122,10 @@ class HostSteps:
             return None
         ranks = []
         for path in reader.directory.glob("rank*.progress"):
-            rank, inode = int(path.name[4:].split(".")[0]), path.stat().st_ino if path.exists() else None
+            try:
+                rank, inode = int(path.name[4:].split(".")[0]), path.stat().st_ino
+            except (OSError, ValueError):  # removed meanwhile (its agent restarts the workers), or not a record
+                continue
             if self._inodes.get(rank) != inode:  # its agent restarted the workers: a new record
                 reader.forget(rank)
                 self._inodes[rank] = inode
@@ -190,6 +196,13 @@ class ShareGovernor(Throttle):
 
     # -- the loop ------------------------------------------------------------------------------------
     def _govern(self) -> None:
+        try:
+            self._control()
+        except Exception:  # a bug here must not leave the guest held (its hang detector ignores held time)
+            self.set_factor(1.0)
+            log.exception("stalwart run --share-with: the governor stopped; this job now runs unthrottled")
+
+    def _control(self) -> None:
         since_probe = 0
         if self.host.read() is None:  # no production job training (yet): the guest runs free meanwhile
             self._go_idle(None)
