@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart import runtime
 from stalwart.checkpoint import multinode
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
@@ -38,7 +39,7 @@ from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.runtime import worker_env
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-SHM_DIR_ENV = "STALWART_SHM_DIR"
+SHM_DIR_ENV = runtime.ENV_SHM_DIR
 
 
 def default_shm_root() -> str:

@@ -49,6 +49,8 @@ ENV_EXIT_GRACE = "STALWART_EXIT_GRACE_S"
 # The execution the workers belong to (the rendezvous round: the same integer on every node of one
 # execution, larger after every restart or regrouping). Checkpoint coordination compares these, never clocks.
 ENV_EPOCH = "STALWART_EPOCH"
+# The tmpfs root for snapshots (default /dev/shm): the agent's keeper and its workers read the same.
+ENV_SHM_DIR = "STALWART_SHM_DIR"
 EXIT_GRACE_S = 30.0
 
 
