@@ -154,6 +154,7 @@ def run_stalwart(a: argparse.Namespace, out: Path) -> float:
         f"--train.out_dir={out}",
         "--checkpoint.enabled=false",
         "--guard.enabled=false",
+        *a.stalwart_arg,
     ]
     result = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     return float(json.loads(result.stdout.strip().splitlines()[-1])["tokens_per_s"])
@@ -163,6 +164,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--stalwart-arg", action="append", default=[], help="an extra `stalwart train` option, e.g. --data.prefetch=0"
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default="debug")
     p.add_argument("--steps", type=int, default=30)
