@@ -32,6 +32,10 @@ def _start(run_dir: Path, out: Path, nproc: int, *run_args: str, seconds: float 
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _tail(log: Path) -> str:
+    return log.read_text()[-4000:]
+
+
 def _steps(out: Path, rank: int = 0) -> list[dict]:
     return [json.loads(line) for line in (out / f"steps-rank{rank}.jsonl").read_text().splitlines()]
 
@@ -50,12 +54,14 @@ def test_a_guest_is_held_within_the_bound_progresses_and_both_jobs_end_with_the_
     try:
         host.wait(timeout=180)
         guest.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"host: {_tail(tmp_path / 'host-run.log')}\nguest: {_tail(tmp_path / 'guest-run.log')}")
     finally:
         for proc in (host, guest):
             if proc.poll() is None:
                 proc.kill()
-    assert host.returncode == 0, (tmp_path / "host-run.log").read_text()[-3000:]
-    assert guest.returncode == 0, (tmp_path / "guest-run.log").read_text()[-3000:]
+    assert host.returncode == 0, _tail(tmp_path / "host-run.log")
+    assert guest.returncode == 0, _tail(tmp_path / "guest-run.log")
 
     # Outcomes: every guest worker, stopped and continued throughout, ends with the production job's result.
     expected = _result(tmp_path / "host")

@@ -82,9 +82,9 @@ def test_the_governor_finds_the_duty_cycle_that_keeps_the_production_job_within_
 
 
 def test_a_held_process_is_stopped_until_released_and_the_held_time_is_accounted(busy_guest):
+    t0 = time.time()  # before the start: its thread may hold the guest before this thread runs again
     throttle = Throttle(lambda: [busy_guest.pid], math.inf).start()
     try:
-        t0 = time.time()
         deadline = time.monotonic() + 10
         while _state(busy_guest.pid) != "T":
             assert time.monotonic() < deadline, "never stopped"
@@ -122,3 +122,31 @@ def test_a_failing_governor_leaves_the_guest_free_and_says_so(tmp_path, caplog):
     assert governor.factor == 1.0
     assert "the governor stopped; this job now runs unthrottled" in caplog.text
     assert "unreadable records" in caplog.text
+
+
+def test_a_factor_changed_between_a_ticks_check_and_its_debt_never_leaves_the_guest_stopped(busy_guest):
+    """CI's hang: the governor set inf after the tick saw a finite factor; the tick owed inf seconds, its
+    thread died of OverflowError with the workers stopped, and the guest never ended."""
+    flips = {"n": 0}
+
+    def pids() -> list[int]:  # read inside the tick's debt: the governor's change lands just there
+        flips["n"] += 1
+        if flips["n"] < 120:
+            throttle.set_factor(math.inf if flips["n"] % 2 else 4.0)
+        return [busy_guest.pid]
+
+    throttle = Throttle(pids, 4.0)
+    throttle.start()
+    try:
+        deadline = time.monotonic() + 20
+        while flips["n"] < 120:
+            assert time.monotonic() < deadline and throttle._thread.is_alive(), flips
+            time.sleep(0.05)
+        throttle.set_factor(1.0)
+        time.sleep(0.6)  # one stop at most MAX_STOP_S, then free
+        used0 = cpu_ns(busy_guest.pid)
+        time.sleep(0.5)
+        assert throttle._thread.is_alive() and _state(busy_guest.pid) in "RS"
+        assert (cpu_ns(busy_guest.pid) - used0) * 1e-9 > 0.1  # it computes again
+    finally:
+        throttle.close()

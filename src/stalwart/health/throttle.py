@@ -36,6 +36,8 @@ class Throttle:
     """Makes the processes `pids()` names (re-read every tick: restarted workers are throttled too)
     `factor`× slower. `pause()` lets them run freely (while they are being stopped for good)."""
 
+    MAX_STOP_S = 0.5  # the longest single stop (a larger debt is forgiven: the thread was starved)
+
     def __init__(self, pids: Callable[[], list[int]], factor: float, tick_s: float = 0.002) -> None:
         if factor <= 1.0 or tick_s <= 0:
             raise ValueError(f"a node slowdown needs factor > 1 and tick_s > 0 (got {factor}, {tick_s})")
@@ -85,7 +87,7 @@ class Throttle:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def _debt_s(self) -> float:
+    def _debt_s(self, factor: float) -> float:
         """Seconds to hold the workers for the CPU time they used since the last tick."""
         used, seen = 0, {}
         for pid in self.pids():
@@ -95,17 +97,25 @@ class Throttle:
             used = max(used, now - self._seen.get(pid, now))  # the busiest worker sets the pace
             seen[pid] = now
         self._seen = seen
-        return used * 1e-9 * (self.factor - 1)
+        return used * 1e-9 * (factor - 1)
 
     def _loop(self) -> None:
+        try:
+            self._duty_cycle()
+        finally:  # whatever ended the loop, no worker is left stopped
+            self._signal(list(self._seen), signal.SIGCONT)
+
+    def _duty_cycle(self) -> None:
         debt = 0.0
         while not self._stop.wait(self.tick_s):
             if not self._active.wait(1.0):
                 continue
-            if math.isinf(self.factor):
+            factor = self.factor  # read once: ``set_factor`` may change it meanwhile (to inf, too)
+            if math.isinf(factor):
                 self._hold()
+                debt = 0.0
                 continue
-            debt += self._debt_s()
+            debt += self._debt_s(factor)
             if debt < self.tick_s:
                 continue
             with self._lock:
@@ -114,25 +124,29 @@ class Throttle:
                 pids = list(self._seen)
                 self._began_stop()
                 self._signal(pids, signal.SIGSTOP)
-                self._stop.wait(debt)
-                self._signal(pids, signal.SIGCONT)
-                self._ended_stop()
+                try:  # a starved tick may owe much: at most MAX_STOP_S, so a new factor acts soon
+                    self._stop.wait(min(debt, self.MAX_STOP_S))
+                finally:
+                    self._signal(pids, signal.SIGCONT)
+                    self._ended_stop()
             debt = 0.0
-            self._debt_s()  # the held time is not CPU time: start counting afresh
+            self._debt_s(factor)  # the held time is not CPU time: start counting afresh
 
     def _hold(self) -> None:
         """Keep the workers stopped (new ones too) while the factor is infinite and the throttle active."""
         with self._lock:
             held: set[int] = set()
             self._began_stop()
-            while math.isinf(self.factor) and self._active.is_set() and not self._stop.is_set():
-                fresh = [pid for pid in self.pids() if pid not in held]
-                self._signal(fresh, signal.SIGSTOP)
-                held.update(fresh)
-                self._stop.wait(self.tick_s * 5)
-            self._signal(list(held), signal.SIGCONT)
-            self._ended_stop()
-        self._debt_s()  # the held time is not CPU time: start counting afresh
+            try:
+                while math.isinf(self.factor) and self._active.is_set() and not self._stop.is_set():
+                    fresh = [pid for pid in self.pids() if pid not in held]
+                    self._signal(fresh, signal.SIGSTOP)
+                    held.update(fresh)
+                    self._stop.wait(self.tick_s * 5)
+            finally:
+                self._signal(list(held), signal.SIGCONT)
+                self._ended_stop()
+        self._debt_s(1.0)  # the held time is not CPU time: start counting afresh
 
     # -- held time, for the hang detector ---------------------------------------------------------------
     def _began_stop(self) -> None:
