@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.checkpoint.node_job import SHM_DIR_ENV, NodeJob, job_dir_for
+from stalwart import runtime
+from stalwart.checkpoint.node_job import NodeJob, job_dir_for
 from stalwart.checkpoint.shm import JobPaths, atomic_write, secure_job_dir
 from stalwart.checkpoint.shm_gc import mark_kept
 from tests.e2e.test_run import launch
@@ -39,7 +40,7 @@ def _finished_once(proc, summary, out) -> None:
 @pytest.mark.parametrize("warm", ["on", "off"])
 def test_a_script_leaving_an_executor_and_a_checkpointer_open_ends_once(tmp_path, warm, shm_root, monkeypatch):
     # A private root: another `stalwart run` on the host (a parallel test) would collect /dev/shm's first.
-    monkeypatch.setenv(SHM_DIR_ENV, str(shm_root))
+    monkeypatch.setenv(runtime.ENV_SHM_DIR, str(shm_root))
     expired = plant_expired_snapshots(shm_root)
     proc, summary, out, _ = _run(tmp_path, run_args=("--warm-start", warm))
     _finished_once(proc, summary, out)

@@ -190,8 +190,8 @@ class KeeperProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> KeeperProcess:
-        if not Path(default_shm_root()).is_dir():  # no flash checkpoints possible here without another shm_dir
-            log.warning("no %s: no keeper started for this job", default_shm_root())
+        if not Path(shm_root := default_shm_root()).is_dir():  # no flash checkpoints here without another root
+            log.warning("no %s: no keeper started for this job", shm_root)
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # The keeper journals beside the status copy: a reused run directory's old records are not news.

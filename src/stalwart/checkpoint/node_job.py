@@ -39,13 +39,12 @@ from stalwart.checkpoint.storage import Storage, step_name
 from stalwart.runtime import worker_env
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-SHM_DIR_ENV = runtime.ENV_SHM_DIR
 
 
 def default_shm_root() -> str:
     """Where snapshots live unless a job names its own root: ``$STALWART_SHM_DIR`` (a tmpfs elsewhere, or a
     private root per test session; `stalwart run`'s keeper and its workers read the same) or /dev/shm."""
-    return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
+    return os.environ.get(runtime.ENV_SHM_DIR) or "/dev/shm"
 
 
 # A keeper must not look like a worker to torch (nor inherit NCCL's watchdog settings).
