@@ -103,8 +103,8 @@ def run_job(tmp_path, when_parked=None, steps: int = STEPS) -> tuple[dict, list[
             parked = lambda: any(d["action"] == "park" for d in client.status()["decisions"])
             wait_for("node2 parked", parked, nodes, tmp_path)
             when_parked()
-        for n in (0, 1, 2):
-            assert nodes[n].wait(timeout=120) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
+        for n in (0, 1, 2):  # generous: after the rejoin two nodes run 8× slow (CI9 under load: 107 of 120 at 120 s)
+            assert nodes[n].wait(timeout=300) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
         scale = client.status()["autoscale"]
     finally:
         for n, p in nodes.items():

@@ -2,14 +2,14 @@
 
 The production job (1 worker) and the guest (3 workers) compute the same exact integer chain on a 2-core
 box, so unthrottled the guest would take half of the production job's core (2× its step time).
-The guest's agent must hold the production job within its bound while the guest still progresses, and
-every worker, stopped and continued hundreds of times, must end with the production job's result."""
+The guest's agent must cut the guest's duty cycle whenever the production job runs over its bound, the
+guest must still progress, and every worker, stopped and continued hundreds of times, must end with the
+production job's result."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -72,24 +72,20 @@ def test_a_guest_is_held_within_the_bound_progresses_and_both_jobs_end_with_the_
     probes = [w for w in windows if w["phase"] == "probe"]
     shares = [w for w in windows if w["phase"] == "share"]
     assert probes and len(shares) >= 3, windows
-    # The production job's own step log, split by what the guest was allowed meanwhile.
-    host_steps = _steps(tmp_path / "host")
-
-    def step_s(phase_windows: list[dict]) -> float:
-        inside = [s["t1"] - s["t0"] for s in host_steps for w in phase_windows if w["start"] <= s["t0"] < w["end"]]
-        assert inside, phase_windows
-        return statistics.median(inside)
-
-    slowdown = step_s(shares) / step_s(probes)
-    assert slowdown <= 1 + BOUND + 0.2, (slowdown, windows)  # unthrottled it would be ~2
-    # The guest really competed: a window over the bound made the governor cut the duty cycle of the next.
-    cuts = sum(
-        a["phase"] == b["phase"] == "share"
-        and a["host_step_s"] > (1 + BOUND) * a["host_alone_s"]
-        and b["duty"] < a["duty"]
+    # The control law, window by window, with real processes: every share window over the bound made the
+    # next one's duty lower (down to held), and there were such windows (the guest really competed).
+    # The bound itself is not asserted here: on CI's 2 cores a neighbouring test moves the production
+    # job's step time by ±35 % within a second (CI9: probes 0.0114-0.0157 s), more than any bound, so it
+    # is asserted in tests/unit/test_share.py (interference the test controls) and measured on a quiet
+    # box by benchmarks/share_node.py.
+    over = [
+        (a, b)
         for a, b in itertools.pairwise(windows)
-    )
-    assert cuts, windows
+        if a["phase"] == b["phase"] == "share" and a["host_step_s"] > (1 + BOUND) * a["host_alone_s"]
+    ]
+    assert over, windows
+    assert all(b["duty"] < a["duty"] or a["duty"] == 0.0 for a, b in over), windows
+    host_steps = _steps(tmp_path / "host")
     # ... and it progressed while the production job trained.
     trained = (host_steps[0]["t0"], host_steps[-1]["t1"])
     assert sum(trained[0] < s["t0"] and s["t1"] < trained[1] for s in _steps(tmp_path / "guest")) >= 10
