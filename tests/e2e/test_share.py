@@ -44,7 +44,7 @@ def _result(out: Path, rank: int = 0) -> dict:
     return json.loads((out / f"result-rank{rank}.json").read_text())
 
 
-def test_a_guest_is_held_within_the_bound_progresses_and_both_jobs_end_with_the_same_result(tmp_path):
+def test_a_guest_yields_when_over_the_bound_progresses_and_both_jobs_end_with_the_same_result(tmp_path):
     host_run, guest_run = tmp_path / "host-run", tmp_path / "guest-run"
     host_run.mkdir()
     # Both at once: the guest runs free until the production job trains, then yields to it.
