@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from stalwart.health.check import Fault, isolation_pairs, neighbour_pairs
+from stalwart.health.check import Fault, isolation_pairs, isolation_turns, neighbour_pairs, round1_suspects
 
 pytestmark = pytest.mark.e2e
 
@@ -49,6 +49,15 @@ def test_pairing_rules():
     speed = {0: 1.0, 1: 1.0, 2: 9.0, 3: 9.5, 4: 0.5}
     assert isolation_pairs([2, 3], [0, 1, 4], speed) == [(3, 4), (2, 0)]
     assert isolation_pairs([2, 3], [], speed) == []
+    # one healthy node (node 2's matmul is corrupt, pair 0-1 was slow): it isolates both suspects in turn
+    assert isolation_turns([0, 1], [3], {0: 5.0, 1: 4.0, 3: 1.0}) == [[(0, 3)], [(1, 3)]]
+    assert isolation_turns([2, 3], [0, 1, 4], speed) == [[(3, 4), (2, 0)]]
+    assert isolation_turns([2, 3], [], speed) == []
+    # 4 nodes: 2 pairs, one 20x slower; a mean-of-two median would be half its time and miss it
+    assert round1_suspects({(0, 1): True, (2, 3): True}, {(0, 1): 1.5, (2, 3): 32.0}, 2.0) == {(2, 3)}
+    assert round1_suspects({(0, 1): True, (2, 3): True}, {(0, 1): 1.5, (2, 3): 2.5}, 2.0) == set()
+    ok3, s3 = {(0, 1): True, (2, 3): True, (4, 5): False}, {(0, 1): 1.0, (2, 3): 1.2, (4, 5): 9.0}
+    assert round1_suspects(ok3, s3, 2.0) == {(4, 5)}, "a wrong sum is a suspect, and its timing is no reference"
     assert Fault.parse("slow:node=2:factor=4") == Fault("slow", 2, 4.0)
     with pytest.raises(ValueError, match="unknown check fault"):
         Fault.parse("melt:node=1")

@@ -260,7 +260,9 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         # Compared: the shrunk job's steps and the grown job's (steps the 2-rank job trained before the loss
         # and the shrunk job again are the shrink's price, not the grow's: CI8 under load 10 had 11-14).
         logged = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-        grown = max(i for i, s in enumerate(logged) if s == ck["restore_step"] + 1)  # the grown job's first step
+        firsts = [i for i, s in enumerate(logged) if s == ck["restore_step"] + 1]
+        assert firsts, f"the grown job never logged step {ck['restore_step'] + 1}: {logged}"
+        grown = firsts[-1]  # the grown job's first step
         shrunk = max((i for i in range(1, grown) if logged[i] <= logged[i - 1]), default=0)  # the shrunk job's
         redone = sorted(set(logged[shrunk:grown]) & set(logged[grown:]))
         assert len(redone) <= 1, f"steps {redone} were trained again after the grow: {logged}"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from stalwart.health.log_rules import diagnose
+from tests.e2e.hung import run_or_dump
 
 pytestmark = pytest.mark.e2e
 STEPS, BATCH, ROLLBACK, SKIP = 12, 8, 2, 2
@@ -68,7 +69,7 @@ def train(out: Path, data: Path, shm: Path, *extra: str, chaos: str = "") -> sub
         "--json",
         *extra,
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = run_or_dump(cmd, timeout=300, env=env)
     (out / "train.log").write_text(result.stderr)  # kept for post-mortems
     return result
 

@@ -232,14 +232,16 @@ def test_a_spare_replaces_a_lost_node_and_a_node_that_fails_its_precheck_never_j
     # the survivor asked the master who was lost, took it out of the rendezvous and skipped a save that
     # could not commit (the lost node's ranks' snapshots went with it)
     assert f"lost node(s) node{lost}:" in (tmp_path / f"node{survivor}.log").read_text()
-    # Every start ran the precheck (the survivor: first start and the restart) and it stayed cheap.
+    # Every start ran the precheck and it stayed cheap. The survivor: its first start and the restart
+    # after the loss; under load (CI) also a third, when its new round formed alone (--nnodes 1:2) before
+    # the spare came back to the rendezvous and the spare's arrival restarted it (a membership change).
     replacement = int(spare[-1])
     prechecks = {
         n: json.loads((tmp_path / f"summary{n}.json").read_text())["prechecks"] for n in (survivor, replacement)
     }
     # The spare checks before each rendezvous it enters: once, or again when its wait beyond --nnodes MAX
     # went round once more before the loss (seen under load in CI4); it trains after one that passed.
-    assert len(prechecks[survivor]) == 2 and len(prechecks[replacement]) >= 1, prechecks
+    assert len(prechecks[survivor]) >= 2 and len(prechecks[replacement]) >= 1, prechecks
     assert all(p["ok"] and p["seconds"] < 2.0 for ps in prechecks.values() for p in ps), prechecks
 
 

@@ -126,8 +126,10 @@ def test_agent_keeper_exits_when_the_agent_is_killed(root, tmp_path):
         text=True,
     )
     keeper_pid = int(agent.stdout.readline())
+    log = tmp_path / "keeper.log"
     try:
-        time.sleep(1.0)
+        # once it serves (it watches its agent from then on; importing torch took > 1 s on a loaded host)
+        assert _until(lambda: log.exists() and "serving agent pid" in log.read_text(), 120.0), "the keeper never served"
         assert psutil.pid_exists(keeper_pid)
         agent.kill()
         agent.wait()
@@ -220,3 +222,35 @@ def test_a_rollback_note_makes_the_keeper_forget_the_abandoned_future(root, tmp_
     keeper.last_persisted = 6
     keeper._follow_rollback()  # the same note again: nothing to do
     assert keeper.last_persisted == 6
+
+
+def test_a_step_one_rank_of_the_node_no_longer_holds_is_given_up_by_every_rank(root):
+    """The keeper persists a step only when all the node's ranks hold it. Rank 0's copy of step 8 was
+    overwritten (its two slots hold 9 and 10) while rank 1's was not: rank 1 must give the step up
+    as rank 0 does, not wait out the persist timeout while rank 0 went on into the next collective
+    (a guard rollback hung so in CI)."""
+    from stalwart.checkpoint.durability import StorageNews
+    from stalwart.checkpoint.keeper_link import KeeperLink
+
+    job = NodeJob(root)
+    _snapshot(job, [7, 8, 9, 10], persist={8}, rank=0, world=2)
+    _snapshot(job, [7, 8, 9], persist={8}, rank=1, world=2)  # rank 1 still holds 8 and 9
+    links = {
+        r: KeeperLink(
+            job,
+            r,
+            r,
+            by_agent=True,
+            log_path=None,
+            timeout_s=10,
+            storage_news=StorageNews("", False),
+            node_ranks=[0, 1],
+        )
+        for r in (0, 1)
+    }
+    assert not links[1].node_holds(8) and links[1].node_holds(9)
+    for rank, link in links.items():
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="no longer held in memory by all of this node's ranks"):
+            link.wait_persisted(8)
+        assert time.monotonic() - t0 < 5, f"rank {rank} waited for a persist nobody makes"

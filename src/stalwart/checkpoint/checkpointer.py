@@ -138,6 +138,7 @@ class Checkpointer:
             log_path=keeper_log,
             timeout_s=persist_timeout_s,
             storage_news=self.storage_news,
+            node_ranks=self.node_ranks,
         )
         self._job_lock = self.job.attach()  # the keeper never removes files while we hold it
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)

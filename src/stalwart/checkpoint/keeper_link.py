@@ -35,8 +35,10 @@ class KeeperLink:
         log_path: str | Path | None,
         timeout_s: float,
         storage_news: StorageNews,
+        node_ranks: list[int] | None = None,
     ) -> None:
         self.job, self.paths, self.rank, self.local_rank = job, job.paths, rank, local_rank
+        self.node_ranks = node_ranks if node_ranks is not None else [rank]  # whose snapshots the keeper needs
         self.by_agent, self.log_path, self.timeout_s, self.storage_news = by_agent, log_path, timeout_s, storage_news
         self.proc: Any = None  # the keeper this worker started, if any
         self._checked = 0.0
@@ -109,6 +111,14 @@ class KeeperLink:
                 return
             time.sleep(0.01)
 
+    def node_holds(self, step: int) -> bool:
+        """Every rank of this node still holds a complete snapshot of ``step``: the keeper persists only a
+        step all of them hold. One rank's copy may be overwritten while another's is not (the keeper pins
+        the ranks' slots one at a time, so a rank whose slot stayed pinned longer reuses its other slot
+        sooner): judged by this rank's copy alone, that other rank waited the whole timeout for a persist
+        nobody would make, while this one went on into the next collective (CI: a rollback hung)."""
+        return all(any(s.step == step for s in complete_slots(self.paths, r)) for r in self.node_ranks)
+
     def wait_persisted(self, step: int, final: bool = False) -> None:
         """Return once the keeper committed ``step``. ``final``: storage failures are retried by the
         keeper (with backoff) up to ``FINAL_ATTEMPTS`` times before giving up; otherwise the first
@@ -127,14 +137,15 @@ class KeeperLink:
             for e in status.get("events", []):
                 if e.get("step") == step and e.get("kind") == "skipped":
                     raise RuntimeError(f"the keeper could not persist step {step}: {e['detail']}")
-            if all(slot.step != step for slot in complete_slots(self.paths, self.rank)):
+            if not self.node_holds(step):
                 # Newer snapshots overwrote it before the keeper took it (the keeper was still busy
                 # with an older step): nobody will persist it, so waiting would only run out the timeout.
                 # A grace period covers a keeper that had copied it and is committing.
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > 2.0:
                     raise RuntimeError(
-                        f"step {step} is no longer held in memory (overwritten before the keeper persisted it)"
+                        f"step {step} is no longer held in memory by all of this node's ranks (overwritten "
+                        "before the keeper persisted it)"
                     )
             if self.by_agent:
                 keeperless_since = 0.0 if self.job.keeper_alive() else keeperless_since or time.monotonic()
