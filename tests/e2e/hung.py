@@ -4,6 +4,7 @@ names where it waited (the rerun a hang needs rarely comes)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 
 import psutil
@@ -21,10 +22,19 @@ def run_or_dump(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
         pass
     else:
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    stacks = "\n".join(f"--- pid {p.pid} {' '.join(p.cmdline())[:200]} ---\n{stack_dump(p.pid)}" for p in family)
+    root = psutil.Process(proc.pid)
+    family = [root, *root.children(recursive=True)]
+    stacks = "\n".join(_stacks(p) for p in family)
     for p in family:
-        p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may end on its own meanwhile
+            p.kill()
     _, err = proc.communicate()
     head = f"{' '.join(cmd[:5])} … did not end within {timeout} s"
     pytest.fail(f"{head}\n{stacks}\n--- its log ends ---\n{err[-6000:]}", pytrace=False)
+
+
+def _stacks(process: psutil.Process) -> str:
+    try:
+        return f"--- pid {process.pid} {' '.join(process.cmdline())[:200]} ---\n{stack_dump(process.pid)}"
+    except psutil.NoSuchProcess:  # ended (or a zombie) between the listing and the dump
+        return f"--- pid {process.pid}: ended before its dump ---"
