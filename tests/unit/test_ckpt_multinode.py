@@ -17,11 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from stalwart.checkpoint import NodeJob, Storage, multinode
+from stalwart.checkpoint import NodeJob, Storage, multinode, stage
+from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.shm import JobPaths, atomic_write
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.launch import preempt
+from stalwart.runtime import ENV_JOB_TOKEN, ENV_MASTER, ENV_NODE_ID
 
 WORLD = 2
 
@@ -104,22 +106,22 @@ def test_a_late_heartbeat_never_writes_the_stage_back_after_the_commit(nodes, tm
     # exactly that. The participant must stop beating before it hands in its results.
     snapshot(nodes[0], 0, [3])
     snapshot(nodes[1], 1, [3])
-    storage, put = Storage(str(tmp_path / "ckpt")), multinode._put
-    stage = tmp_path / "ckpt" / ".stage" / "step-00000003"
+    storage, put = Storage(str(tmp_path / "ckpt")), stage.put
+    step_dir = tmp_path / "ckpt" / ".stage" / "step-00000003"
 
     def late_beat(storage: Storage, obj: object, *parts: str) -> None:
         if "alive" in parts:
             deadline = time.monotonic() + 2
-            while time.monotonic() < deadline and not list((stage / "results").glob("rank1.*")):
+            while time.monotonic() < deadline and not list((step_dir / "results").glob("rank1.*")):
                 time.sleep(0.01)  # until the results are in ...
-            while time.monotonic() < deadline and stage.exists():
+            while time.monotonic() < deadline and step_dir.exists():
                 time.sleep(0.01)  # ... and the coordinator has committed and removed the stage
         put(storage, obj, *parts)
 
-    monkeypatch.setattr(multinode, "_put", late_beat)
+    monkeypatch.setattr(stage, "put", late_beat)
     coordinator, participant = run_nodes(nodes, storage, 3)
     assert isinstance(coordinator, dict) and isinstance(participant, dict), (coordinator, participant)
-    assert storage.latest() == 3 and not stage.exists(), sorted(p.name for p in stage.rglob("*"))
+    assert storage.latest() == 3 and not step_dir.exists(), sorted(p.name for p in step_dir.rglob("*"))
 
 
 def test_a_node_without_the_step_makes_the_coordinator_give_up_at_once(nodes, tmp_path):
@@ -128,7 +130,7 @@ def test_a_node_without_the_step_makes_the_coordinator_give_up_at_once(nodes, tm
     storage = Storage(str(tmp_path / "ckpt"))
     t0 = time.monotonic()
     coordinator, participant = run_nodes(nodes, storage, 4)
-    assert isinstance(participant, LookupError) and isinstance(coordinator, multinode.MissingSnapshot)
+    assert isinstance(participant, LookupError) and isinstance(coordinator, stage.MissingSnapshot)
     assert time.monotonic() - t0 < 30, "answered, not timed out"
     assert storage.latest() is None and 4 not in storage.steps()
 
@@ -144,14 +146,120 @@ def test_a_node_lost_while_writing_is_given_up_after_its_heartbeat_stops(nodes, 
     with SnapshotView(nodes[1], complete_slots(nodes[1], 1)[0]) as view:
         from stalwart.checkpoint.persist import plan_table
 
-        multinode._put(storage, {**plan_table(view), "first": 1}, *multinode._stage(2, "plans", "rank1.json"))
+        stage.put(storage, {**plan_table(view), "first": 1}, *stage.stage_of(2, "plans", "rank1.json"))
     with SnapshotView(nodes[0], complete_slots(nodes[0], 0)[0]) as view:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="stopped writing"):
             multinode.persist(storage, 2, {0: view}, WORLD, "test", coordinator=True, timeout_s=120, answer_s=1.0)
     assert time.monotonic() - t0 < 60, "gave up on the lost node long before the persist timeout"
     assert storage.latest() is None
-    assert multinode._get(storage, *multinode._stage(2, "abort.json")), "participants are told to stop"
+    assert stage.get(storage, *stage.stage_of(2, "abort.json")), "participants are told to stop"
+
+
+@pytest.fixture
+def master(tmp_path):
+    """A real job master (HTTP, journal) that knows nodes n0 and n1."""
+    from stalwart.launch.client import MasterClient
+    from stalwart.launch.master import Master
+
+    m = Master(tmp_path / "journal.sqlite", "token").start()
+    for node in ("n0", "n1"):
+        MasterClient(m.address, "token").join(node, "host", 1)
+    yield m
+    m.stop()
+
+
+def members_of(master, me: str) -> LostNodes:
+    env = {ENV_MASTER: master.address, ENV_JOB_TOKEN: "token", ENV_NODE_ID: me}
+    members = LostNodes.from_env(env)
+    assert members is not None and members.me == me
+    return members
+
+
+def lose(master, node: str, started: threading.Event) -> float:
+    """Once ``started``, the master records ``node`` lost (what its presence handler does when the
+    node's connection breaks); returns the master's lost_at for it."""
+    assert started.wait(30)
+    master.state.presence_lost(node)
+    return next(float(n["lost_at"]) for n in master.state.lost()["lost"] if n["node_id"] == node)
+
+
+def test_a_participant_lost_during_the_persist_is_given_up_within_a_second_of_the_masters_record(
+    nodes, tmp_path, master
+):
+    """Issue 30: a lost node is known from membership, not from its heartbeat going stale (here 60 s)."""
+    from stalwart.checkpoint.persist import plan_table
+    from stalwart.checkpoint.shm import complete_slots
+    from stalwart.checkpoint.snapshot import SnapshotView
+
+    snapshot(nodes[0], 0, [2])
+    snapshot(nodes[1], 1, [2])
+    storage = Storage(str(tmp_path / "ckpt"))
+    with SnapshotView(nodes[1], complete_slots(nodes[1], 1)[0]) as view:  # node n1 published its table ...
+        table = {**plan_table(view), "first": 1, "node": "n1"}
+        stage.put(storage, table, *stage.stage_of(2, "plans", "rank1.json"))
+    planned, out = threading.Event(), {}
+
+    def coordinate() -> None:
+        with SnapshotView(nodes[0], complete_slots(nodes[0], 0)[0]) as view:
+            try:
+                multinode.persist(
+                    storage,
+                    2,
+                    {0: view},
+                    WORLD,
+                    "test",
+                    True,
+                    timeout_s=120,
+                    answer_s=60,
+                    on_planned=lambda _: planned.set(),
+                    members=members_of(master, "n0"),
+                )
+            except Exception as err:
+                out["error"], out["at"] = err, time.time()
+
+    thread = threading.Thread(target=coordinate)
+    thread.start()
+    lost_at = lose(master, "n1", planned)  # ... and is lost while the coordinator waits for its shards
+    thread.join(30)
+    assert isinstance(out.get("error"), NodeLost) and "n1" in str(out["error"]), out
+    assert out["at"] - lost_at <= 1.0, f"given up {out['at'] - lost_at:.2f} s after the master's loss record"
+    assert storage.latest() is None
+    assert stage.get(storage, *stage.stage_of(2, "abort.json")), "participants are told to stop"
+
+
+def test_a_participant_stops_waiting_for_a_coordinator_the_master_holds_lost(nodes, tmp_path, master):
+    from stalwart.checkpoint.shm import complete_slots
+    from stalwart.checkpoint.snapshot import SnapshotView
+
+    snapshot(nodes[0], 0, [2])
+    snapshot(nodes[1], 1, [2])
+    storage = Storage(str(tmp_path / "ckpt"))
+    with SnapshotView(nodes[0], complete_slots(nodes[0], 0)[0]) as view:  # n0 published its table, no plan yet
+        multinode._put_table(storage, 2, 0, {0: view}, "n0")
+    table_in, out = threading.Event(), {}
+
+    def participate() -> None:
+        with SnapshotView(nodes[1], complete_slots(nodes[1], 1)[0]) as view:
+            table_in.set()
+            try:
+                multinode.persist(storage, 2, {1: view}, WORLD, "test", False, members=members_of(master, "n1"))
+            except Exception as err:
+                out["error"], out["at"] = err, time.time()
+
+    thread = threading.Thread(target=participate)
+    thread.start()
+    lost_at = lose(master, "n0", table_in)
+    thread.join(30)
+    assert isinstance(out.get("error"), NodeLost) and "coordinator" in str(out["error"]), out
+    assert out["at"] - lost_at <= 1.0, f"gave up {out['at'] - lost_at:.2f} s after the master's loss record"
+
+
+def test_without_a_master_nothing_is_known_lost():
+    assert LostNodes.from_env({ENV_NODE_ID: "n0"}) is None
+    assert LostNodes.from_env({ENV_MASTER: "http://127.0.0.1:9", ENV_JOB_TOKEN: "t"}) is None  # no node id
+    unreachable = LostNodes.from_env({ENV_MASTER: "http://127.0.0.1:9", ENV_JOB_TOKEN: "t", ENV_NODE_ID: "n0"})
+    assert unreachable is not None and not unreachable.lost("n1"), "a master that does not answer loses nobody"
 
 
 def test_a_rollback_forgets_the_stage_so_a_redone_step_is_persisted_by_both_nodes(nodes, tmp_path):
@@ -162,10 +270,10 @@ def test_a_rollback_forgets_the_stage_so_a_redone_step_is_persisted_by_both_node
         snapshot(nodes[rank], rank, [4, 8])
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 4)] == [True, True]
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]
-    multinode.request(storage, 8)  # a save-on-failure's request, still open
+    stage.request(storage, 8)  # a save-on-failure's request, still open
     assert storage.forget_after(4) == [8] and storage.latest() == 4
-    multinode.forget_after(storage, 4)
-    assert multinode.requested_step(storage) is None
+    stage.forget_after(storage, 4)
+    assert stage.requested_step(storage) is None
     for rank in range(WORLD):
         snapshot(nodes[rank], rank, [6])  # the redone trajectory
     coordinator, participant = run_nodes(nodes, storage, 6, late_s=1.0)
@@ -180,7 +288,7 @@ def test_a_commit_clears_the_stage_of_the_steps_before_it(nodes, tmp_path):
     directories (abort.json, a plan table) stayed after step 12's commit until a keeper started again."""
     storage = Storage(str(tmp_path / "ckpt"))
     multinode.abort(storage, 2, "rank 0 no longer holds a snapshot of step 2")
-    multinode.answer_missing(storage, 3, [1], "this node holds steps []")
+    stage.answer_missing(storage, 3, [1], "this node holds steps []")
     for rank in range(WORLD):
         snapshot(nodes[rank], rank, [4])
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 4)] == [True, True]
@@ -215,7 +323,7 @@ def test_a_preempted_node_holding_a_newer_step_stops_waiting_when_rank_0s_node_s
     before it wrote its summary. It now stops at rank 0's node's word that the save settled — this
     notice's word, not that of an earlier execution's fault."""
     storage = Storage(str(tmp_path / "ckpt"))
-    multinode.settle(storage, EPOCH - 1, None, "an earlier execution's save, settled late")
+    stage.settle(storage, EPOCH - 1, None, "an earlier execution's save, settled late")
     preempted(nodes, storage)
     assert [isinstance(m, dict) for m in run_nodes(nodes, storage, 8)] == [True, True]  # the keepers' save
     node1 = NodeJob(nodes[1].root)
@@ -271,24 +379,24 @@ def test_a_node_waiting_on_a_step_rank_0_will_never_hold_is_called_back_by_save_
     thread = threading.Thread(target=keeper_of_node_1)
     thread.start()
     deadline = time.monotonic() + 30
-    while (multinode._cursor(storage, 1) or {}).get("step") != 9:
+    while (stage.cursor(storage, 1) or {}).get("step") != 9:
         assert time.monotonic() < deadline, "rank 1's keeper never began step 9"
         time.sleep(0.05)
     said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)
     thread.join(30)
     assert said["persisted"] and said["step"] == 8, said
-    assert isinstance(outcomes[0], multinode.Abandoned), outcomes
+    assert isinstance(outcomes[0], stage.Abandoned), outcomes
     assert isinstance(outcomes[1], dict) and storage.latest() == 8 and storage.verify(8) == [], outcomes
-    with pytest.raises(multinode.Abandoned):  # met again after the save (a copy that ended late): at once
+    with pytest.raises(stage.Abandoned):  # met again after the save (a copy that ended late): at once
         node1.persist_step(storage, 9, WORLD, "keeper", ranks=[1])
 
     # Restarted from step 8, both ranks redo step 9: another snapshot, of the next execution.
     for rank in range(WORLD):
         snapshot(nodes[rank], rank, [9], epoch=EPOCH + 1)
-    dead_cursor, redone = multinode._cursor(storage, 1), []
+    dead_cursor, redone = stage.cursor(storage, 1), []
     thread = threading.Thread(target=lambda: redone.append(node1.persist_step(storage, 9, WORLD, "keeper", [1])))
     thread.start()  # rank 1's keeper first: the stage still holds its dead-end table of step 9
-    while multinode._cursor(storage, 1) == dead_cursor and thread.is_alive():
+    while stage.cursor(storage, 1) == dead_cursor and thread.is_alive():
         time.sleep(0.05)
     time.sleep(0.5)
     assert thread.is_alive(), "the redone step was given up as the dead end"
@@ -307,12 +415,12 @@ def test_a_save_on_failure_while_a_worker_of_rank_0s_node_still_runs_declares_an
     try:
         said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)
         assert said["step"] == 8, said
-        assert multinode.settled(storage, EPOCH) is None and multinode._get(storage, ".stage", "failure.json") is None
+        assert stage.settled(storage, EPOCH) is None and stage.get(storage, ".stage", "failure.json") is None
     finally:
         os.close(sibling)
     NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, quiet=True)  # the final one
-    assert multinode.settled(storage, EPOCH)["step"] == 8
-    assert multinode._get(storage, ".stage", "failure.json")["newest"] == 8
+    assert stage.settled(storage, EPOCH)["step"] == 8
+    assert stage.get(storage, ".stage", "failure.json")["newest"] == 8
 
 
 def test_a_relaunch_forgets_the_earlier_launchs_failure_and_settle_records(nodes, tmp_path):
@@ -321,16 +429,16 @@ def test_a_relaunch_forgets_the_earlier_launchs_failure_and_settle_records(nodes
     be a dead end, and its first preemption would read "settled" at once. Rank 0 removes them before its
     first restore; an earlier execution's records within one launch stay."""
     storage = Storage(str(tmp_path / "ckpt"))
-    multinode.declare_failure(storage, EPOCH, 8)
-    multinode.settle(storage, EPOCH, 8, "the earlier launch's save")
-    assert multinode._dead_end(storage, 12, 0) is not None and multinode.settled(storage, 0) is not None
-    assert multinode.forget_records_from(storage, 0) == ["failure.json", "settled.json"]
-    assert multinode._dead_end(storage, 12, 0) is None and multinode.settled(storage, 0) is None
+    stage.declare_failure(storage, EPOCH, 8)
+    stage.settle(storage, EPOCH, 8, "the earlier launch's save")
+    assert stage.dead_end(storage, 12, 0) is not None and stage.settled(storage, 0) is not None
+    assert stage.forget_records_from(storage, 0) == ["failure.json", "settled.json"]
+    assert stage.dead_end(storage, 12, 0) is None and stage.settled(storage, 0) is None
 
-    multinode.declare_failure(storage, 1, 8)  # this launch's execution 1 failed; execution 2 restores
-    multinode.settle(storage, 1, 8, "execution 1's save")
-    assert multinode.forget_records_from(storage, 2) == []
-    assert multinode._dead_end(storage, 12, 1) is not None and multinode.settled(storage, 1)["step"] == 8
+    stage.declare_failure(storage, 1, 8)  # this launch's execution 1 failed; execution 2 restores
+    stage.settle(storage, 1, 8, "execution 1's save")
+    assert stage.forget_records_from(storage, 2) == []
+    assert stage.dead_end(storage, 12, 1) is not None and stage.settled(storage, 1)["step"] == 8
 
     # A node's execution is its workers' (job.json), not that of a snapshot restored from the earlier launch.
     snapshot(nodes[0], 0, [4], epoch=EPOCH)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stalwart.checkpoint import NodeJob, Storage, multinode
+from stalwart.checkpoint import NodeJob, Storage, multinode, stage
 from stalwart.checkpoint.shm import atomic_write, complete_slots
 from stalwart.launch.failure_save import FailureSave
 from tests.unit import test_ckpt_multinode
@@ -77,7 +77,7 @@ def keeper_of_node_1(nodes, storage: Storage) -> Iterator[dict[int, object]]:
 
     def run() -> None:
         while not stop.is_set():
-            step = multinode.requested_step(storage)
+            step = stage.requested_step(storage)
             if step is None or step in out:
                 time.sleep(0.01)
                 storage.refresh()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint import multinode
+from stalwart.checkpoint import stage
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob, default_shm_root, job_dir_for
@@ -201,12 +201,12 @@ class Checkpointer:
     # -- public API ----------------------------------------------------------------------------
     def _forget_earlier_launch(self) -> None:
         """Rank 0 of a job across nodes, before the restore's collectives: an earlier launch's failure and
-        settle records go (``multinode.forget_records_from``). Storage that fails here fails the persists
+        settle records go (``stage.forget_records_from``). Storage that fails here fails the persists
         later, where its handling is; the restore goes on."""
         if self.rank != 0 or self.world <= len(self.node_ranks) or not self.persisting:
             return
         try:
-            if gone := multinode.forget_records_from(self.storage, self.epoch):
+            if gone := stage.forget_records_from(self.storage, self.epoch):
                 log.info("an earlier launch's %s removed (this launch's executions start again at 0)", gone)
         except Exception as err:
             log.warning("could not read the multi-node records in %s: %r", self.storage.url, err)
@@ -282,7 +282,7 @@ class Checkpointer:
         if self.rank == 0:
             with self.job.persist_lock():
                 newer = self.storage.forget_after(step)
-                multinode.forget_after(self.storage, step)  # the stage's cursors and request, too
+                stage.forget_after(self.storage, step)  # the stage's cursors and request, too
             if newer:
                 log.warning(
                     "rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer, self.storage.url

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart import chaos
-from stalwart.checkpoint import multinode
+from stalwart.checkpoint import stage
+from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import remove_torn, retention
 from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
@@ -63,6 +64,7 @@ class Keeper:
         self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time()}
         self.request_checked = 0.0
         self.leftovers: set[int] = set()  # failed attempts whose removal failed too: removed later
+        self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
         self.last_persist_time = time.monotonic()
@@ -273,12 +275,18 @@ class Keeper:
         self.last_persist_time = time.monotonic()
         try:
             manifest = self.node.persist_step(
-                self.storage, target, world, "keeper", ranks, ask_others=self.coordinator and target not in flagged
+                self.storage,
+                target,
+                world,
+                "keeper",
+                ranks,
+                ask_others=self.coordinator and target not in flagged,
+                members=self.members,
             )
         except (LookupError, BlockingIOError) as err:
             self.given_up.add(target)
             self.given_up_taken[target] = taken.get(target)
-            why = "" if isinstance(err, multinode.Abandoned) else ": training outpaced persistence"
+            why = "" if isinstance(err, (stage.Abandoned, NodeLost)) else ": training outpaced persistence"
             self.event("skipped", target, f"{err}{why}; the next due step will be persisted", logging.WARNING)
             return
         except Exception as err:  # storage: retried with backoff (not given up), torn attempt removed
@@ -314,13 +322,13 @@ class Keeper:
             return -1
         self.request_checked = now
         self.storage.refresh()
-        step = multinode.requested_step(self.storage)
+        step = stage.requested_step(self.storage)
         if step is None or step <= self.last_persisted or step in self.given_up:
             return -1
         if step in common:
             return step
         self.given_up.add(step)
-        multinode.answer_missing(self.storage, step, ranks, f"this node holds steps {sorted(common)}")
+        stage.answer_missing(self.storage, step, ranks, f"this node holds steps {sorted(common)}")
         return -1
 
     def _retention(self, step: int) -> None:
@@ -370,7 +378,7 @@ class Keeper:
                         logging.WARNING,
                     )
             if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
-                multinode.clear_stage(self.storage, below=latest + 1)
+                stage.clear_stage(self.storage, below=latest + 1)
 
     def _finish(self, world: int, why: str) -> bool:
         """Stop serving, removing the snapshots if storage has everything they hold (otherwise keep them

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart import runtime
-from stalwart.checkpoint import multinode
+from stalwart.checkpoint import multinode, stage
+from stalwart.checkpoint.membership import LostNodes
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
 from stalwart.checkpoint.snapshot import SnapshotView
@@ -237,6 +238,7 @@ class NodeJob:
         ranks: list[int] | None = None,
         ask_others: bool = False,
         on_planned: Callable[[int], None] | None = None,
+        members: LostNodes | None = None,
     ) -> dict[str, Any]:
         """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
         checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
@@ -245,7 +247,7 @@ class NodeJob:
         keeper and the agent's save-on-failure may race for it). Raises LookupError/BlockingIOError when
         a snapshot is gone."""
         ranks = list(range(world)) if ranks is None else ranks
-        asked = {"ask_others": ask_others, "on_planned": on_planned}
+        asked = {"ask_others": ask_others, "on_planned": on_planned, "members": members}
         views: dict[int, SnapshotView] = {}
         with self.persist_lock():
             try:
@@ -259,11 +261,11 @@ class NodeJob:
                 coordinator = 0 in ranks
                 return multinode.persist(storage, step, views, world, source, coordinator, **asked)
             except (LookupError, BlockingIOError) as err:
-                if len(ranks) < world and not isinstance(err, multinode.MissingSnapshot):  # nobody should wait
+                if len(ranks) < world and not isinstance(err, stage.MissingSnapshot):  # nobody should wait
                     if 0 in ranks:
                         multinode.abort(storage, step, str(err))
                     else:
-                        multinode.answer_missing(storage, step, ranks, str(err))
+                        stage.answer_missing(storage, step, ranks, str(err))
                 raise
             finally:
                 for v in views.values():
@@ -313,7 +315,7 @@ class NodeJob:
         def settle(step: int | None, detail: str) -> None:
             if final:  # the other nodes' agents may wait for this word
                 try:
-                    multinode.settle(storage, epoch, step, detail)
+                    stage.settle(storage, epoch, step, detail)
                 except Exception as err:  # fsspec backends raise their own types; the save's result stands
                     log.warning("save-on-failure: could not tell the other nodes it settled: %r", err)
 
@@ -353,7 +355,7 @@ class NodeJob:
         common = agreed(steps)
         if final_epoch is not None:
             try:
-                multinode.declare_failure(storage, final_epoch, max(common, default=-1))
+                stage.declare_failure(storage, final_epoch, max(common, default=-1))
             except Exception as err:  # the save goes on; a node in a dead end may then make it fail
                 log.warning("save-on-failure: could not declare the failure to the other nodes: %r", err)
         if not common:
@@ -368,7 +370,7 @@ class NodeJob:
                 manifest = self.persist_step(
                     storage, step, world, "save-on-failure", ranks, ask_others=True, on_planned=on_planned
                 )
-            except multinode.MissingSnapshot as err:
+            except stage.MissingSnapshot as err:
                 log.warning("save-on-failure: %s; trying an older step", err)
                 continue
             if manifest.get("already"):

@@ -150,7 +150,7 @@ def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
     word is what ends the wait when this node holds a step that rank 0's node lacks: the newest step
     *every* rank holds is then older, and waiting for this node's own would outlast the allocation
     (Slurm kills the step ``KillWait`` seconds after a requeue)."""
-    from stalwart.checkpoint import multinode
+    from stalwart.checkpoint import stage
     from stalwart.checkpoint.storage import Storage
 
     spec, world = job.job(), job.world()
@@ -165,7 +165,7 @@ def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
         done = storage.committed()
         if done and done[0] >= target:
             return {"persisted": True, "step": done[0], "detail": f"rank 0's node committed step {done[0]}"}
-        if (word := multinode.settled(storage, epoch)) is not None:  # a durable step, or None
+        if (word := stage.settled(storage, epoch)) is not None:  # a durable step, or None
             return {
                 "persisted": word["step"] is not None,
                 "step": word["step"],

@@ -154,7 +154,9 @@ def run(argv: list[str]) -> int:
         os.environ[runtime.ENV_REPLICA_SYNC] = "1"
     os.environ[runtime.ENV_EXIT_GRACE] = repr(args.exit_grace)  # a returned script's process ends within it
     nccl_env.apply_defaults(os.environ, args.nccl_env == "on")  # the user's own values win
-    node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, replica_env(args, address, token))
+    # The keeper's own environment carries the job token: peer replicas, and the master's lost nodes.
+    keeper_env = {**replica_env(args, address, token), runtime.ENV_JOB_TOKEN: token}
+    node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, keeper_env)
     failure_save = FailureSave(node_job)
     storage_watch = StorageWatch(keeper.status_copy)
 
