@@ -178,7 +178,7 @@ def ckpt_flags(a: argparse.Namespace, out: Path) -> list[str]:
 
 def too_little_shm(proc: subprocess.CompletedProcess, a: argparse.Namespace) -> dict | None:
     if proc.returncode != 0 and "memory snapshots need" in proc.stderr:  # too little tmpfs: say why
-        from stalwart.checkpoint.snapshot import shm_free_bytes
+        from stalwart.checkpoint.slot_file import shm_free_bytes
 
         return {"skipped": proc.stderr.strip().splitlines()[-1], "shm_free_bytes": shm_free_bytes(Path(a.shm_dir))}
     return None

@@ -9,8 +9,9 @@ keeper process that outlives the workers (tier 2). See docs/checkpoint.md.
 """
 
 from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.node_job import NodeJob, job_dir_for, save_on_failure
+from stalwart.checkpoint.node_job import NodeJob, save_on_failure
 from stalwart.checkpoint.restore import RestoreInfo
+from stalwart.checkpoint.shm import job_dir_for
 from stalwart.checkpoint.storage import Storage
 
 __all__ = ["Checkpointer", "NodeJob", "RestoreInfo", "Storage", "job_dir_for", "save_on_failure"]

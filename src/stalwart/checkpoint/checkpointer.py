@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -31,13 +30,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint import stage
+from stalwart.checkpoint import shm, stage
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
-from stalwart.checkpoint.node_job import NodeJob, default_shm_root, job_dir_for
+from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.peer_restore import gather, invalidate_replicas_after
-from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
-from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots, read_json
+from stalwart.checkpoint.restore import RestoreInfo, restore_state
+from stalwart.checkpoint.rollback_to import roll_back
 from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
@@ -97,7 +96,7 @@ class Checkpointer:
                 f"checkpoint persist_every_steps={persist_every_steps} must be a multiple of "
                 f"memory_every={memory_every}: only snapshotted steps can be persisted"
             )
-        shm_root = shm_root or default_shm_root()
+        shm_root = shm_root or shm.default_shm_root()
         if not Path(shm_root).is_dir():
             raise ValueError(f"checkpoint shm_dir {shm_root!r} is not a directory; use a tmpfs such as /dev/shm")
         self.group = process_group
@@ -120,7 +119,7 @@ class Checkpointer:
         self.rng = rng
         self.at_risk = at_risk if at_risk is not None else AtRiskPolicy()
         self._started_wall, self._risk_checked = time.time(), 0.0
-        self.job = NodeJob(job_dir_for(self.storage.url, shm_root, job_id))
+        self.job = NodeJob(shm.job_dir_for(self.storage.url, shm_root, job_id))
         self.paths = self.job.paths
         # Under `stalwart run` the agent runs the keeper of its job's default directory; we start one
         # only without an agent, or for a directory it does not serve (another shm root or job id).
@@ -144,18 +143,7 @@ class Checkpointer:
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
         self.paths.kept.unlink(missing_ok=True)  # a job runs here again: no longer an ended job's
-        atomic_write(
-            self.paths.owner(self.rank),
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "rank": self.rank,
-                    "world_size": self.world,
-                    "host": socket.gethostname(),
-                    "time": time.time(),
-                }
-            ).encode(),
-        )
+        shm.write_owner(self.paths, self.rank, self.world)
         if self.local_rank == 0:
             self.job.write_job(
                 self.storage,
@@ -183,7 +171,7 @@ class Checkpointer:
                     "a node loss, and nothing is written to %s",
                     self.storage.url,
                 )
-        slots = int(os.environ.get(ENV_SLOTS) or len(SLOTS))
+        slots = int(os.environ.get(shm.ENV_SLOTS) or len(shm.SLOTS))
         self.writer = SnapshotWriter(self.paths, self.rank, self.world, slots, epoch=self.epoch)
         # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out
         self.replica_sync = os.environ.get(ENV_REPLICA_SYNC) == "1" and self.world > len(self.node_ranks)
@@ -233,66 +221,11 @@ class Checkpointer:
         return info.step
 
     def rollback(self, state: dict[str, Any], at_most: int, before: int) -> RestoreInfo:
-        """Load the newest checkpoint at step ≤ ``at_most`` (memory or storage) into ``state`` — or,
-        when there is none yet, the oldest one before ``before`` (``info.detail`` says so) — for a
-        training-health rollback. Snapshots and committed checkpoints newer than the restored step
-        belong to the abandoned trajectory and are deleted, so no later restore can resume it.
-        Raises LookupError when nothing can be restored. Collective: every rank must call it."""
-        self.writer.wait()
-        if self.pending_persist is not None and self.use_keeper:
-            try:  # let the keeper finish what was requested: it may be the step we need
-                self.keeper.wait_persisted(self.pending_persist)
-                self.pending_persist = None
-            except RuntimeError as err:
-                log.warning("rollback: %s; choosing among committed checkpoints", err)
-        memory, committed = candidates(  # gathers: every rank's wait is over before rank 0 deletes anything
-            self.paths, self.storage, self.rank, self.world, self.group
-        )
-        steps = sorted({*memory, *committed} - {s for s in committed if s >= before})
-        eligible = [s for s in steps if s <= at_most]
-        target = eligible[-1] if eligible else (steps[0] if steps and steps[0] < before else None)
-        held = f"memory holds {memory or 'nothing'}, storage {committed or 'nothing'}"
-        if target is None:
-            raise LookupError(f"no checkpoint before step {before} to roll back to ({held})")
-        info = restore_state(
-            self._bind(state),
-            self.paths,
-            self.storage,
-            self.rank,
-            self.world,
-            self.group,
-            max_step=target,
-            trajectory=self._next_trajectory(),
-        )
-        if info.source == "fresh":
-            raise LookupError(f"no usable checkpoint ≤ step {target} ({held}): {'; '.join(info.skipped)}")
-        if not eligible:
-            info.detail += f" (the oldest held: none is at or before step {at_most} yet)"
-        if self.pending_persist is not None and self.pending_persist > info.step:
-            self.pending_persist = None
-        held_now = complete_slots(self.paths, self.rank)  # only steps ≤ info.step are left
-        if held_now:  # the next snapshot must overwrite the invalidated slot, not the one restored
-            self.writer.latest_slot = held_now[0].slot
-        self._forget_storage_after(info.step)
-        return info
-
-    def _forget_storage_after(self, step: int) -> None:
-        """Delete committed checkpoints newer than ``step`` (under the keeper's persist lock, so no
-        persist is half-way), move ``latest`` back, and tell each node's keeper."""
-        if self.rank == 0:
-            with self.job.persist_lock():
-                newer = self.storage.forget_after(step)
-                stage.forget_after(self.storage, step)  # the stage's cursors and request, too
-            if newer:
-                log.warning(
-                    "rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer, self.storage.url
-                )
-        if dist.is_initialized():
-            dist.barrier(self.group)
-        if self.use_keeper:
-            self.keeper.rolled_back(step)
-            if dist.is_initialized():
-                dist.barrier(self.group)
+        """Load the newest checkpoint at step ≤ ``at_most`` (memory or storage) into ``state`` (or, when
+        there is none yet, the oldest one before ``before``) for a training-health rollback, deleting
+        every newer snapshot and committed checkpoint (:func:`.rollback_to.roll_back`). Raises
+        LookupError when nothing can be restored. Collective: every rank must call it."""
+        return roll_back(self, state, at_most, before)
 
     def discard_snapshots(self) -> int:
         """Start over: forget this rank's memory snapshots (they belong to an earlier trajectory and
@@ -304,7 +237,7 @@ class Checkpointer:
                 f"checkpoint.dir {self.storage.url} holds committed step(s) {held} of an earlier run or attempt; with "
                 "checkpoint.resume=false they are not resumed. Resume, use an empty dir, or remove them"
             )
-        for s in complete_slots(self.paths, self.rank):
+        for s in shm.complete_slots(self.paths, self.rank):
             self.paths.slot(self.rank, s.slot, "json").unlink(missing_ok=True)
         invalidate_replicas_after(self.paths, -1, self._next_trajectory())  # and the peers' copies on this host
         if self.rank == 0:
@@ -360,7 +293,7 @@ class Checkpointer:
 
     def storage_status(self) -> dict[str, Any] | None:
         """The keeper's view of storage (``StorageHealth.status``), None before it wrote one."""
-        return (read_json(self.paths.keeper_status) or {}).get("storage")
+        return (shm.read_json(self.paths.keeper_status) or {}).get("storage")
 
     def _check_at_risk(self, step: int) -> None:
         """Stop (``StorageUnavailableError``) when failing storage leaves more work at risk than the
@@ -381,13 +314,13 @@ class Checkpointer:
         self.writer.wait()
         if not self.persisting:
             return
-        status = read_json(self.paths.keeper_status) or {}
+        status = shm.read_json(self.paths.keeper_status) or {}
         self.storage_news.tell(status.get("storage"))  # a recovery since the last step's check is said too
         if int(status.get("last_committed", -1)) >= step or (
             self.writer.stats["last_step"] != step and self._storage_has(step)
         ):  # restored from storage at the final step: the keeper may not look (ours it announces)
             return
-        if all(s.step != step for s in complete_slots(self.paths, self.rank)):
+        if all(s.step != step for s in shm.complete_slots(self.paths, self.rank)):
             raise not_durable(step, self.paths.root, self.storage_status(), "the final step is not in memory")
         self.pending_persist = step  # e.g. restored from memory at the final step: ask again
         self.keeper.wait_persisted(step, final=True)
@@ -437,7 +370,7 @@ class Checkpointer:
                 h.remove()
             self._hooks.clear()
             if success:
-                atomic_write(self.paths.closed(self.rank), json.dumps({"pid": os.getpid()}).encode())
+                shm.atomic_write(self.paths.closed(self.rank), json.dumps({"pid": os.getpid()}).encode())
                 if not self.use_keeper:  # memory-only: nobody else cleans up; the last rank out does
                     shutil.rmtree(self.paths.rank_dir(self.rank), ignore_errors=True)
                     if not self.paths.ranks():

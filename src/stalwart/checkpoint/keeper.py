@@ -367,16 +367,9 @@ class Keeper:
     def _tidy_torn(self) -> None:
         with self.node.persist_lock():
             latest = self.storage.latest()
-            committed = set(self.storage.committed())
-            for s in self.storage.steps():
-                if s not in committed:
-                    self.storage.remove(s)
-                    self.event(
-                        "removed-torn",
-                        s,
-                        f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})",
-                        logging.WARNING,
-                    )
+            for s in self.storage.remove_uncommitted():
+                why = f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})"
+                self.event("removed-torn", s, why, logging.WARNING)
             if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
                 stage.clear_stage(self.storage, below=latest + 1)
 
@@ -405,6 +398,3 @@ class Keeper:
             return True
         finally:
             os.close(lock)
-
-
-# -- the agent's keeper ------------------------------------------------------------------------------

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from stalwart import runtime
 from stalwart.checkpoint.keeper import LOG_FORMAT, Keeper, log
-from stalwart.checkpoint.node_job import NodeJob, default_shm_root
+from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.peer_restore import FETCHED
 from stalwart.checkpoint.replicas import REPLICAS_DIR
 from stalwart.checkpoint.replicator import STATUS_FILE, ReplicaConfig, Replicator
-from stalwart.checkpoint.shm import user_dir
+from stalwart.checkpoint.shm import default_shm_root, user_dir
 from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, KEPT, collect, kept_line, mark_kept
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE
 

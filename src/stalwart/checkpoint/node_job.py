@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -30,22 +28,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from stalwart import runtime
 from stalwart.checkpoint import multinode, stage
 from stalwart.checkpoint.membership import LostNodes
 from stalwart.checkpoint.persist import write_checkpoint
-from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, read_json, secure_job_dir, user_dir
+from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, job_dir_for, read_json, secure_job_dir
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
-from stalwart.runtime import worker_env
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-
-
-def default_shm_root() -> str:
-    """Where snapshots live unless a job names its own root: ``$STALWART_SHM_DIR`` (a tmpfs elsewhere, or a
-    private root per test session; `stalwart run`'s keeper and its workers read the same) or /dev/shm."""
-    return os.environ.get(runtime.ENV_SHM_DIR) or "/dev/shm"
 
 
 # A keeper must not look like a worker to torch (nor inherit NCCL's watchdog settings).
@@ -62,20 +52,6 @@ _DROP_ENV = (
     "TORCH_NCCL_",
     "NCCL_ASYNC",
 )
-
-
-def job_dir_for(
-    storage_url: str, shm_root: str | Path | None = None, job_id: str | None = None, node_id: str | None = None
-) -> Path:
-    """The shared-memory directory of a job on this node: one per storage location (or explicit job
-    id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
-    keep apart what separate hosts would. Under the user's own ``stalwart-<uid>`` directory (0700)."""
-    env = worker_env()
-    key = job_id or env.job_id or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
-    node = node_id or env.node_id
-    if node:
-        key += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", node)
-    return user_dir(shm_root or default_shm_root()) / key
 
 
 def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:

@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from stalwart import chaos
 from stalwart._compat import checkpoint_writer, join_checkpoint_writer_threads
-from stalwart.checkpoint.snapshot import SnapshotView, _dtype
+from stalwart.checkpoint.slot_file import dtype_named
+from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import MANIFEST, METADATA, Storage, file_crc32, fsync_dir, step_name
 
 log = logging.getLogger("stalwart.checkpoint")
@@ -65,7 +66,7 @@ class _SnapshotPlanner(DefaultSavePlanner):
                     type=WriteItemType[e["item"]],
                     tensor_data=TensorWriteData(
                         chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(e["shape"])),
-                        properties=TensorProperties(dtype=_dtype(e["dtype"])),
+                        properties=TensorProperties(dtype=dtype_named(e["dtype"])),
                         size=torch.Size(e["global_shape"]),
                     ),
                 )

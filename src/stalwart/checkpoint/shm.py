@@ -10,15 +10,20 @@ Stdlib only (psutil lazily): it is imported by the snapshot writer in every work
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import socket
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.runtime import ENV_SNAPSHOT_SLOTS
+from stalwart import runtime
+from stalwart.runtime import ENV_SNAPSHOT_SLOTS, worker_env
 
 FORMAT = 1  # slot header format
 SLOTS = (0, 1)  # double-buffered: a snapshot is written into the slot not holding the newest one
@@ -34,6 +39,26 @@ def user_dir(shm_root: str | Path) -> Path:
     """This user's directory under the shm root: per user, so nobody reads another's weights and the
     first user on a host does not lock everyone else out."""
     return Path(shm_root) / f"stalwart-{os.geteuid()}"
+
+
+def default_shm_root() -> str:
+    """Where snapshots live unless a job names its own root: ``$STALWART_SHM_DIR`` (a tmpfs elsewhere, or a
+    private root per test session; `stalwart run`'s keeper and its workers read the same) or /dev/shm."""
+    return os.environ.get(runtime.ENV_SHM_DIR) or "/dev/shm"
+
+
+def job_dir_for(
+    storage_url: str, shm_root: str | Path | None = None, job_id: str | None = None, node_id: str | None = None
+) -> Path:
+    """The shared-memory directory of a job on this node: one per storage location (or explicit job
+    id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
+    keep apart what separate hosts would. Under the user's own ``stalwart-<uid>`` directory (0700)."""
+    env = worker_env()
+    key = job_id or env.job_id or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
+    node = node_id or env.node_id
+    if node:
+        key += "-" + re.sub(r"[^A-Za-z0-9._-]", "_", node)
+    return user_dir(shm_root or default_shm_root()) / key
 
 
 def _check_shm_root(shm_root: Path) -> None:
@@ -119,6 +144,12 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def write_owner(paths: JobPaths, rank: int, world: int) -> None:
+    """Say which process holds ``rank``'s snapshots (the keeper tells a live worker from a dead one)."""
+    owner = {"pid": os.getpid(), "rank": rank, "world_size": world, "host": socket.gethostname(), "time": time.time()}
+    atomic_write(paths.owner(rank), json.dumps(owner).encode())
 
 
 def pid_alive(pid: int) -> bool:

@@ -29,7 +29,6 @@ import threading
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,26 +47,11 @@ from stalwart.checkpoint.shm import (
     complete_slots,
     read_json,
 )
+from stalwart.checkpoint.slot_file import SlotFile, entry_tensor, shm_free_bytes
 from stalwart.checkpoint.state import Captured
 
 log = logging.getLogger("stalwart.checkpoint")
 ALIGN = 64
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in snapshot header")
-    return dtype
-
-
-def entry_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
-    """A tensor over exactly this entry's bytes (its own storage, so ``torch.save`` writes only it)."""
-    dtype, shape, nbytes = _dtype(entry["dtype"]), entry["shape"], entry["nbytes"]
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=entry["offset"])
-    return raw.view(dtype).view(shape)
 
 
 class SnapshotView:
@@ -176,71 +160,6 @@ def plan_layout(captured: Captured) -> tuple[list[dict[str, Any]], int]:
     return entries, offset
 
 
-def shm_free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-class _Slot:
-    """One slot's data file, kept open and mapped by the writer for the life of the process."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self.size = 0
-        self.map: mmap.mmap | None = None
-        self.pinned = False
-        self._views: tuple[list[dict[str, Any]], mmap.mmap | None, list[torch.Tensor]] | None = None
-
-    def views(self, entries: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """A tensor over each entry's bytes in this slot, made once per layout and mapping, not per save."""
-        if self._views is None or self._views[0] is not entries or self._views[1] is not self.map:
-            self._views = (entries, self.map, [entry_tensor(self.map, e) for e in entries])
-        return self._views[2]
-
-    def try_lock(self) -> bool:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-
-    def unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def ensure(self, size: int) -> None:
-        """Grow to ``size`` bytes (caller holds the exclusive lock). ``posix_fallocate`` reserves the
-        tmpfs pages now, so a full /dev/shm fails here with ENOSPC instead of SIGBUS mid-copy."""
-        current = os.fstat(self.fd).st_size
-        if self.map is not None and self.size >= size:
-            return
-        if current < size:
-            os.posix_fallocate(self.fd, 0, size)
-        self.unpin()  # the old mapping goes: its page-locking must not outlive it
-        self.size = max(size, current)
-        # MAP_POPULATE maps every page now, so no copy pays page faults later.
-        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-
-    def _address(self) -> int:
-        import ctypes
-
-        return ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-
-    def pin_for_cuda(self) -> None:
-        """Page-lock the mapping so device-to-host copies can be asynchronous (CUDA only)."""
-        if self.pinned or self.map is None:
-            return
-        err = torch.cuda.cudart().cudaHostRegister(self._address(), self.size, 0)
-        self.pinned = int(err) == 0
-        if not self.pinned:
-            log.warning("cudaHostRegister of %s failed (%s); snapshot copies will be synchronous", self.path, err)
-
-    def unpin(self) -> None:
-        if self.pinned and self.map is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._address())
-        self.pinned = False
-
-
 def epoch_of(header: dict[str, Any]) -> int:
     """The execution that took a snapshot (0 in headers written before epochs were recorded)."""
     return int(header.get("epoch", 0))
@@ -267,7 +186,7 @@ class SnapshotWriter:
         self.paths, self.rank, self.world_size, self.epoch = paths, rank, world_size, epoch
         self.restores = 0  # restores in this execution (the Checkpointer counts them): ``trajectory_of``
         paths.rank_dir(rank).mkdir(parents=True, exist_ok=True)
-        self.slots = [_Slot(paths.slot(rank, i, "bin")) for i in range(slots)]
+        self.slots = [SlotFile(paths.slot(rank, i, "bin")) for i in range(slots)]
         existing = complete_slots(paths, rank)
         self.generation = existing[0].generation if existing else 0
         self.latest_slot: int | None = existing[0].slot if existing else None

@@ -130,6 +130,15 @@ class Storage:
                 self.fs.rm(self.path(LATEST))
         return newer
 
+    def remove_uncommitted(self) -> list[int]:
+        """Remove the step directories without a manifest (a persist that died mid-write: never resumed
+        from; call under the job's persist lock). Returns the removed steps."""
+        committed = set(self.committed())
+        torn = [s for s in self.steps() if s not in committed]
+        for s in torn:
+            self.remove(s)
+        return torn
+
     def remove(self, step: int) -> None:
         try:
             self.fs.rm(self.path(step_name(step)), recursive=True)

@@ -140,7 +140,7 @@ def _persist(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     from stalwart.checkpoint import shm_gc
-    from stalwart.checkpoint.node_job import default_shm_root
+    from stalwart.checkpoint.shm import default_shm_root
 
     args.shm_dir = args.shm_dir or default_shm_root()
     entries = shm_gc.scan(args.shm_dir, shm_gc.DEFAULT_KEEP_S if args.keep_s is None else args.keep_s)

@@ -22,8 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
-from stalwart.checkpoint.node_job import default_shm_root
-from stalwart.checkpoint.shm import user_dir
+from stalwart.checkpoint.shm import default_shm_root, user_dir
 from stalwart.launch.master import Master, new_token
 from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR, ENV_JOB_TOKEN
 

@@ -312,7 +312,8 @@ def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str])
     is. It learns storage and policy from the job.json the workers write, and idles without one."""
     # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
     from stalwart.checkpoint.keeper_process import KeeperProcess
-    from stalwart.checkpoint.node_job import NodeJob, default_shm_root
+    from stalwart.checkpoint.node_job import NodeJob
+    from stalwart.checkpoint.shm import default_shm_root
     from stalwart.checkpoint.shm_gc import collect
 
     if (stale := collect(default_shm_root())) is not None:  # ended jobs' snapshots: the expired go now
