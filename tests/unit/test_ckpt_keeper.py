@@ -209,7 +209,7 @@ def test_a_rollback_note_makes_the_keeper_forget_the_abandoned_future(root, tmp_
     job.root.mkdir(parents=True, mode=0o700)
     job.write_job(storage, 1, [0], {"persist_every_steps": 2}, keeper=True, keeper_log=None)
     keeper = Keeper(job)
-    keeper.last_persisted, keeper.given_up = 8, {3, 6}
+    keeper.last_persisted, keeper.given_up = 8, {3: None, 6: 1.0}
     for kind, step in (("committed", 4), ("skipped", 6), ("committed", 8)):
         keeper.event(kind, step, "before the rollback")
     (tmp_path / "ckpt").mkdir()
@@ -217,7 +217,7 @@ def test_a_rollback_note_makes_the_keeper_forget_the_abandoned_future(root, tmp_
     job.paths.rollback_note.write_text('{"step": 4, "id": "r1"}')
     keeper._follow_rollback()
     status = json.loads(job.paths.keeper_status.read_text())
-    assert (status["rollback"], status["last_committed"], keeper.given_up) == ("r1", 4, {3})
+    assert (status["rollback"], status["last_committed"], keeper.given_up) == ("r1", 4, {3: None})
     assert [(e["kind"], e["step"]) for e in status["events"]] == [("committed", 4), ("rollback", 4)]
     keeper.last_persisted = 6
     keeper._follow_rollback()  # the same note again: nothing to do

@@ -168,12 +168,14 @@ def test_save_on_failure_persists_the_step_all_ranks_hold(env):
     older.rename(older.with_suffix(".hidden2"))
     result = save_on_failure(paths.root)
     assert not result["persisted"] and "do not agree" in result["detail"] and "rank 1: none" in result["detail"]
+    assert not result["covered"]
     older.with_suffix(".hidden2").rename(older)
     newest.with_suffix(".hidden").rename(newest)
 
     result = save_on_failure(paths.root)
     assert result["persisted"] and result["step"] == 3
-    assert not save_on_failure(paths.root)["persisted"]  # already covered
+    again = save_on_failure(paths.root)
+    assert not again["persisted"] and again["covered"] and again["step"] == 3, again  # the CLI's "ok"
     storage = Storage(str(env["ck"]))
     assert storage.latest() == 3 and storage.committed() == [3, 2]
     model = net()

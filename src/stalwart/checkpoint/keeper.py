@@ -58,8 +58,7 @@ class Keeper:
         self.job: dict[str, Any] = {}
         self.job_version: tuple[int, int] | None = None
         self.handled_pids: set[int] = set()
-        self.given_up: set[int] = set()
-        self.given_up_taken: dict[int, float | None] = {}  # a step given up → its snapshot's time (None: none)
+        self.given_up: dict[int, float | None] = {}  # a step given up → its snapshot's capture time (None: none)
         self.events: list[dict[str, Any]] = []
         self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time()}
         self.request_checked = 0.0
@@ -127,7 +126,7 @@ class Keeper:
             latest = min(self.last_persisted, int(note.get("step", -1)))
             log.warning("rollback: cannot read storage's latest (%r); assuming step %d", err, latest)
         self.last_persisted = self.health.last_committed = latest if latest is not None else -1
-        self.given_up = {s for s in self.given_up if s <= self.last_persisted}
+        self.given_up = {s: t for s, t in self.given_up.items() if s <= self.last_persisted}
         # The abandoned steps' events carry the redone steps' numbers: a waiter would read them as its own.
         self.events = [e for e in self.events if e.get("step") is None or e["step"] <= self.last_persisted]
         self.status["rollback"] = note["id"]
@@ -240,8 +239,7 @@ class Keeper:
         taken = {s: captured_at(steps[ranks[0]][s]) for s in common}
         # Workers restarted from an older snapshot redo the steps after it, under the same numbers: a
         # step skipped (or abandoned) for the snapshot it had then is the new snapshot's to persist.
-        self.given_up -= {s for s, t in self.given_up_taken.items() if t is not None and taken.get(s, t) != t}
-        self.given_up_taken = {s: t for s, t in self.given_up_taken.items() if s in self.given_up}
+        self.given_up = {s: t for s, t in self.given_up.items() if t is None or taken.get(s, t) == t}
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
         target = max(flagged, default=-1)
@@ -284,8 +282,7 @@ class Keeper:
                 members=self.members,
             )
         except (LookupError, BlockingIOError) as err:
-            self.given_up.add(target)
-            self.given_up_taken[target] = taken.get(target)
+            self.given_up[target] = taken.get(target)
             why = "" if isinstance(err, (stage.Abandoned, NodeLost)) else ": training outpaced persistence"
             self.event("skipped", target, f"{err}{why}; the next due step will be persisted", logging.WARNING)
             return
@@ -327,7 +324,7 @@ class Keeper:
             return -1
         if step in common:
             return step
-        self.given_up.add(step)
+        self.given_up[step] = None
         stage.answer_missing(self.storage, step, ranks, f"this node holds steps {sorted(common)}")
         return -1
 

@@ -299,7 +299,7 @@ class NodeJob:
             if not quiet:
                 (log.info if persisted else log.warning)("save-on-failure: %s", detail)
             settle(step if persisted or covered else None, detail)
-            return {"persisted": persisted, "step": step, "detail": detail}
+            return {"persisted": persisted, "step": step, "detail": detail, "covered": covered}
 
         def covered(step: int, by: object) -> dict[str, Any]:
             return outcome(False, step, f"step {step} is already covered by committed step {by}", True)

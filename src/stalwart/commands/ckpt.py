@@ -130,7 +130,7 @@ def _persist(args: argparse.Namespace) -> int:
     if args.to is None and not job.job().get("storage"):
         raise ValueError(f"{job.paths.job} names no storage; pass --to URL")
     result = job.save_on_failure(args.to, None if args.to else job.job().get("storage_options"), quiet=True)
-    ok = result["persisted"] or "already covered" in result["detail"]
+    ok = result["persisted"] or result["covered"]  # a committed checkpoint already holds the step
     if args.json:
         print(json.dumps({**result, "ok": ok}))
     else:
