@@ -100,6 +100,9 @@ def test_each_node_writes_its_shards_and_rank0s_node_commits(reference):
     # Each keeper says so once: "committed step N", or after a retried part "already-committed step N".
     saw = re.findall(rf"keeper\[(\d+)\] INFO (?:already-)?committed step {STEPS}:", log)
     assert len(saw) == len(set(saw)) == 2, f"the participant's keeper saw the commit too:\n{log[-3000:]}"
+    # Both keepers ask the master which nodes are lost (issue 30: a lost node ends a persist at once).
+    members = set(re.findall(r"keeper\[\d+\] INFO node (\S+): the job master at http://\S+ says which nodes", log))
+    assert len(members) == 2, f"each node's keeper knows its node id and the master:\n{log[-3000:]}"
     assert summary["checkpoint"]["restored_from"] == "fresh"
 
 

@@ -64,6 +64,8 @@ class Keeper:
         self.request_checked = 0.0
         self.leftovers: set[int] = set()  # failed attempts whose removal failed too: removed later
         self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
+        if self.members is not None:
+            log.info("node %s: the job master at %s says which nodes are lost", self.members.me, self.members.address)
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
         self.last_persist_time = time.monotonic()
