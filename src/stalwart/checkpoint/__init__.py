@@ -6,12 +6,28 @@ keeper process that outlives the workers (tier 2). See docs/checkpoint.md.
     start = ckpt.restore(state)
     ...; ckpt.save(step, state)
     ckpt.wait(persist=True); ckpt.close()
+
+The names below load on first use (PEP 562), so the job master can host the torch-free decider
+(``stalwart.checkpoint.decider``) without importing torch.
 """
 
-from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.node_job import NodeJob, save_on_failure
-from stalwart.checkpoint.restore import RestoreInfo
-from stalwart.checkpoint.shm import job_dir_for
-from stalwart.checkpoint.storage import Storage
+from __future__ import annotations
 
-__all__ = ["Checkpointer", "NodeJob", "RestoreInfo", "Storage", "job_dir_for", "save_on_failure"]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "Checkpointer": "checkpointer",
+    "NodeJob": "node_job",
+    "save_on_failure": "node_job",
+    "RestoreInfo": "restore",
+    "job_dir_for": "shm",
+    "Storage": "storage",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.launch import dashboard, presence
+from stalwart.launch.api_error import ApiError
 from stalwart.launch.autoscale import Autoscaler
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.job_trace import master_trace
 from stalwart.launch.journal import Journal
-from stalwart.launch.master_state import ApiError, MasterState
+from stalwart.launch.master_state import MasterState
 from stalwart.launch.stragglers import StragglerDetector
 
 log = logging.getLogger("stalwart.master")
@@ -46,6 +47,7 @@ ROUTES: list[tuple[str, re.Pattern, Route]] = [
     ("POST", re.compile(rf"^{API}/chaos$"), lambda s, b, m: s.add_chaos(b)),
     ("GET", re.compile(rf"^{API}/trace$"), lambda s, b, m: master_trace(s.journal)),  # the dashboard's download
     ("GET", re.compile(rf"^{API}/nodes/lost$"), lambda s, b, m: s.lost()),
+    ("POST", re.compile(rf"^{API}/ckpt$"), lambda s, b, m: s.ckpt.exchange(b)),  # docs/protocol.md
 ]
 
 
@@ -251,6 +253,8 @@ class Master:
         return self
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return  # stopped already (a test's restart, then its fixture)
         self._stop.set()
         if self._serving is not None and self._loop is not None:  # never started: nothing to wait for
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -13,19 +13,15 @@ from http import HTTPStatus
 from typing import Any
 
 from stalwart.launch import eviction
+from stalwart.launch.api_error import ApiError
 from stalwart.launch.autoscale import Autoscaler
 from stalwart.launch.eviction import EvictionPolicy
 from stalwart.launch.journal import Journal
+from stalwart.launch.master_ckpt import CheckpointDesk
 from stalwart.launch.recent_steps import RecentSteps
 from stalwart.launch.stragglers import StragglerDetector
 
 log = logging.getLogger("stalwart.master")
-
-
-class ApiError(Exception):
-    def __init__(self, status: HTTPStatus, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
@@ -74,6 +70,7 @@ class MasterState:
         self.started = time.time()  # this master process; heartbeats older than this are not counted
         self.compute_s: dict[str, float] = {}  # node → median compute seconds per step, last window
         self.recent_steps = RecentSteps()  # the ranks' newest section times: live section stragglers
+        self.ckpt = CheckpointDesk(journal)  # the checkpoint decider: keepers report, it answers
         journal.set("master_starts", (journal.get("master_starts") or 0) + 1)
 
     def join(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -345,6 +342,7 @@ class MasterState:
             return  # unknown, evicted or already lost
         self.stragglers.forget(node_id)
         self.autoscaler.forget(node_id)
+        self.ckpt.node_lost(node_id)
         log.warning("node %s lost: its presence connection broke", node_id)
 
     def lost(self) -> dict[str, Any]:
@@ -374,4 +372,5 @@ class MasterState:
                 cutoff = now - self.node_timeout_s
                 if self.journal.mark_lost(node["node_id"], now, f"no heartbeat for {silent:.1f} s", cutoff):
                     lost.append(node["node_id"])
+                    self.ckpt.node_lost(node["node_id"])
         return lost

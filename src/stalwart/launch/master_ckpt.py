@@ -1,0 +1,145 @@
+"""The checkpoint decider, hosted by the job master (issue 30, item 1; docs/protocol.md).
+
+The master knows the job's membership, so a lost node reaches the decider as an event the moment its
+presence breaks (``NodeLost``), never as a timeout. Keepers speak to it through one authenticated call,
+``POST /v1/ckpt``: ``{"node", "events": [...], "after": N}``. Their events go in (strictly decoded, a
+keeper speaks only for its own node); the reply carries every decision numbered above ``after`` (each
+keeper picks what concerns it), ``next``, the number to send next time, and ``taken``: events before an
+execution formed are not taken, and are sent again. An execution forms when
+the nodes' ``Member`` reports for one epoch cover its world's ranks: the first one creates the
+decider, each later one is its ``EpochBegan``. The decider's state and the recent decisions live in the
+journal, so a restarted master answers where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from http import HTTPStatus
+from typing import Any
+
+from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint import decider_wire as wire
+from stalwart.checkpoint.decider import Decider
+from stalwart.launch.api_error import ApiError
+from stalwart.launch.journal import Journal
+
+log = logging.getLogger("stalwart.master")
+JOURNAL_KEY = "ckpt"
+KEEP = 1000  # decisions kept for keepers that poll late; one further behind re-reports its holdings
+
+
+class CheckpointDesk:
+    """The decider and its outbox, behind one lock (HTTP handlers and the lost-node sweep call in)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self._lock = threading.Lock()
+        saved = journal.get(JOURNAL_KEY) or {}
+        self.decider = Decider.from_state(saved["decider"]) if saved.get("decider") else None
+        self.outbox: list[list[Any]] = saved.get("outbox", [])  # [number, decision as JSON]
+        self.next: int = saved.get("next", 1)
+        self.forming: dict[str, Any] = saved.get("forming", {"epoch": -1, "world": 0, "nodes": {}})
+
+    def exchange(self, body: dict[str, Any]) -> dict[str, Any]:
+        node, after = body.get("node"), body.get("after", 0)
+        if not isinstance(node, str) or not node:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "field 'node' must name the reporting node")
+        if type(after) is not int or not isinstance(body.get("events", []), list):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "'after' must be an integer and 'events' a list")
+        events = [self._decode(node, e) for e in body.get("events", [])]  # all or nothing
+        with self._lock:
+            taken = 0
+            for event in events:
+                if isinstance(event, dict):
+                    self._member(node, event)
+                elif self.decider is None:
+                    break  # no execution formed yet: the keeper sends these again
+                else:
+                    self._feed(event)
+                taken += 1
+            if taken:
+                self._save()
+            first = self.outbox[0][0] if self.outbox else self.next
+            return {
+                "taken": taken,  # events taken in order; the rest came before every node's Member
+                "decisions": [d for n, d in self.outbox if n > after],
+                "next": self.next,
+                "missed": after + 1 < first,  # decisions were dropped before this keeper read them
+                "epoch": self.decider.epoch if self.decider else None,
+            }
+
+    def node_lost(self, node: str) -> None:
+        """Membership lost ``node`` (its presence broke, or its heartbeats stopped)."""
+        with self._lock:
+            d = self.decider
+            if d is None or node not in d.nodes or node in d.lost:
+                return
+            self._feed(ev.NodeLost(node, d.epoch))
+            self._save()
+
+    def state(self) -> dict[str, Any] | None:
+        with self._lock:
+            return self.decider.state() if self.decider else None
+
+    def _decode(self, node: str, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("kind") == "Member":
+            return _member_report(data)
+        try:
+            event = wire.from_json(data, wire.FROM_KEEPERS)
+        except ValueError as err:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"bad event: {err}") from None
+        if getattr(event, "node", node) != node:
+            raise ApiError(HTTPStatus.FORBIDDEN, f"node {node} reported for node {event.node}")
+        return event
+
+    def _member(self, node: str, report: dict[str, Any]) -> None:
+        """``node`` runs ``ranks`` of a world of ``world`` in ``epoch``; a complete set forms it."""
+        epoch, ranks, world = report["epoch"], report["ranks"], report["world"]
+        if self.decider is not None and epoch <= self.decider.epoch:
+            log.info("checkpoint decider: ignored node %s's late membership of epoch %d", node, epoch)
+            return
+        if epoch > self.forming["epoch"]:
+            self.forming = {"epoch": epoch, "world": world, "nodes": {}}
+        elif epoch < self.forming["epoch"]:
+            return
+        self.forming["nodes"][node] = ranks
+        covered = sorted(r for rs in self.forming["nodes"].values() for r in rs)
+        if covered != list(range(self.forming["world"])):
+            return
+        nodes = self.forming["nodes"]
+        if self.decider is None:
+            self.decider = Decider(nodes, epoch)
+            log.info("checkpoint decider: epoch %d formed with nodes %s", epoch, sorted(nodes))
+        else:
+            self._feed(ev.EpochBegan(epoch, tuple((n, tuple(r)) for n, r in sorted(nodes.items()))))
+        self.forming = {"epoch": epoch, "world": 0, "nodes": {}}
+
+    def _feed(self, event: Any) -> None:
+        for decision in self.decider.handle(event):
+            self.outbox.append([self.next, wire.to_json(decision)])
+            self.next += 1
+        for line in self.decider.log:
+            log.info("checkpoint decider: %s", line)
+        self.decider.log.clear()
+        del self.outbox[:-KEEP]
+
+    def _save(self) -> None:
+        self.journal.set(
+            JOURNAL_KEY,
+            {
+                "decider": self.decider.state() if self.decider else None,
+                "outbox": self.outbox,
+                "next": self.next,
+                "forming": self.forming,
+            },
+        )
+
+
+def _member_report(data: dict[str, Any]) -> dict[str, Any]:
+    """``{"kind": "Member", "epoch", "ranks", "world"}``, checked."""
+    epoch, ranks, world = data.get("epoch"), data.get("ranks"), data.get("world")
+    ok = type(epoch) is int and epoch >= 0 and type(world) is int and world > 0 and isinstance(ranks, list)
+    if not ok or not ranks or not all(type(r) is int and 0 <= r < world for r in ranks):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "bad event: Member needs epoch ≥ 0, world > 0 and ranks in [0, world)")
+    return {"epoch": epoch, "ranks": sorted(set(ranks)), "world": world}
