@@ -103,6 +103,9 @@ def test_each_node_writes_its_shards_and_rank0s_node_commits(reference):
     # Both keepers ask the master which nodes are lost (issue 30: a lost node ends a persist at once).
     members = set(re.findall(r"keeper\[\d+\] INFO node (\S+): the job master at http://\S+ says which nodes", log))
     assert len(members) == 2, f"each node's keeper knows its node id and the master:\n{log[-3000:]}"
+    # ... and told the master's checkpoint decider its node's ranks, which formed the execution there.
+    decider = Journal(out / "journal.sqlite").get("ckpt")["decider"]
+    assert decider["nodes"] == {"node0": [0], "node1": [1]} and decider["epoch"] == 0, decider
     assert summary["checkpoint"]["restored_from"] == "fresh"
 
 

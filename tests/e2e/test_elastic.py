@@ -252,6 +252,11 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         assert summary["world_size"] == 2 and summary["steps"] == STEPS
         # Every sample of the global order exactly once: the sampler state came along 2 → 1 → 2 ranks.
         assert summary["samples_consumed"] == STEPS * BATCH
+        # A save-on-failure after the loss knows it from the master (issue 30): no 10 s wait for the lost
+        # node's table, which also counted as a storage failure (CPU runs before: both, every time).
+        keeper_log = (tmp_path / "out" / "keeper.log").read_text()
+        assert "snapshot table (its node's keeper)" not in keeper_log, keeper_log[-3000:]
+        assert "save-on-failure-failed" not in keeper_log, keeper_log[-3000:]
         ck = summary["checkpoint"]  # the last start: grown back to 2 ranks from a 1-rank checkpoint
         assert ck["restored_from"] == "storage" and ck["restore_step"] >= shrunk_at > committed, ck
         # The grow happens at a checkpoint boundary made for it (the agent persists the newest snapshot

@@ -20,6 +20,7 @@ from torch import nn
 
 from stalwart import runtime
 from stalwart.checkpoint import Checkpointer, NodeJob, Storage
+from stalwart.checkpoint.keeper_process import spawn_keeper
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 
@@ -56,7 +57,7 @@ def _snapshot(job: NodeJob, steps: list[int], persist: set[int], rank: int = 0, 
 
 def test_agent_keeper_learns_storage_from_job_json_and_stops_on_sigterm(root, tmp_path):
     job = NodeJob(root)
-    keeper = job.spawn_keeper(tmp_path / "agent-keeper.log", parent=os.getpid(), grace_s=20)
+    keeper = spawn_keeper(job, tmp_path / "agent-keeper.log", parent=os.getpid(), grace_s=20)
     try:
         time.sleep(0.5)
         assert keeper.poll() is None and not job.keeper_alive()  # no job yet: it waits, serving nothing
@@ -101,7 +102,7 @@ def test_agent_keeper_saves_on_failure_when_stopped(root, tmp_path):
         keeper=True,
         keeper_log=None,
     )
-    keeper = job.spawn_keeper(tmp_path / "keeper.log", parent=os.getpid(), grace_s=20)
+    keeper = spawn_keeper(job, tmp_path / "keeper.log", parent=os.getpid(), grace_s=20)
     try:
         assert _until(lambda: storage.latest() == 3), (tmp_path / "keeper.log").read_text()
         keeper.send_signal(signal.SIGTERM)
@@ -118,7 +119,8 @@ def test_agent_keeper_exits_when_the_agent_is_killed(root, tmp_path):
             "-c",
             (
                 "import os, sys, time; from stalwart.checkpoint import NodeJob; "
-                f"p = NodeJob({str(root)!r}).spawn_keeper({str(tmp_path / 'keeper.log')!r}, parent=os.getpid()); "
+                "from stalwart.checkpoint.keeper_process import spawn_keeper; "
+                f"p = spawn_keeper(NodeJob({str(root)!r}), {str(tmp_path / 'keeper.log')!r}, parent=os.getpid()); "
                 "print(p.pid, flush=True); time.sleep(600)"
             ),
         ],

@@ -228,6 +228,53 @@ def test_a_participant_lost_during_the_persist_is_given_up_within_a_second_of_th
     assert stage.get(storage, *stage.stage_of(2, "abort.json")), "participants are told to stop"
 
 
+def test_a_node_lost_before_its_table_is_given_up_from_the_ranks_its_keeper_reported(nodes, tmp_path, master):
+    """Issue 30: a node lost before it wrote a word for this step. Its keeper had told the master its
+    ranks (``Member``), so the coordinator gives up at once instead of waiting out ``answer_s`` (60 s here)."""
+    from stalwart.checkpoint.shm import complete_slots
+    from stalwart.checkpoint.snapshot import SnapshotView
+
+    snapshot(nodes[0], 0, [2])
+    for node, ranks in (("n0", [0]), ("n1", [1])):
+        members_of(master, node).report_member(0, ranks, WORLD)
+    assert master.state.ckpt.state()["nodes"] == {"n0": [0], "n1": [1]}, "both reports formed epoch 0"
+    storage = Storage(str(tmp_path / "ckpt"))
+    waiting, out = threading.Event(), {}
+
+    def coordinate() -> None:
+        with SnapshotView(nodes[0], complete_slots(nodes[0], 0)[0]) as view:
+            waiting.set()
+            try:
+                multinode.persist(
+                    storage, 2, {0: view}, WORLD, "test", True, answer_s=60, members=members_of(master, "n0")
+                )
+            except Exception as err:
+                out["error"], out["at"] = err, time.time()
+
+    thread = threading.Thread(target=coordinate)
+    thread.start()
+    lost_at = lose(master, "n1", waiting)
+    thread.join(30)
+    assert isinstance(out.get("error"), NodeLost) and "rank 1's node n1" in str(out["error"]), out
+    assert out["at"] - lost_at <= 1.0, f"given up {out['at'] - lost_at:.2f} s after the master's loss record"
+    assert storage.latest() is None
+
+
+def test_a_save_on_failure_after_a_node_loss_says_so_at_once(nodes, tmp_path, master):
+    """The agent's save-on-failure after losing a node: nothing can be saved (its ranks' snapshots went
+    with it). It said so after waiting ``answer_s`` (10 s) for each step this node holds; now at once."""
+    snapshot(nodes[0], 0, [2, 4])
+    for node, ranks in (("n0", [0]), ("n1", [1])):
+        members_of(master, node).report_member(0, ranks, WORLD)
+    master.state.presence_lost("n1")
+    storage = Storage(str(tmp_path / "ckpt"))
+    t0 = time.monotonic()
+    said = NodeJob(nodes[0].root).save_on_failure(storage.url, world_size=WORLD, members=members_of(master, "n0"))
+    assert time.monotonic() - t0 < 2.0, f"took {time.monotonic() - t0:.1f} s"
+    assert not said["persisted"] and "rank 1's node n1 is lost" in said["detail"], said
+    assert storage.latest() is None
+
+
 def test_a_participant_stops_waiting_for_a_coordinator_the_master_holds_lost(nodes, tmp_path, master):
     from stalwart.checkpoint.shm import complete_slots
     from stalwart.checkpoint.snapshot import SnapshotView

@@ -22,6 +22,7 @@ from torch import nn
 
 from stalwart.checkpoint import Checkpointer, NodeJob, Storage
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageUnavailableError
+from stalwart.checkpoint.keeper_process import spawn_keeper
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE, classify
 from stalwart.health.log_rules import diagnose
 from stalwart.launch.decide import decide
@@ -74,7 +75,7 @@ def _incidents(job: NodeJob) -> list[dict]:
 def _start(job: NodeJob, storage: Storage, log: Path) -> subprocess.Popen:
     job.paths.owner(0).write_text(f'{{"pid": {os.getpid()}, "rank": 0, "world_size": 1}}')  # a live worker
     job.write_job(storage, 1, [0], POLICY, keeper=True, keeper_log=None)
-    return job.spawn_keeper(log, parent=os.getpid(), grace_s=20)
+    return spawn_keeper(job, log, parent=os.getpid(), grace_s=20)
 
 
 def test_full_disk_is_an_incident_leaves_no_torn_step_and_commits_once_space_is_freed(root, small_fs, tmp_path):

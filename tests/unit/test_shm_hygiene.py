@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint import NodeJob, job_dir_for
+from stalwart.checkpoint.keeper_process import spawn_keeper
 from stalwart.checkpoint.shm import ShmPermissionError, atomic_write, secure_job_dir, user_dir
 
 OTHER_UID = 54321  # no such user needed: chown takes any id
@@ -75,7 +76,7 @@ def test_a_job_directory_owned_by_someone_else_is_refused(shm):
     secure_job_dir(user_dir(shm) / "j")
     os.chown(user_dir(shm) / "j", OTHER_UID, OTHER_UID)
     with pytest.raises(ShmPermissionError, match=f"belongs to uid {OTHER_UID}"):
-        NodeJob(user_dir(shm) / "j").spawn_keeper(None)
+        spawn_keeper(NodeJob(user_dir(shm) / "j"), None)
 
 
 def test_a_planted_symlink_is_not_followed(shm, tmp_path):

@@ -96,8 +96,7 @@ class Keeper:
             if before:
                 self.event("storage", None, f"the workers now checkpoint to {self.storage.url}")
         # Multi-node: this node's ranks; only the keeper on rank 0's node decides, commits and tidies.
-        ranks = job.get("ranks")
-        self.coordinator = not ranks or 0 in ranks
+        self.coordinator = not job.get("ranks") or 0 in job["ranks"]
         self.active = bool(job.get("keeper", True))  # memory-only: the workers wanted no keeper
         return True
 
@@ -138,8 +137,7 @@ class Keeper:
         return self.job.get("policy", {}).get(key, default)
 
     def run(self) -> bool:
-        """Serve until the job completes, the directory is removed, the keeper idles out (no agent) or
-        is stopped (agent). Returns False at once if another keeper serves the directory."""
+        """Serve until the job ends, its directory goes, it idles out or is stopped; False: another keeper serves."""
         lock = self.node.try_lock(self.paths.keeper_lock)
         if lock is None:
             log.info("another keeper already serves %s", self.paths.root)
@@ -178,6 +176,8 @@ class Keeper:
                 and self._finish(world, "all ranks closed the checkpointer: job complete")
             ):
                 return
+            if self.members is not None and 0 < len(ranks) < world:  # the master can name a lost node's ranks
+                self.members.report_member(self.node.epoch(), ranks, world)
             if self.active and world:
                 self._check_failures(world, owners)
                 self._maybe_persist(world, ranks)
@@ -220,7 +220,8 @@ class Keeper:
             self.handled_pids.add(pid)
             self.event("worker-died", None, f"rank {r} (pid {pid}) died; saving on failure", logging.WARNING)
             try:
-                result = self.node.save_on_failure(self.storage.url, self.job.get("storage_options"), world, quiet=True)
+                options = self.job.get("storage_options")
+                result = self.node.save_on_failure(self.storage.url, options, world, quiet=True, members=self.members)
             except Exception as err:
                 cause = self.health.failed("save-on-failure", None, err)
                 self.event("save-on-failure-failed", None, f"({cause}) {err!r}", logging.ERROR)

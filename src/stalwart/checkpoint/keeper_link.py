@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.checkpoint.durability import FINAL_ATTEMPTS, StorageNews, StorageUnavailableError, not_durable
+from stalwart.checkpoint.keeper_process import spawn_keeper
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.replicator import BEAT_FILE as REPLICA_BEAT
 from stalwart.checkpoint.replicator import STATUS_FILE as REPLICA_STATUS
@@ -55,7 +56,7 @@ class KeeperLink:
         if not self.job.keeper_alive():
             if not first:
                 log.warning("keeper for %s is not running; starting a new one", self.paths.root)
-            self.proc = self.job.spawn_keeper(self.log_path)
+            self.proc = spawn_keeper(self.job, self.log_path)
 
     def await_copies(self, step: int, since: float) -> None:
         """``--replica-sync``: wait for the copies of ``step`` (see ``wait_replicated``); the node's first

@@ -32,6 +32,9 @@ class LostNodes:
     def __init__(self, address: str, token: str, me: str, every_s: float = 0.2) -> None:
         self.address, self.token, self.me, self.every_s = address.rstrip("/"), token, me, every_s
         self._lost: set[str] = set()
+        self._lost_ranks: dict[int, str] = {}  # rank → its lost node, for the nodes that reported their ranks
+        self._reported: tuple[int, list[int], int] | None = None  # (epoch, ranks, world) the master has
+        self._report_tried = -float("inf")
         self._asked = -float("inf")
 
     @classmethod
@@ -44,24 +47,54 @@ class LostNodes:
             return None
         return cls(address, token, me)
 
+    def _call(self, path: str, body: dict | None = None) -> dict:
+        """One short try (the master's client lives in stalwart.launch, a layer above): a master that
+        does not answer must not slow the persist's polling."""
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        with urllib.request.urlopen(urllib.request.Request(self.address + path, data, headers), timeout=1.0) as reply:
+            return json.loads(reply.read())
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._asked < self.every_s:
+            return
+        self._asked = now
+        try:
+            lost = self._call("/v1/nodes/lost").get("lost", [])
+            self._lost = {str(n["node_id"]) for n in lost}
+            self._lost_ranks = {int(r): str(n["node_id"]) for n in lost for r in n.get("ranks") or []}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.debug("could not ask the master for lost nodes (%s); the heartbeat rule decides", err)
+
     def lost(self, node: str | None) -> bool:
         if not node:
             return False
-        now = time.monotonic()
-        if now - self._asked >= self.every_s:
-            self._asked = now
-            # One short try per question (the master's client lives in stalwart.launch, a layer above):
-            # a master that does not answer must not slow the persist's polling.
-            request = urllib.request.Request(
-                f"{self.address}/v1/nodes/lost", headers={"Authorization": f"Bearer {self.token}"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=1.0) as response:
-                    answer = json.loads(response.read())
-                self._lost = {str(n["node_id"]) for n in answer.get("lost", [])}
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                log.debug("could not ask the master for lost nodes (%s); the heartbeat rule decides", err)
+        self._refresh()
         return node in self._lost
+
+    def report_member(self, epoch: int, ranks: list[int], world: int) -> None:
+        """Tell the master (once per execution; a failed try again after ``every_s``) that this node runs
+        ``ranks`` of ``world`` in ``epoch``, so it can name a lost node's ranks: a persist waiting on a
+        rank whose node never wrote a word is given up at once, not after ``answer_s``."""
+        member = (epoch, sorted(ranks), world)
+        now = time.monotonic()
+        if member == self._reported or now - self._report_tried < self.every_s:
+            return
+        self._report_tried = now
+        event = {"kind": "Member", "epoch": epoch, "ranks": member[1], "world": world}
+        try:
+            self._call("/v1/ckpt", {"node": self.me, "events": [event]})
+            self._reported = member
+        except (OSError, ValueError) as err:
+            log.debug("could not report node %s's ranks to the master (%s)", self.me, err)
+
+    def raise_if_rank_lost(self, rank: int, step: int) -> None:
+        self._refresh()
+        if (node := self._lost_ranks.get(rank)) is not None:
+            raise NodeLost(
+                f"persist of step {step} given up: rank {rank}'s node {node} is lost (the job master says so)"
+            )
 
     def raise_if_lost(self, node: str | None, step: int, whose: str) -> None:
         if self.lost(node):

@@ -115,6 +115,15 @@ def persist(
     return _participate(storage, step, views, t0, deadline, poll_s, members)
 
 
+def _table_unless_lost(storage: Storage, rank: int, step: int, members: LostNodes | None) -> Any:
+    """Rank ``rank``'s table, None while it is not in; NodeLost once the master holds its node lost (its
+    keeper reported the node's ranks), instead of waiting out ``answer_s``."""
+    found = stage.table(storage, rank, step)
+    if found is None and members is not None:
+        members.raise_if_rank_lost(rank, step)
+    return found
+
+
 def abort(storage: Storage, step: int, reason: str) -> None:
     stage.put(storage, {"reason": reason, "time": time.time()}, *stage.stage_of(step, "abort.json"))
 
@@ -143,7 +152,7 @@ def _coordinate(
                     answer_by,
                     poll_s,
                     f"rank {r}'s snapshot table (its node's keeper)",
-                    lambda r=r: stage.table(storage, r, step),
+                    lambda r=r: _table_unless_lost(storage, r, step, members),
                 )
                 if "missing" in tables[r]:
                     raise stage.MissingSnapshot(f"rank {r} does not hold step {step}: {tables[r]['missing']}")

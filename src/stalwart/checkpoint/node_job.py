@@ -21,37 +21,19 @@ import fcntl
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from stalwart.checkpoint import multinode, stage
-from stalwart.checkpoint.membership import LostNodes
+from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, job_dir_for, read_json, secure_job_dir
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-
-
-# A keeper must not look like a worker to torch (nor inherit NCCL's watchdog settings).
-_DROP_ENV = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_",
-    "TORCH_NCCL_",
-    "NCCL_ASYNC",
-)
 
 
 def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:
@@ -270,12 +252,13 @@ class NodeJob:
         world_size: int | None = None,
         quiet: bool = False,
         on_planned: Callable[[int], None] | None = None,
+        members: LostNodes | None = None,
     ) -> dict[str, Any]:
         """Persist the newest snapshot that every rank holds, unless it is already committed.
 
         Run when a worker dies (by the keeper, or the agent). It never persists a step that some rank
         lacks (that would mix states of different steps) and says in the result and the log why it did
-        nothing. ``on_planned``: see :func:`multinode.persist` (across nodes only)."""
+        nothing. ``on_planned``, ``members``: see :func:`multinode.persist` (across nodes only)."""
         job = self.job()
         storage = Storage(
             storage_url or job["storage"],
@@ -309,7 +292,8 @@ class NodeJob:
         if 0 not in ranks:
             return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
         try:
-            return self._save_agreed(storage, world, ranks, epoch if final else None, outcome, covered, on_planned)
+            final_epoch = epoch if final else None
+            return self._save_agreed(storage, world, ranks, final_epoch, outcome, covered, on_planned, members)
         except Exception as err:  # a participant timed out, storage failed: over all the same, nothing saved
             settle(None, f"save-on-failure failed: {err!r}")
             raise
@@ -323,6 +307,7 @@ class NodeJob:
         outcome: Callable[..., dict[str, Any]],
         covered: Callable[[int, object], dict[str, Any]],
         on_planned: Callable[[int], None] | None = None,
+        members: LostNodes | None = None,
     ) -> dict[str, Any]:
         """``save_on_failure``'s search for the newest step every rank holds, on rank 0's node; with
         ``final_epoch`` (its steps are final: that execution failed) it first declares the failure to the
@@ -343,12 +328,13 @@ class NodeJob:
             if committed and committed[0] >= step:
                 return covered(step, committed[0])
             try:
-                manifest = self.persist_step(
-                    storage, step, world, "save-on-failure", ranks, ask_others=True, on_planned=on_planned
-                )
+                asked = {"ask_others": True, "on_planned": on_planned, "members": members}
+                manifest = self.persist_step(storage, step, world, "save-on-failure", ranks, **asked)
             except stage.MissingSnapshot as err:
                 log.warning("save-on-failure: %s; trying an older step", err)
                 continue
+            except NodeLost as err:  # its ranks' snapshots went with it: no step every rank holds is left
+                return outcome(False, None, f"{err}; nothing can be saved")
             if manifest.get("already"):
                 return covered(step, manifest.get("step"))
             return outcome(
@@ -358,42 +344,6 @@ class NodeJob:
                 f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}",
             )
         return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
-
-    # -- the keeper process -------------------------------------------------------------------------------
-    def spawn_keeper(
-        self,
-        log_path: str | Path | None,
-        parent: int | None = None,
-        grace_s: float | None = None,
-        status_copy: Path | None = None,
-        env: dict[str, str] | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
-        it). With ``parent`` it serves the directory for as long as that process (the agent) lives;
-        ``status_copy``: also keep its status there (it outlives the directory, for the job report)."""
-        secure_job_dir(self.root)
-        extra, env = env or {}, {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-        cmd = [sys.executable, "-m", "stalwart.checkpoint", str(self.root)]
-        if parent is not None:
-            cmd += ["--parent", str(parent)]
-        if grace_s is not None:
-            cmd += ["--grace-s", str(grace_s)]
-        if status_copy is not None:
-            cmd += ["--status-copy", str(status_copy)]
-        out = open(log_path or self.root / "keeper.log", "ab")
-        try:
-            return subprocess.Popen(
-                cmd,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                close_fds=True,
-            )
-        finally:
-            out.close()
 
 
 def save_on_failure(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from stalwart.launch.detect import Incident
 
 if TYPE_CHECKING:  # DCP is ~660 modules: `stalwart run --help` does not import it
+    from stalwart.checkpoint.membership import LostNodes
     from stalwart.checkpoint.node_job import NodeJob
 
 log = logging.getLogger("stalwart.agent")
@@ -28,8 +29,8 @@ PIN_WAIT_S = 60.0  # the most a restart waits for the step to be pinned (the sav
 class FailureSave:
     """The hook ``StalwartAgent(on_failure=...)`` calls after stopping the workers, for one node's job."""
 
-    def __init__(self, job: NodeJob) -> None:
-        self.job = job
+    def __init__(self, job: NodeJob, members: LostNodes | None = None) -> None:
+        self.job, self.members = job, members  # the master's lost nodes: a save never waits on one
         self._background: list[threading.Thread] = []
 
     def __call__(self, incident: Incident | None) -> dict[str, Any]:
@@ -43,7 +44,7 @@ class FailureSave:
             # the restarted workers restore from memory.
             return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
         if incident is None:
-            return job.save_on_failure(quiet=True)
+            return job.save_on_failure(quiet=True, members=self.members)
         if not job.spans_nodes():
             if job.keeper_alive():
                 # It saw the worker die and saves on failure itself, in parallel with the restart (which
@@ -65,7 +66,7 @@ class FailureSave:
 
         def save() -> None:
             try:
-                result.update(self.job.save_on_failure(quiet=True, on_planned=on_planned))
+                result.update(self.job.save_on_failure(quiet=True, on_planned=on_planned, members=self.members))
             except Exception as err:  # the restart went on: say it, as the synchronous save's caller would
                 result.update(persisted=False, detail=f"save-on-failure failed: {err!r}")
                 log.exception("save-on-failure failed")

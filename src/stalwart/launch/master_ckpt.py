@@ -3,7 +3,8 @@
 The master knows the job's membership, so a lost node reaches the decider as an event the moment its
 presence breaks (``NodeLost``), never as a timeout. Keepers speak to it through one authenticated call,
 ``POST /v1/ckpt``: ``{"node", "events": [...], "after": N}``. Their events go in (strictly decoded, a
-keeper speaks only for its own node); the reply carries every decision numbered above ``after`` (each
+keeper speaks only for its own node); the reply carries every decision numbered above ``after`` (none
+without one; each
 keeper picks what concerns it), ``next``, the number to send next time, and ``taken``: events before an
 execution formed are not taken, and are sent again. An execution forms when
 the nodes' ``Member`` reports for one epoch cover its world's ranks: the first one creates the
@@ -42,10 +43,10 @@ class CheckpointDesk:
         self.forming: dict[str, Any] = saved.get("forming", {"epoch": -1, "world": 0, "nodes": {}})
 
     def exchange(self, body: dict[str, Any]) -> dict[str, Any]:
-        node, after = body.get("node"), body.get("after", 0)
+        node, after = body.get("node"), body.get("after")
         if not isinstance(node, str) or not node:
             raise ApiError(HTTPStatus.BAD_REQUEST, "field 'node' must name the reporting node")
-        if type(after) is not int or not isinstance(body.get("events", []), list):
+        if (after is not None and type(after) is not int) or not isinstance(body.get("events", []), list):
             raise ApiError(HTTPStatus.BAD_REQUEST, "'after' must be an integer and 'events' a list")
         events = [self._decode(node, e) for e in body.get("events", [])]  # all or nothing
         with self._lock:
@@ -63,9 +64,9 @@ class CheckpointDesk:
             first = self.outbox[0][0] if self.outbox else self.next
             return {
                 "taken": taken,  # events taken in order; the rest came before every node's Member
-                "decisions": [d for n, d in self.outbox if n > after],
+                "decisions": [] if after is None else [d for n, d in self.outbox if n > after],
                 "next": self.next,
-                "missed": after + 1 < first,  # decisions were dropped before this keeper read them
+                "missed": after is not None and after + 1 < first,  # dropped before this keeper read them
                 "epoch": self.decider.epoch if self.decider else None,
             }
 
@@ -77,6 +78,13 @@ class CheckpointDesk:
                 return
             self._feed(ev.NodeLost(node, d.epoch))
             self._save()
+
+    def ranks_of(self, node: str) -> list[int]:
+        """The ranks ``node`` reported for the newest execution it spoke of (forming, else formed)."""
+        with self._lock:
+            if node in self.forming["nodes"]:
+                return list(self.forming["nodes"][node])
+            return list(self.decider.nodes.get(node, [])) if self.decider else []
 
     def state(self) -> dict[str, Any] | None:
         with self._lock:

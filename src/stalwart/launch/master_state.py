@@ -353,6 +353,7 @@ class MasterState:
                     "node_id": n["node_id"],
                     "lost_at": self.journal.get(f"lost_at.{n['node_id']}"),
                     "rdzv_node": n["info"].get("rdzv_node"),
+                    "ranks": self.ckpt.ranks_of(n["node_id"]),  # as its keeper reported them (Member)
                 }
                 for n in self.journal.nodes()
                 if n["state"] == "lost"

@@ -27,6 +27,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
+from stalwart.checkpoint.membership import LostNodes
 from stalwart.health.precheck import PrecheckConfig
 from stalwart.health.throttle import Throttle
 from stalwart.launch import (
@@ -157,7 +158,7 @@ def run(argv: list[str]) -> int:
     # The keeper's own environment carries the job token: peer replicas, and the master's lost nodes.
     keeper_env = {**replica_env(args, address, token), runtime.ENV_JOB_TOKEN: token}
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, keeper_env)
-    failure_save = FailureSave(node_job)
+    failure_save = FailureSave(node_job, LostNodes(address, token, node_id))
     storage_watch = StorageWatch(keeper.status_copy)
 
     slowed = slow is not None and slow.action == "delay"
