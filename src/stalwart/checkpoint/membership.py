@@ -9,14 +9,13 @@ when it does not answer, nothing is known lost and the heartbeat rule stands.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import urllib.request
 from collections.abc import Mapping
 
 from stalwart import runtime
+from stalwart.runtime.master_call import MasterError, call_master
 
 log = logging.getLogger("stalwart.checkpoint")
 
@@ -48,12 +47,8 @@ class LostNodes:
         return cls(address, token, me)
 
     def _call(self, path: str, body: dict | None = None) -> dict:
-        """One short try (the master's client lives in stalwart.launch, a layer above): a master that
-        does not answer must not slow the persist's polling."""
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
-        with urllib.request.urlopen(urllib.request.Request(self.address + path, data, headers), timeout=1.0) as reply:
-            return json.loads(reply.read())
+        """One short try: a master that does not answer must not slow the persist's polling."""
+        return call_master(self.address, self.token, "POST" if body else "GET", path, body, 1.0, retry_for_s=0)
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -64,7 +59,7 @@ class LostNodes:
             lost = self._call("/v1/nodes/lost").get("lost", [])
             self._lost = {str(n["node_id"]) for n in lost}
             self._lost_ranks = {int(r): str(n["node_id"]) for n in lost for r in n.get("ranks") or []}
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (OSError, ValueError, KeyError, TypeError, MasterError) as err:
             log.debug("could not ask the master for lost nodes (%s); the heartbeat rule decides", err)
 
     def lost(self, node: str | None) -> bool:
@@ -86,7 +81,7 @@ class LostNodes:
         try:
             self._call("/v1/ckpt", {"node": self.me, "events": [event]})
             self._reported = member
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, MasterError) as err:
             log.debug("could not report node %s's ranks to the master (%s)", self.me, err)
 
     def raise_if_rank_lost(self, rank: int, step: int) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from stalwart.runtime.master_call import MasterError, call_master
+
+__all__ = ["ADDRESS_FILE", "MasterClient", "MasterError", "write_address"]
 
 ADDRESS_FILE = "master.json"
 
@@ -21,14 +22,6 @@ def write_address(run_dir: Path, address: str, job_id: str, node_id: str) -> Non
     os.replace(tmp, run_dir / ADDRESS_FILE)
 
 
-class MasterError(RuntimeError):
-    """The master answered with an error status (the message carries its reason)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"master answered {status}: {message}")
-        self.status = status
-
-
 class MasterClient:
     def __init__(self, address: str, token: str, timeout_s: float = 5.0, retry_for_s: float = 30.0) -> None:
         self.address = address.rstrip("/")
@@ -39,32 +32,9 @@ class MasterClient:
     def call(
         self, method: str, path: str, body: dict[str, Any] | None = None, retry_for_s: float | None = None
     ) -> dict[str, Any]:
-        """One API call. Connection failures are retried with backoff for `retry_for_s` (the master
-        may be restarting); HTTP errors are not retried and raise MasterError."""
-        data = json.dumps(body).encode() if body is not None else None
-        deadline = time.monotonic() + (self.retry_for_s if retry_for_s is None else retry_for_s)
-        delay = 0.05
-        while True:
-            request = urllib.request.Request(
-                self.address + path,
-                data=data,
-                method=method,
-                headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as err:
-                try:
-                    message = json.loads(err.read()).get("error", err.reason)
-                except (json.JSONDecodeError, AttributeError):
-                    message = str(err.reason)
-                raise MasterError(err.code, message) from None
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        """One API call (``runtime.master_call``): connection failures retried for ``retry_for_s``."""
+        retry = self.retry_for_s if retry_for_s is None else retry_for_s
+        return call_master(self.address, self.token, method, path, body, self.timeout_s, retry)
 
     # Convenience wrappers, one per route.
     def join(self, node_id: str, host: str, nproc: int, info: dict[str, Any] | None = None) -> dict[str, Any]:
