@@ -144,6 +144,7 @@ def test_preempted_job_requeues_and_ends_bitwise_equal(cluster, stdlib_data, ref
     assert runs[0, 0]["exit_code"] == EXIT_PREEMPTED and first["requeue"]["requeued"], runs[0, 0]
     step = first["save"]["step"]
     assert 6 <= step < STEPS and (tmp_path / "ckpt" / f"step-{step:08d}").is_dir(), first
+    assert (1, 0) in runs, "task 1 ended before its summary:\n" + (tmp_path / "job.out").read_text()[-4000:]
     assert runs[1, 0]["exit_code"] == EXIT_PREEMPTED, "both agents took the notice"
     assert runs[0, 1]["exit_code"] == 0 and runs[1, 1]["exit_code"] == 0
     print(

@@ -160,7 +160,8 @@ def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
         return {"persisted": False, "detail": "memory-only checkpoints: nothing to persist"}
     target, epoch = job.newest_agreed(world), job.epoch()
     storage = Storage(spec["storage"], spec.get("storage_options"))
-    deadline = time.monotonic() + timeout_s
+    started, said = time.monotonic(), False
+    deadline = started + timeout_s
     while time.monotonic() < deadline:
         done = storage.committed()
         if done and done[0] >= target:
@@ -171,6 +172,17 @@ def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
                 "step": word["step"],
                 "detail": f"rank 0's node settled: {word['detail']}",
             }
+        if not said and time.monotonic() > started + 3.0:  # said once, so that a slow end is explained
+            said = True
+            record = stage.get(storage, stage.STAGE, stage.SETTLED)
+            log.warning(
+                "waiting for rank 0's node: step %d not committed (committed: %s), and no settled word for "
+                "execution %d (the record: %s)",
+                target,
+                done[:3],
+                epoch,
+                record,
+            )
         time.sleep(0.1)
         storage.refresh()
     return {"persisted": False, "step": target, "detail": f"step {target} not committed within {timeout_s:.0f} s"}
