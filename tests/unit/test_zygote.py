@@ -32,9 +32,12 @@ if what == "segv":
 if what == "graceful":
     signal.signal(signal.SIGTERM, lambda *_: (open("graceful.txt", "w").write("saved"), sys.exit(7)))
     open("handler-ready", "w").close()
+if what == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open("handler-ready", "w").close()
 if what == "stop":
     os.kill(os.getpid(), signal.SIGSTOP)
-if what in ("graceful", "sleep"):
+if what in ("graceful", "sleep", "stubborn"):
     time.sleep(60)
 """
 
@@ -111,6 +114,24 @@ def test_sigterm_reaches_the_workers_own_handler(zygote, tmp_path):
     os.killpg(p.pid, signal.SIGTERM)  # what TorchElastic does to stop a worker
     assert p.wait(30) == 7
     assert (tmp_path / "graceful.txt").read_text() == "saved"
+
+
+def test_a_worker_that_outlives_its_stop_signal_is_named_with_its_state(zygote, tmp_path):
+    """TorchElastic waits up to 30 s for a stopped worker, then kills it: the wait is said, not silent
+    (CI17: a node's agent sat ≥ 12 s in its preemption with nothing in the log)."""
+    p = start(zygote, tmp_path, "stubborn")
+    w = worker_of(zygote, p)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "handler-ready").exists():
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGTERM)
+    said = f"worker {w.pid} not ended 5 s after a stop signal (state S; no word from the zygote)"
+    while said not in output(tmp_path, "stubborn")[1]:
+        assert time.monotonic() < deadline and p.poll() is None, output(tmp_path, "stubborn")
+        time.sleep(0.1)
+    w.kill()
+    assert p.wait(30) == -signal.SIGKILL
 
 
 def test_a_stopped_worker_dies_on_sigterm_and_a_killed_client_takes_its_worker_along(zygote, tmp_path):

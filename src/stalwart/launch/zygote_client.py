@@ -19,6 +19,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 ENV_SOCKET = "STALWART_ZYGOTE"
 ENV_PIDS = "STALWART_ZYGOTE_PIDS"  # directory: <this pid> → the worker's pid (for stack dumps)
@@ -43,6 +44,9 @@ def open_fds() -> list[int]:
     return fds
 
 
+TERMINATED = []  # when the first terminating signal came (time.monotonic()), for the slow-exit word
+
+
 def forward(child: int):
     def send(sig: int) -> None:  # to the worker's process group, as TorchElastic's killpg would
         try:
@@ -57,6 +61,7 @@ def forward(child: int):
         send(signum)
         if signum != signal.SIGUSR1 and signum != signal.SIGUSR2:
             send(signal.SIGCONT)  # a stopped worker keeps a pending SIGTERM forever
+            TERMINATED[:] = TERMINATED or [time.monotonic()]
 
     return handler
 
@@ -71,15 +76,20 @@ def record_pid(child: int) -> None:
             pass
 
 
+def stat_fields(pid: int) -> list[bytes]:
+    """``/proc/PID/stat`` after the command name (field 3, the state, first); [] once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def zombie_status(pid: int):
     """The worker's wait status if it has died but the zygote has not reaped it yet (a zombie), else
     None. The zygote reaps and reports between its own work; while it imports a module ahead (seconds)
     it cannot, and TorchElastic must still see the worker's exit at once."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
+    fields = stat_fields(pid)
     if fields[:1] != [b"Z"] or len(fields) < 50:
         return None
     return int(fields[49])  # field 52, exit_code: the status as waitpid reports it (Linux ≥ 3.5)
@@ -103,8 +113,11 @@ class Replies:
         return json.loads(line or b"{}")
 
 
-def wait_for_worker(replies: Replies, child: int) -> dict:
-    """The zygote's last word on the worker, or the worker's status read from /proc if it died first."""
+def wait_for_worker(replies: Replies, child: int, slow_s: float = 5.0) -> dict:
+    """The zygote's last word on the worker, or the worker's status read from /proc if it died first.
+    Says once (stderr) when the worker has not ended ``slow_s`` after a terminating signal, and in
+    which state it is, so that a slow stop has a name (TorchElastic waits up to 30 s, then kills)."""
+    said = False
     while True:
         try:
             last = replies.next(timeout=0.1)
@@ -112,6 +125,14 @@ def wait_for_worker(replies: Replies, child: int) -> dict:
             return {}
         if last is not None:
             return last
+        if not said and TERMINATED and time.monotonic() - TERMINATED[0] > slow_s:
+            said = True
+            print(
+                f"stalwart warm start: worker {child} not ended {slow_s:g} s after a stop signal "
+                f"(state {(stat_fields(child) or [b'gone'])[0].decode()}; no word from the zygote)",
+                file=sys.stderr,
+                flush=True,
+            )
         status = zombie_status(child)
         if status is not None:
             if os.WIFSIGNALED(status):
