@@ -20,7 +20,7 @@ from torch import nn
 
 from stalwart import runtime
 from stalwart.checkpoint import Checkpointer, NodeJob, Storage
-from stalwart.checkpoint.keeper_process import spawn_keeper
+from stalwart.checkpoint.keeper_spawn import spawn_keeper
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 
@@ -119,7 +119,7 @@ def test_agent_keeper_exits_when_the_agent_is_killed(root, tmp_path):
             "-c",
             (
                 "import os, sys, time; from stalwart.checkpoint import NodeJob; "
-                "from stalwart.checkpoint.keeper_process import spawn_keeper; "
+                "from stalwart.checkpoint.keeper_spawn import spawn_keeper; "
                 f"p = spawn_keeper(NodeJob({str(root)!r}), {str(tmp_path / 'keeper.log')!r}, parent=os.getpid()); "
                 "print(p.pid, flush=True); time.sleep(600)"
             ),

@@ -22,7 +22,7 @@ from torch import nn
 
 from stalwart.checkpoint import Checkpointer, NodeJob, Storage
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageUnavailableError
-from stalwart.checkpoint.keeper_process import spawn_keeper
+from stalwart.checkpoint.keeper_spawn import spawn_keeper
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE, classify
 from stalwart.health.log_rules import diagnose
 from stalwart.launch.decide import decide

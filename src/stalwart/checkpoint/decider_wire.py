@@ -76,7 +76,6 @@ _FIELDS: dict[str, Callable[[Any], Any]] = {
     "str": _typed(str),
     "int": _int,
     "bool": _typed(bool),
-    "float": lambda v: float(_typed(float)(v)) if type(v) is float else float(_int(v)),
     "Held": _seq(_held_entry),
     "Key": _key,
     "Key | None": _optional(_key),

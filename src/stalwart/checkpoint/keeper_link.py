@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.checkpoint.durability import FINAL_ATTEMPTS, StorageNews, StorageUnavailableError, not_durable
-from stalwart.checkpoint.keeper_process import spawn_keeper
+from stalwart.checkpoint.keeper_spawn import spawn_keeper
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.replicator import BEAT_FILE as REPLICA_BEAT
 from stalwart.checkpoint.replicator import STATUS_FILE as REPLICA_STATUS
