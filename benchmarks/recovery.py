@@ -348,7 +348,7 @@ def breakdown(m: dict[str, float]) -> dict[str, float]:
 
 
 def hang_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    chaos = f"hang:rank=1:step={args.hang_step}"
+    chaos = f"hang:rank={min(1, args.nproc - 1)}:step={args.hang_step}"
     run = launch("stalwart", args, work, chaos, args.hang_step + 10)
     summary_path = work / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.dir or Path(tempfile.mkdtemp(prefix="stalwart-recovery-"))
     root.mkdir(parents=True, exist_ok=True)
     t_bench = time.time()
-    chaos = f"kill:rank=1:step={args.kill_step}"
+    chaos = f"kill:rank={min(1, args.nproc - 1)}:step={args.kill_step}"  # rank 1, or the only one
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     try:
         for i in range(args.repeats):  # interleaved, so load from other processes hits all alike

@@ -31,6 +31,7 @@ def check(*args: str) -> tuple[int, dict]:
         ("nan:node=2", [2], []),
         ("node-fail:node=1", [1], []),
         ("slow:node=3:factor=3", [], [3]),
+        ("burst:node=3:factor=3", [], []),
     ],
 )
 def test_check_names_exactly_the_bad_node(fault, bad, slow):
@@ -41,6 +42,10 @@ def test_check_names_exactly_the_bad_node(fault, bad, slow):
     ]
     assert (report["bad_nodes"], report["stragglers"]) == (bad, slow), timings
     assert code == (0 if not bad and not slow else 1)
+    if fault and fault.startswith("burst"):
+        # slow in rounds 1 and 2 (a load burst), so only the retime beside a healthy pair cleared it
+        node3, healthy = report["nodes"][3], report["nodes"][0]
+        assert node3["round2_s"] > 2 * healthy["round1_s"], timings
     if fault and fault.startswith("node-fail"):
         # Round 1 suspected the partner too; round 2 cleared it.
         partner = report["nodes"][0]
