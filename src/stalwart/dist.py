@@ -54,13 +54,17 @@ def pick_device(backend: str, cuda_devices: int, local_rank: int, local_world_si
     return backend, device
 
 
+def cuda_devices() -> int:
+    """GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 PG_TIMEOUT_S = 600.0  # every process group of a job: a collective waits at most this long
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = PG_TIMEOUT_S) -> DistEnv:
     env = worker_env()
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend, device = pick_device(backend, cuda_devices, env.local_rank, env.local_world_size)
+    backend, device = pick_device(backend, cuda_devices(), env.local_rank, env.local_world_size)
     use_cuda = device.type == "cuda"
     if use_cuda:
         torch.cuda.set_device(device)

@@ -14,10 +14,14 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "recovery.py"
 
 
 def test_recovery_benchmark_smoke(tmp_path):
+    """One rank, as on one GPU (`--device cuda --nproc 1`): the faults fall on rank 0 (they fell on a
+    rank 1 that did not exist, and no fault fired, on the first GPU run)."""
     cmd = [
         sys.executable,
         str(BENCH),
         "--json",
+        "--nproc",
+        "1",
         "--repeats",
         "1",
         "--steps",

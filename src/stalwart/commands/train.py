@@ -74,10 +74,13 @@ def train(
     if launched() or nproc == 1:  # this process trains: its Trainer resolves the plan, once
         return _train_worker(cfg)
     from stalwart.data import ensure_default_corpus
+    from stalwart.dist import cuda_devices, pick_device
     from stalwart.launch.local import spawn_local
     from stalwart.train.resolve import resolve
 
-    resolve(cfg, nproc)  # every mistake fails here, before a worker is spawned
+    plan = resolve(cfg, nproc)  # every mistake fails here, before a worker is spawned
+    backend, device = pick_device(cfg.parallel.backend, cuda_devices(), 0, nproc)
+    plan.layout.check_device(backend, device.type)
 
     if cfg.data.prepare_default:
         ensure_default_corpus(cfg.data.dir)

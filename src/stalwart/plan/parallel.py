@@ -21,6 +21,13 @@ from stalwart.plan.shape import ModelShape
 
 RECOMPUTE = ("none", "selective", "full")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")  # Layout.shape's order
+SHARED_GPU_DTENSOR = (
+    "parallel layout {layout} with ranks sharing a GPU over gloo is refused: torch's functional "
+    "collectives (the all-gathers of FSDP2/TP/EP DTensors) crash with SIGSEGV over gloo on CUDA tensors "
+    "(torch 2.11 on an H100, under plain torchrun too). Give every rank its own GPU (NCCL: no more ranks "
+    "per node than GPUs), train on the CPU with parallel.backend='gloo', or share the GPU with DDP "
+    "(parallel.dp_mode='ddp')"
+)
 CP_UNSUPPORTED = (
     "context parallel (cp > 1) is not supported: torch 2.13 has no CPU sharding strategy "
     "for scaled_dot_product_attention, and it has not been verified on a GPU here; "
@@ -70,6 +77,17 @@ class Layout:
         """Pure replication is DDP (which supports the gradient compression hooks); any other
         data parallelism composed with TP/PP/EP is FSDP2 (HSDP when dp_replicate > 1)."""
         return self.dp_replicate > 1 and self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.ep == 1
+
+    @property
+    def uses_dtensor(self) -> bool:
+        """FSDP2, TP and EP hold parameters as DTensors, whose redistributions are torch's functional
+        collectives; DDP and PP alone use plain ones."""
+        return self.tp > 1 or self.ep > 1 or (self.dp > 1 and not self.uses_ddp)
+
+    def check_device(self, backend: str, device_type: str) -> None:
+        """Refuse a DTensor layout whose ranks share a GPU over gloo (SHARED_GPU_DTENSOR)."""
+        if device_type == "cuda" and backend == "gloo" and self.uses_dtensor:
+            raise ValueError(SHARED_GPU_DTENSOR.format(layout=self.describe()))
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in asdict(self).items() if v > 1]

@@ -48,6 +48,7 @@ def build_mesh(layout: Layout, device_type: str | None = None) -> Mesh:
     layout.check_world(dist.get_world_size())
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    layout.check_device(str(dist.get_backend()), device_type)
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
     flat = {
         "dp_shard": flatten_mesh(mesh, ("dp_shard_mod_ep", "ep"), "dp_shard"),
