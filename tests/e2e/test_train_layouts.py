@@ -141,6 +141,22 @@ def assert_recovered_bitwise(job: tuple[dict, dict], equal_to: dict) -> None:
     assert ck["restored_from"] == "memory" and 4 <= ck["restore_step"] <= 6, ck
     assert killed["steps"] == equal_to["steps"]
     assert killed["final_hash"] == equal_to["final_hash"] and killed["optim_hash"] == equal_to["optim_hash"]
+    # rank 0's restarted process, phase by phase: consecutive intervals inside the kill → first step span
+    phases = killed["startup_s"]
+    assert list(phases) == ["process", *STARTUP_PHASES], phases
+    assert sum(phases.values()) <= incident["first_step"] - incident["fault"] + 0.05, (phases, incident)
+
+
+STARTUP_PHASES = ["init_distributed", "plan_and_build", "optimizer_data_checkpointer", "restore", "first_step"]
+
+
+def recovery_breakdown(job: tuple[dict, dict]) -> str:
+    """Where a restart's seconds went: the agent's detection, then its stop and spawn, then the new
+    rank 0 process's own phases (summary `startup_s`)."""
+    [incident], phases = job[0]["incidents"], job[1]["startup_s"]
+    agent = incident["first_step"] - incident["detected"] - sum(phases.values())
+    parts = {"detect": incident["detected"] - incident["fault"], "stop, spawn, wait": agent, **phases}
+    return ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
 
 
 def concurrently(*calls: Callable[[], Any]) -> list[Any]:
@@ -254,6 +270,7 @@ def test_pp2_restores_from_disk_and_recovers_from_sigkill_bitwise(stdlib_data, t
     # ... bitwise: a run of the same length that never stopped, but was SIGKILLed and recovered from
     # shared memory, ends with the very same weights and optimizer state.
     assert_recovered_bitwise(killed, equal_to=more)
+    print(f"\nPP2 SIGKILL recovery breakdown, s: {recovery_breakdown(killed)}")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

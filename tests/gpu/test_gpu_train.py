@@ -26,6 +26,7 @@ from tests.e2e.test_train_layouts import (
     assert_recovered_bitwise,
     checkpointed,
     concurrently,
+    recovery_breakdown,
     run_job,
     train,
 )
@@ -55,6 +56,7 @@ def test_sigkill_under_run_restores_cuda_model_and_optimizer_bitwise_in_zygote_w
     [incident] = job[0]["incidents"]
     recovery = incident["first_step"] - incident["fault"]
     print(f"\nGPU SIGKILL recovery ({nproc} rank(s)): {recovery:.2f} s from the kill to a step")
+    print(f"GPU SIGKILL recovery ({nproc} rank(s)) breakdown, s: {recovery_breakdown(job)}")
     # The restarted workers were forked by the node's zygote: CUDA was initialised in them, not before fork.
     [row] = Journal(tmp_path / "killed" / "run" / "journal.sqlite").incidents()
     assert row["details"]["warm_start"] is True

@@ -91,10 +91,13 @@ def train(
 def _train_worker(cfg) -> dict[str, Any] | None:
     from stalwart.dist import init_distributed, shutdown
     from stalwart.train.trainer import Trainer
+    from stalwart.utils.phases import Phases
 
+    phases = Phases()
     env = init_distributed(cfg.parallel.backend)
+    phases.mark("init_distributed")  # CUDA's context and the process group (NCCL's communicator)
     try:
-        trainer = Trainer(cfg, env)
+        trainer = Trainer(cfg, env, phases)
     except BaseException:
         shutdown()
         raise

@@ -52,6 +52,7 @@ from stalwart.train.parallel.mesh import Coords, tp_data_group
 from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.resolve import rank0_plan, resolve
 from stalwart.utils import state_dict_hash
+from stalwart.utils.phases import Phases
 
 
 def configure_determinism(cfg: Config, env: DistEnv) -> None:
@@ -76,9 +77,9 @@ def mesh_coords(c: Coords) -> dict[str, int]:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, phases: Phases | None = None) -> None:
         cfg.validate()  # field checks before any work; the layout is checked by resolve() below
-        self.cfg, self.env = cfg, env
+        self.cfg, self.env, self.phases = cfg, env, phases or Phases()
         configure_determinism(cfg, env)
         if cfg.data.prepare_default and env.local_rank == 0:
             ensure_default_corpus(cfg.data.dir)
@@ -105,6 +106,7 @@ class Trainer:
             init_seed=cfg.train.seed,
         )
         self.model = self.pm.module
+        self.phases.mark("plan_and_build")  # the plan, the model's shards materialised on the device
         self.compiled_blocks = compile_blocks(self.pm.parts) if cfg.train.compile else 0
         self.accum = self.plan.grad_accum
         self.optimizer = build_optimizer(self.model, cfg.train, cfg.optim.name)
@@ -156,9 +158,11 @@ class Trainer:
 
             self.guard = TrainingGuard(cfg.guard, self.ckpt, self.state, self.sampler, env.device)
             self.state["guard"] = self.guard.detector  # its baseline rolls back with the weights
+        self.phases.mark("optimizer_data_checkpointer")
         if self.ckpt is not None:  # resume=false is about earlier runs: a restart of this launch resumes
             resume = cfg.checkpoint.resume or runtime.worker_env().restart_count > 0
             self.step = self.ckpt.restore(self.state) if resume else self.ckpt.discard_snapshots()
+        self.phases.mark("restore")
         t = cfg.train
         self.metrics = MetricsHook(
             Path(t.out_dir),
@@ -320,6 +324,8 @@ class Trainer:
         try:
             while self.step < t.steps:
                 result = self.train_step()
+                if "first_step" not in self.phases.seconds:
+                    self.phases.mark("first_step")
                 if isinstance(result, Verdict):  # nothing was applied; restore, skip data, go on
                     self.timer.discard()  # the rejected step's timings belong to no step
                     self.step = self.guard.recover(result)
@@ -347,6 +353,7 @@ class Trainer:
         tokens_per_step = t.global_batch * self.cfg.data.seq_len
         summary = {
             "steps": self.step,
+            "startup_s": self.phases.seconds,  # this process's start, phase by phase (a restart's own)
             "world_size": self.env.world_size,
             "device": str(self.env.device),  # cuda:N or cpu, with the backend: what the run really used
             "backend": self.env.backend,
