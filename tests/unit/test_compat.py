@@ -492,3 +492,26 @@ def test_fsdp_async_unshard_sets_every_param_groups_flag() -> None:
     _compat.fsdp_async_unshard(model)
     groups = [g for m in model.modules() for g in m._get_fsdp_state()._fsdp_param_groups if hasattr(m, "unshard")]
     assert groups and all(g.unshard_async_op for g in groups)
+
+
+def test_copy_tensors_copies_every_pair_in_one_call_or_falls_back_to_the_loop(monkeypatch):
+    import torch
+
+    from stalwart._compat import copy_tensors
+
+    src = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4, dtype=torch.bfloat16)]
+    flat = torch.zeros(10)
+    dst = [flat[:6].view(2, 3), torch.zeros(4, dtype=torch.bfloat16)]  # a view into one buffer, as a slot's
+    copy_tensors(dst, src, non_blocking=True)
+    assert torch.equal(flat[:6], torch.arange(6, dtype=torch.float32)) and torch.equal(dst[1], src[1])
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("foreach refused")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", refuse)
+    dst2 = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)]
+    copy_tensors(dst2, src)
+    assert calls and torch.equal(dst2[0], src[0]) and torch.equal(dst2[1], src[1])
+    copy_tensors([], [])  # nothing to copy: no call

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from stalwart import chaos
+from stalwart._compat import copy_tensors
 from stalwart.checkpoint.hparams import dcp_hyperparameters
 from stalwart.checkpoint.shm import (
     FORMAT,
@@ -277,12 +278,20 @@ class SnapshotWriter:
     def _acquire(self) -> int | None:
         """The slot holding the oldest snapshot (an empty or torn one first), never the newest unless
         the others are pinned."""
-        generation = {s.slot: s.generation for s in complete_slots(self.paths, self.rank)}
-        order = sorted(range(len(self.slots)), key=lambda i: (i == self.latest_slot, generation.get(i, -1)))
+        order = sorted(range(len(self.slots)), key=lambda i: (i == self.latest_slot, self._published_ns(i)))
         for i in order:
             if self.slots[i].try_lock():
                 return i
         return None
+
+    def _published_ns(self, slot: int) -> int:
+        """When the slot's header was published (-1: none, the slot is empty or torn). A rank's headers
+        are published in generation order, so this orders them as their generations do, without parsing
+        each header's JSON (tens of KB for a deep model) on every save."""
+        try:
+            return os.stat(self.paths.slot(self.rank, slot, "json")).st_mtime_ns
+        except FileNotFoundError:
+            return -1
 
     def _issue_cuda_copies(self, slot: int, entries: list[dict[str, Any]], captured: Captured) -> None:
         s = self.slots[slot]
@@ -291,9 +300,12 @@ class SnapshotWriter:
         self._stream = stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(stream):
-            for e, dst in zip(entries, s.views(entries)):
-                if (src := captured.sources[e["key"]]).is_cuda:
-                    dst.copy_(src, non_blocking=s.pinned)
+            pairs = [
+                (dst, src) for e, dst in zip(entries, s.views(entries)) if (src := captured.sources[e["key"]]).is_cuda
+            ]
+            copy_tensors(
+                [d for d, _ in pairs], [src for _, src in pairs], non_blocking=s.pinned
+            )  # one call, not one each
             self._cuda_event = torch.cuda.Event()
             self._cuda_event.record(stream)
 
