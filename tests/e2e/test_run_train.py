@@ -80,9 +80,10 @@ def test_fault_recovers_to_bitwise_identical_weights(stdlib_data, tmp_path, refe
     [row] = Journal(tmp_path / "run" / "journal.sqlite").incidents()
     assert row["details"]["warm_start"] is True, "restarted ranks were forked by the node's zygote"
     # Step 6 is saved on failure: by the node's keeper when it is up (it outlives the workers and saves
-    # in parallel with the restart, so the agent leaves it to it), else by the agent itself.
+    # in parallel with the restart, so the agent leaves it to it), else by the agent itself; or the agent,
+    # not seeing the keeper's lock at that moment, found the keeper's save already committed (CI21).
     saved = row["details"]["save_on_failure"]["detail"]
-    if saved == "the node's keeper saves on failure":
+    if saved in ("the node's keeper saves on failure", "step 6 is already covered by committed step 6"):
         assert "save-on-failure step 6" in (tmp_path / "out" / "keeper.log").read_text()
     else:
         assert saved.startswith("persisted step 6 "), saved

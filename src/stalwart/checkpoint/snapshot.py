@@ -191,6 +191,7 @@ class SnapshotWriter:
         existing = complete_slots(paths, rank)
         self.generation = existing[0].generation if existing else 0
         self.latest_slot: int | None = existing[0].slot if existing else None
+        self._generations = {s.slot: s.generation for s in existing}  # what each slot's header says
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
         self._future: Future[None] | None = None
         self._copied = threading.Event()
@@ -278,20 +279,20 @@ class SnapshotWriter:
     def _acquire(self) -> int | None:
         """The slot holding the oldest snapshot (an empty or torn one first), never the newest unless
         the others are pinned."""
-        order = sorted(range(len(self.slots)), key=lambda i: (i == self.latest_slot, self._published_ns(i)))
+        order = sorted(range(len(self.slots)), key=lambda i: (i == self.latest_slot, self._generation(i)))
         for i in order:
             if self.slots[i].try_lock():
                 return i
         return None
 
-    def _published_ns(self, slot: int) -> int:
-        """When the slot's header was published (-1: none, the slot is empty or torn). A rank's headers
-        are published in generation order, so this orders them as their generations do, without parsing
-        each header's JSON (tens of KB for a deep model) on every save."""
-        try:
-            return os.stat(self.paths.slot(self.rank, slot, "json")).st_mtime_ns
-        except FileNotFoundError:
+    def _generation(self, slot: int) -> int:
+        """The generation of the slot's snapshot (-1: none, the slot is empty or torn). Only this writer
+        publishes its rank's headers, so it remembers what it published instead of parsing each header's
+        JSON (tens of KB for a deep model) on every save; others only remove headers (a restore's
+        forgetting, a discard), which a stat sees."""
+        if slot not in self._generations or not self.paths.slot(self.rank, slot, "json").exists():
             return -1
+        return self._generations[slot]
 
     def _issue_cuda_copies(self, slot: int, entries: list[dict[str, Any]], captured: Captured) -> None:
         s = self.slots[slot]
@@ -360,6 +361,7 @@ class SnapshotWriter:
                 "mappings": {k: list(v) for k, v in captured.mappings.items()},
             }
             atomic_write(self.paths.slot(self.rank, slot, "json"), json.dumps(header).encode())
+            self._generations[slot] = self.generation
             self.latest_slot = slot
             self.stats["snapshots"] += 1
             self.stats["last_step"] = step

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 FAULTS = ("node-fail", "slow", "nan", "burst")  # burst: collectives slow in rounds 1-2 only (load)
-RETIMES = 2  # a collective straggler is timed again this many times beside a healthy pair before it is named
+RETIMES = 3  # a collective straggler is timed again (× the usual ops) beside healthy pairs before it is named
 
 
 @dataclass(frozen=True)
@@ -141,34 +141,39 @@ def _burn_in_round(
     return _per_node(_gather([float(ok), seconds], device), ranks_per_node)
 
 
+def _members(pair: tuple[int, ...], ranks_per_node: int) -> list[int]:
+    return [n * ranks_per_node + r for n in pair for r in range(ranks_per_node)]
+
+
+def _all_reduce_once(
+    group: Any, members: list[int], cfg: CheckConfig, fault: Fault | None, device: torch.device, retime: bool
+) -> tuple[bool, float]:
+    """One timed all-reduce of the known payload in a pair's group: (sum correct, seconds)."""
+    payload = torch.full((cfg.collective_elems,), float(dist.get_rank() + 1), device=device)
+    if fault and fault.kind == "node-fail":
+        payload.add_(torch.randn_like(payload))  # a NIC/driver that corrupts what it sends
+    start = time.perf_counter()
+    if fault and (fault.kind == "slow" or (fault.kind == "burst" and not retime)):
+        time.sleep(0.01 * fault.factor)
+    dist.all_reduce(payload, group=group)
+    seconds = time.perf_counter() - start
+    return bool(torch.allclose(payload, torch.full_like(payload, float(sum(m + 1 for m in members))))), seconds
+
+
 def pair_round(
-    pairs: list[tuple[int, int]],
-    cfg: CheckConfig,
-    node: int,
-    ranks_per_node: int,
-    device: torch.device,
-    retime: bool = False,
+    pairs: list[tuple[int, int]], cfg: CheckConfig, node: int, ranks_per_node: int, device: torch.device
 ) -> tuple[bool, float]:
     """All-reduce inside each pair of nodes, one pair at a time so pairs do not compete for the
     host (on a real cluster they would not); returns this rank's (sum correct, fastest op seconds).
     Every rank creates every pair's group: new_group is collective over the world."""
-    groups = [dist.new_group([n * ranks_per_node + r for n in pair for r in range(ranks_per_node)]) for pair in pairs]
+    groups = [dist.new_group(_members(pair, ranks_per_node)) for pair in pairs]
     fault = cfg.fault if cfg.fault and cfg.fault.node == node else None
     ok, times = True, []
     for pair, group in zip(pairs, groups):
         if node in pair:
-            members = [n * ranks_per_node + r for n in pair for r in range(ranks_per_node)]
-            expected = float(sum(m + 1 for m in members))
             for _ in range(cfg.collective_iters):
-                payload = torch.full((cfg.collective_elems,), float(dist.get_rank() + 1), device=device)
-                if fault and fault.kind == "node-fail":
-                    payload.add_(torch.randn_like(payload))  # a NIC/driver that corrupts what it sends
-                start = time.perf_counter()
-                if fault and (fault.kind == "slow" or (fault.kind == "burst" and not retime)):
-                    time.sleep(0.01 * fault.factor)
-                dist.all_reduce(payload, group=group)
-                times.append(time.perf_counter() - start)
-                ok = ok and bool(torch.allclose(payload, torch.full_like(payload, expected)))
+                right, seconds = _all_reduce_once(group, _members(pair, ranks_per_node), cfg, fault, device, False)
+                ok, times = ok and right, [*times, seconds]
         dist.barrier()
     return ok, min(times) if times else 0.0
 
@@ -314,7 +319,7 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
             # pair: the partner of a corrupting node was a suspect for the wrong sum, and a slow round-2
             # pair on a loaded host is no straggler (CI: a load burst covered both rounds)
             r.straggler = True
-            r.reasons.append(f"collective {r.round2_s / typical:.1f}× the typical pair, in both rounds")
+            r.reasons.append(f"collective {r.round2_s / typical:.1f}× the typical pair, in both rounds and retimed")
     for r in reports:
         r.ok = r.ok and r.matmul_ok
     return reports
@@ -329,22 +334,28 @@ def _slow_when_retimed(
     ranks_per_node: int,
     device: torch.device,
 ) -> list[int]:
-    """The suspects whose round-2 pair stays `collective_slow_factor` × slower than the healthy
-    round-1 pairs timed right after it, in each of `RETIMES` turns: a burst of load on a shared host
-    slows whatever is timed during it, so only a pair slow against a reference timed beside it counts."""
-    still = set(slow)
-    for _ in range(RETIMES):
-        for n in sorted(still):
-            pair = tuple(reports[n].round2_pair or ())
-            assert len(pair) == 2, pair
-            _, seconds = pair_round([pair], cfg, node, ranks_per_node, device, retime=True)
-            pair_s = max(float(rows[:, 1].max()) for rows in _per_node(_gather([0.0, seconds], device), ranks_per_node))
-            _, seconds = pair_round(reference, cfg, node, ranks_per_node, device, retime=True)
-            rows_ref = _per_node(_gather([0.0, seconds], device), ranks_per_node)
-            typical = statistics.median(max(float(rows_ref[m][:, 1].max()) for m in p) for p in reference)
-            if pair_s <= cfg.collective_slow_factor * typical:
-                still.discard(n)
-    return [n for n in slow if n in still]
+    """The suspects whose round-2 pair stays `collective_slow_factor` × slower than the healthy round-1
+    pairs when timed again in alternation with them (`RETIMES` × the usual ops each, the fastest of
+    each compared): a burst of load on a shared host slows whatever is timed during it, so only a pair
+    slow against references timed beside it counts."""
+    fault = cfg.fault if cfg.fault and cfg.fault.node == node else None
+    still = []
+    for n in slow:
+        pairs = [tuple(reports[n].round2_pair or ()), *reference]
+        assert len(pairs[0]) == 2, pairs
+        groups = [dist.new_group(_members(p, ranks_per_node)) for p in pairs]
+        best = [0.0] * len(pairs)  # this rank's fastest op per pair it belongs to (0: not a member)
+        for _ in range(RETIMES * cfg.collective_iters):
+            for i, (pair, group) in enumerate(zip(pairs, groups)):
+                if node in pair:
+                    _, seconds = _all_reduce_once(group, _members(pair, ranks_per_node), cfg, fault, device, True)
+                    best[i] = seconds if not best[i] else min(best[i], seconds)
+                dist.barrier()
+        per_node = _per_node(_gather(best, device), ranks_per_node)
+        pair_s = [max(float(per_node[m][:, i].max()) for m in p) for i, p in enumerate(pairs)]
+        if pair_s[0] > cfg.collective_slow_factor * statistics.median(pair_s[1:]):
+            still.append(n)
+    return still
 
 
 def summarize(reports: list[NodeReport]) -> dict[str, Any]:
