@@ -1,5 +1,5 @@
 """Observability for real: `stalwart run` + `stalwart train`, separate processes, gloo, a kill and a
-restart. One injected 200 ms stall shows at exactly its (step, rank) in the per-rank records, and the
+restart. One injected 1 s stall shows at exactly its (step, rank) in the per-rank records, and the
 merged trace carries every rank, every step record and every journaled incident."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from stalwart.observe.records import read_meta, read_records
 
 pytestmark = pytest.mark.e2e
 STEPS, STALL_STEP, STALL_RANK, KILL_STEP = 8, 3, 1, 5
+STALL_S = 1.0  # well above a cold first forward after the restart on a loaded 2-core box (CI: >200 ms)
 
 
 def stalwart(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -31,7 +32,7 @@ def run_dir(stdlib_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     tmp = tmp_path_factory.mktemp("observe")
     run = tmp / "run"
     env = dict(os.environ, STALWART_CHAOS_DIR=str(tmp / "chaos"))
-    chaos = f"kill:rank=0:step={KILL_STEP};delay:at=forward:step={STALL_STEP}:rank={STALL_RANK}:seconds=0.2"
+    chaos = f"kill:rank=0:step={KILL_STEP};delay:at=forward:step={STALL_STEP}:rank={STALL_RANK}:seconds={STALL_S}"
     launcher = ["run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--hang-timeout", "5"]
     launcher += ["--run-dir", str(run), "--chaos", chaos]
     trainer = ["-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={stdlib_data}"]
@@ -46,9 +47,9 @@ def test_a_stall_shows_at_exactly_its_step_and_rank(run_dir: Path):
     assert set(records) == {(s, r) for s in range(1, STEPS + 1) for r in (0, 1)}, "every rank, every step"
     forward = {key: r["ms"]["forward"] for key, r in records.items()}
     assert max(forward, key=forward.get) == (STALL_STEP, STALL_RANK)
-    assert forward[(STALL_STEP, STALL_RANK)] >= 200.0
+    assert forward[(STALL_STEP, STALL_RANK)] >= 1000 * STALL_S
     stalled = records[(STALL_STEP, STALL_RANK)]
-    assert stalled["ms"]["step"] >= stalled["ms"]["forward"] and stalled["compute_ms"] >= 200.0
+    assert stalled["ms"]["step"] >= stalled["ms"]["forward"] and stalled["compute_ms"] >= 1000 * STALL_S
     for r in records.values():  # the record carries the step's numbers, not just times
         assert {"data", "forward", "backward", "grad_clip", "optimizer", "checkpoint", "step"} <= set(r["ms"])
         assert r["loss"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["mem_mb"] > 0
