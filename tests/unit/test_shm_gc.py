@@ -187,6 +187,25 @@ def test_a_keeper_stopped_while_it_starts_still_tidies_the_job(shm, tmp_path):
     assert not job.root.exists() and keeper.kept() is None
 
 
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_the_agent_removes_what_a_killed_keeper_left_only_if_it_holds_no_job(shm, tmp_path, snapshots):
+    """A keeper killed before its final pass cannot remove the directory the agent made for it (CI16,
+    CI23: an evicted node's empty directory outlived the test session): the agent removes it once the
+    keeper has exited, unless it holds a job's snapshots (those are for `stalwart ckpt gc` to expire)."""
+    from stalwart.checkpoint.keeper_process import KeeperProcess
+    from stalwart.checkpoint.node_job import NodeJob
+
+    job = NodeJob(user_dir(shm) / "evicted")
+    keeper = KeeperProcess(job, tmp_path / "keeper.log", grace_s=60).start()
+    assert job.root.is_dir()  # made for the keeper before it runs
+    if snapshots:
+        job.paths.rank_dir(0).mkdir()
+    keeper.proc.kill()
+    keeper.proc.wait()
+    keeper.stop()
+    assert job.root.exists() == snapshots
+
+
 class _Stopped:
     """The agent's stop request, already made (``keeper_process.StopRequest`` without its signals)."""
 

@@ -28,7 +28,7 @@ from stalwart.checkpoint.peer_restore import FETCHED
 from stalwart.checkpoint.replicas import REPLICAS_DIR
 from stalwart.checkpoint.replicator import STATUS_FILE, ReplicaConfig, Replicator
 from stalwart.checkpoint.shm import default_shm_root, user_dir
-from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, KEPT, collect, kept_line, mark_kept
+from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, KEPT, collect, kept_line, mark_kept, remove
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE
 
 
@@ -103,23 +103,24 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
     finally:
         if replicator is not None:
             replicator.stop()
-    leftover = {p.name for p in node.root.iterdir()} if node.root.is_dir() else set()
-    if leftover <= {
-        "keeper.lock",
-        "keeper.json",
-        "job.lock",
-        "persist.lock",
-        "rollback.json",
-        STATUS_FILE,
-        REPLICAS_DIR,
-        FETCHED,
-        KEPT,
-    }:
+    if holds_no_job(node.root):
         shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
     elif not node.paths.kept.exists():  # snapshots the final pass left (memory-only, or it was cut short)
         keep_s = float((node.job().get("policy") or {}).get("keep_shm_s", DEFAULT_KEEP_S))
         log.warning("%s", mark_kept(node.paths, keep_s, stop.why or "the agent stopped"))
     return 0
+
+
+_NO_JOB = {"keeper.lock", "keeper.json", "job.lock", "persist.lock", "rollback.json", STATUS_FILE, REPLICAS_DIR}
+
+
+def holds_no_job(root: Path) -> bool:
+    """True when ``root`` holds no snapshot nor job of its own: only locks, status and fetched or kept
+    leftovers (or it is gone)."""
+    try:
+        return {p.name for p in root.iterdir()} <= _NO_JOB | {FETCHED, KEPT}
+    except (FileNotFoundError, NotADirectoryError):
+        return True
 
 
 def _serve_jobs(node: NodeJob, stop: StopRequest, poll_s: float, status_copy: Path | None) -> None:
@@ -211,8 +212,15 @@ class KeeperProcess:
         """SIGTERM: the keeper persists what is due, saves on failure, tidies and exits (it enforces
         ``grace_s`` itself; SIGKILL after a little more). ``wait_s``: wait only that long, then leave it
         finishing on its own (a preempted agent's exit must not wait)."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
+        if self.proc.poll() is None:
+            self._stop(wait_s)
+        if self.proc.poll() is not None:
+            self._tidy()
+
+    def _stop(self, wait_s: float | None) -> None:
+        assert self.proc is not None
         start = time.monotonic()
         self._wait_ready(start + (self.grace_s if wait_s is None else wait_s))
         if wait_s is not None:
@@ -235,6 +243,16 @@ class KeeperProcess:
         log.warning("keeper pid %d did not stop within %.0f s; killing it", self.proc.pid, self.grace_s + 5)
         self.proc.kill()
         self.proc.wait()
+
+    def _tidy(self) -> None:
+        """The directory this agent created for its keeper goes when the keeper left nothing of a job in
+        it, also where the keeper could not remove it itself (killed or crashed before its final pass:
+        CI16 and CI23 found such an empty directory of an evicted node)."""
+        assert self.proc is not None and self.proc.returncode is not None
+        if self.proc.returncode != 0:
+            log.warning("keeper pid %d exited with %d; see %s", self.proc.pid, self.proc.returncode, self.log_path)
+        if self.job.root.is_dir() and holds_no_job(self.job.root):
+            remove(self.job.root)
 
     def _wait_ready(self, deadline: float) -> None:
         """A keeper still importing when a short job ended dies of SIGTERM without its final pass, and
