@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from stalwart import chaos
+from stalwart.dist import cuda_devices
 from stalwart.health.check import CheckConfig, Fault, burn_in, reference_product
 
 POINT = "precheck"
@@ -51,7 +52,7 @@ class PrecheckResult:
 
 def local_devices(local_world_size: int) -> list[torch.device]:
     """The device each local worker will use: its own GPU when there are enough, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+    if cuda_devices() >= local_world_size:
         return [torch.device("cuda", i) for i in range(local_world_size)]
     return [torch.device("cpu")] * local_world_size
 
