@@ -322,6 +322,17 @@ def sdpa_backend(
     return SDPBackend(choice).name.lower()
 
 
+def ddp_without_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword for "no buffer broadcast in every forward": ``forward_sync_buffers=False`` where
+    torch has it (2.13 deprecates ``broadcast_buffers`` with a FutureWarning at every start; the new one
+    still syncs buffers once at init), ``broadcast_buffers=False`` before (2.11)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 # --- end of training section ------------------------------------------------------------------
 
 

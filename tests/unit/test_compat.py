@@ -450,6 +450,26 @@ def test_flight_recorder_dump_lists_collectives_on_gloo() -> None:
     assert all(isinstance(e["retired"], bool) for e in mine)
 
 
+def test_ddp_without_buffer_sync_builds_ddp_silently_and_skips_the_forward_broadcast() -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        module = torch.nn.BatchNorm1d(2)  # it has buffers
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch 2.13: broadcast_buffers's FutureWarning
+            ddp = DistributedDataParallel(module, **_compat.ddp_without_buffer_sync())
+        assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+        assert not ddp.will_sync_module_buffers()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_sdpa_backend_names_the_kernel_torch_dispatches_to() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

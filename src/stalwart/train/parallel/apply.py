@@ -34,6 +34,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from stalwart import _compat
 from stalwart.models.moe import moe_modules, set_aux_grad_scale
 from stalwart.plan.parallel import Layout
 from stalwart.train.parallel import compress as compress_mod
@@ -361,7 +362,7 @@ def parallelize(
         ddp = DDP(
             model,
             process_group=mesh["dp_replicate"].get_group(),
-            broadcast_buffers=False,
+            **_compat.ddp_without_buffer_sync(),
             bucket_cap_mb=options.ddp_bucket_mb,
             device_ids=[device.index] if device.type == "cuda" else None,
         )
