@@ -17,6 +17,8 @@ workers, keeper) and its shared memory removed: a dead host.
 ``stalwart-sync``  the same with `--replica-sync`: a step's checkpoint call returns once every rank's
               snapshot of it is in a peer's memory (no completed step can be lost; the copy is paid
               in every step: compare ``wall_step_s``).
+``stalwart-overlap``  the same with `--replica-overlap`: a step's checkpoint call waits for the previous
+              step's copies, so they overlap a step (at most the step whose copy was on the way is lost).
 ``stalwart-noreplica``  the same with `--replicas 0`: the lost node's state comes from storage.
 ``torchrun``  3 `torchrun --nnodes 3` agents (c10d rendezvous hosted by the first), synchronous DCP
               every ``--dcp-every`` steps; the lost node is relaunched at once (an operator with zero
@@ -53,7 +55,8 @@ from stalwart.checkpoint.node_job import NodeJob
 from stalwart.launch.client import MasterClient
 
 JOB = Path(__file__).resolve().parent / "recovery_job.py"
-CONFIGS = ("stalwart", "stalwart-sync", "stalwart-noreplica", "torchrun")
+CONFIGS = ("stalwart", "stalwart-sync", "stalwart-overlap", "stalwart-noreplica", "torchrun")
+WAITS = {"stalwart-sync": ["--replica-sync"], "stalwart-overlap": ["--replica-overlap"]}  # how steps wait for copies
 TOKEN = "node-loss-benchmark"
 
 
@@ -142,7 +145,7 @@ def agent_of(worker_pid: int, agents: dict[str, subprocess.Popen]) -> str | None
 
 
 def run_stalwart(
-    work: Path, args: argparse.Namespace, parallel: str, replicas: int = 1, sync: bool = False
+    work: Path, args: argparse.Namespace, parallel: str, replicas: int = 1, wait: list[str] | None = None
 ) -> dict[str, Any]:
     job = f"nodeloss-{uuid.uuid4().hex[:8]}"
     ready = work / "master.json"
@@ -163,7 +166,7 @@ def run_stalwart(
             cmd = [sys.executable, "-m", "stalwart", "run", "--nnodes", "3:3", "--nproc-per-node", "1"]
             cmd += ["--rdzv-backend", "c10d", "--rdzv-id", job, "--master", address, "--job-token", TOKEN]
             cmd += ["--node-id", f"node{n}", "--max-restarts", "3", "--run-dir", str(work / f"run{n}")]
-            cmd += ["--replicas", str(replicas), *(["--replica-sync"] if sync else [])]
+            cmd += ["--replicas", str(replicas), *(wait or [])]
             cmd += ["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else []
             agents[f"node{n}"] = subprocess.Popen(
                 cmd + job_args(work, args, parallel, "flash"),
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                         run = run_torchrun(work, args, parallel)
                     else:
                         replicas = 0 if config == "stalwart-noreplica" else 1
-                        run = run_stalwart(work, args, parallel, replicas, sync=config == "stalwart-sync")
+                        run = run_stalwart(work, args, parallel, replicas, WAITS.get(config))
                     row = analyse(work, run)
                     runs.setdefault(f"{config}/{parallel}", []).append(row)
                     if not args.json:
@@ -299,11 +302,14 @@ def main(argv: list[str] | None = None) -> int:
             "lost_steps_each": [r["lost_steps"] for r in good],
             "step_s": _median([r["step_s"] for r in good]),
             "wall_step_s": _median([r["wall_step_s"] for r in good]),
+            "wall_over_compute": _median(
+                [r["wall_step_s"] / r["step_s"] for r in good if r["wall_step_s"] and r["step_s"]]
+            ),
             "sources": sorted({str(r["source"]) for r in good}),
         }
     for parallel in parallels:
         theirs = summary.get(f"torchrun/{parallel}")
-        for config in ("stalwart", "stalwart-sync"):
+        for config in ("stalwart", "stalwart-sync", "stalwart-overlap"):
             ours = summary.get(f"{config}/{parallel}")
             if ours and theirs and ours["back_s"] and theirs["back_s"]:
                 ours["speedup_vs_torchrun"] = round(theirs["back_s"] / ours["back_s"], 2)

@@ -3,7 +3,7 @@ worker, keeper and its shared memory — and the survivor and the spare resume f
 rank's FSDP2 shards come from the copy its keeper pushed into the survivor's memory (`--replicas 1`,
 the default), not from storage. The final weights and optimizer state are bitwise those of a
 fault-free 2-rank FSDP2 run. With `--replica-sync` the node is killed at once, and no step the
-survivor completed is lost."""
+survivor completed is lost; with `--replica-overlap` (the copies overlap the next step) at most one."""
 
 from __future__ import annotations
 
@@ -50,8 +50,11 @@ def completed_step(tmp_path, n: int) -> int:
     return max((p.step for r in (0, 1) if (p := reader.read(r)) is not None), default=0)
 
 
-@pytest.mark.parametrize("sync", [False, True], ids=["async", "replica-sync"])
-def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_data, tmp_path, sync, reference):
+WAITS = {"async": (), "sync": ("--replica-sync",), "overlap": ("--replica-overlap",)}
+
+
+@pytest.mark.parametrize("wait", list(WAITS))
+def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_data, tmp_path, wait, reference):
     job = f"replicas-{uuid.uuid4().hex[:8]}"
     master, address = start_master(tmp_path)
     client = MasterClient(address, TOKEN)
@@ -62,7 +65,7 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
     nodes: dict[int, subprocess.Popen] = {}
     try:
         for n in range(3):
-            run = ("--summary-json", str(tmp_path / f"summary{n}.json"), *(["--replica-sync"] if sync else []))
+            run = ("--summary-json", str(tmp_path / f"summary{n}.json"), *WAITS[wait])
             nodes[n] = start_node(tmp_path, stdlib_data, address, job, n, run=run, train=FSDP, pace=pace)
         wait_for(
             "a round and a spare",
@@ -82,8 +85,8 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
         survivor = int(members[0][-1])
         done = completed_step(tmp_path, survivor)
         # Asynchronous copies trail the steps (under load by more than the survivor's slots): killed the
-        # moment they are within them. With --replica-sync, at once.
-        lose_node(nodes[lost], job, lost, when=None if sync else caught_up(job, lost, survivor, world=2))
+        # moment they are within them. With --replica-sync or --replica-overlap, at once.
+        lose_node(nodes[lost], job, lost, when=caught_up(job, lost, survivor, world=2) if wait == "async" else None)
         pace.set(0)
         for n in (n for n in nodes if n != lost):
             assert nodes[n].wait(timeout=240) == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
@@ -94,6 +97,8 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
     ck = same_as_reference(tmp_path, STEPS, reference_dir)["checkpoint"]
     assert ck["restored_from"] == "memory" and ck["restore_step"] >= committed, (ck, committed)
     assert "1 rank(s) fetched from peers' memory" in ck["restore_detail"], ck
-    assert (ck["replica_wait_s"] > 0) == sync, ck  # only --replica-sync makes the steps wait for copies
-    if sync:  # every step completed before the kill had its copies out: none is redone
+    assert (ck["replica_wait_s"] > 0) == (wait != "async"), ck  # only these make the steps wait for copies
+    if wait == "sync":  # every step completed before the kill had its copies out: none is redone
         assert ck["restore_step"] >= done, (ck, done)
+    if wait == "overlap":  # every step but the last completed one had its copies out
+        assert ck["restore_step"] >= done - 1, (ck, done)

@@ -331,10 +331,13 @@ def test_replicas_are_off_for_a_job_that_cannot_span_nodes():
     assert replicas(parse("--nnodes", "1:4")) == 1 and replicas(parse("--nnodes", "4", "--replicas", "2")) == 2
     with pytest.raises(ValueError, match="--replicas must be 0"):
         replicas(parse("--nnodes", "2", "--replicas", "-1"))
-    assert replica_sync(parse("--nnodes", "2", "--replica-sync")) and not replica_sync(parse("--nnodes", "2"))
-    assert not replica_sync(parse("--nnodes", "1", "--replica-sync"))  # nothing to wait for on one node
-    with pytest.raises(ValueError, match="give --replicas ≥ 1"):
-        replica_sync(parse("--nnodes", "2", "--replicas", "0", "--replica-sync"))
+    assert replica_sync(parse("--nnodes", "2", "--replica-sync")) == "1" and replica_sync(parse("--nnodes", "2")) == ""
+    assert replica_sync(parse("--nnodes", "2", "--replica-overlap")) == "overlap"
+    assert replica_sync(parse("--nnodes", "1", "--replica-sync")) == ""  # nothing to wait for on one node
+    with pytest.raises(ValueError, match="--replica-overlap waits .* give --replicas ≥ 1"):
+        replica_sync(parse("--nnodes", "2", "--replicas", "0", "--replica-overlap"))
+    with pytest.raises(ValueError, match="give one"):
+        replica_sync(parse("--nnodes", "2", "--replica-sync", "--replica-overlap"))
 
 
 def two_nodes(shm: Path, storage: Storage) -> tuple[NodeJob, NodeJob]:

@@ -41,7 +41,7 @@ from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
-from stalwart.runtime import ENV_REPLICA_SYNC, worker_env
+from stalwart.runtime import ENV_REPLICA_SYNC, REPLICA_OVERLAP, worker_env
 
 log = logging.getLogger("stalwart.checkpoint")
 
@@ -173,8 +173,11 @@ class Checkpointer:
                 )
         slots = int(os.environ.get(shm.ENV_SLOTS) or len(shm.SLOTS))
         self.writer = SnapshotWriter(self.paths, self.rank, self.world, slots, epoch=self.epoch)
-        # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out
-        self.replica_sync = os.environ.get(ENV_REPLICA_SYNC) == "1" and self.world > len(self.node_ranks)
+        # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out;
+        # `--replica-overlap`: once the previous save's are (``_copies_due``), so they overlap a step
+        sync = os.environ.get(ENV_REPLICA_SYNC, "") if self.world > len(self.node_ranks) else ""
+        self.replica_sync, self.replica_overlap = bool(sync), sync == REPLICA_OVERLAP
+        self._copies_due: tuple[int, float, bool] | None = None  # (step, since, started) of the last save
         self._bound: tuple[tuple[int, ...], TrainingState] | None = None
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
@@ -200,7 +203,9 @@ class Checkpointer:
             log.warning("could not read the multi-node records in %s: %r", self.storage.url, err)
 
     def _next_trajectory(self) -> tuple[int, int]:
-        """A restore begins a later trajectory: the snapshots taken after it carry (epoch, restores)."""
+        """A restore begins a later trajectory: the snapshots taken after it carry (epoch, restores), and
+        the copies of an earlier one are not waited for."""
+        self._copies_due = None
         self.writer.restores += 1
         return self.epoch, self.writer.restores
 
@@ -259,8 +264,13 @@ class Checkpointer:
                 self._hooked.add(id(opt))
                 self._hooks.append(opt.register_step_pre_hook(self._before_optimizer_step))
         since = time.time()
+        if self._copies_due is not None:  # --replica-overlap: the previous save's copies, before a slot is reused
+            self._wait_for_copies(*self._copies_due)
+            self._copies_due = None
         started = self.writer.start(step, tstate.capture(), persist)
-        if self.replica_sync:
+        if self.replica_overlap:
+            self._copies_due = (step, since, started)
+        elif self.replica_sync:
             self._wait_for_copies(step, since, started)
         if started and persist:
             self.pending_persist = step
@@ -273,10 +283,9 @@ class Checkpointer:
         return started
 
     def _wait_for_copies(self, step: int, since: float, started: bool) -> None:
-        """``--replica-sync``: the step is done once every rank's snapshot of it is in a peer's memory, so
-        a node lost after any completed step costs none. If any rank skipped its snapshot (slots busy)
-        its node's keeper never copies the step: then nobody waits. Every rank takes part in both
-        collectives, whatever became of its own snapshot or copy."""
+        """Return once every rank's snapshot of ``step`` is in a peer's memory (a node lost then costs no
+        step), or nobody waits: a rank skipped its snapshot (slots busy), so its keeper never copies it.
+        Every rank takes part in both collectives, whatever became of its own snapshot or copy."""
         t0 = time.perf_counter()
         if started:
             self.writer.wait()

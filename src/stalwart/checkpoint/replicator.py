@@ -69,7 +69,7 @@ class ReplicaConfig:
             log.warning("replicas asked for but no job token given to the keeper: no peer replicas")
             return None
         host, domain = env.get(ENV_REPLICA_HOST) or "127.0.0.1", env.get(ENV_REPLICA_DOMAIN, "")
-        return cls(copies, host, domain, key.encode(), sync=env.get(ENV_REPLICA_SYNC) == "1")
+        return cls(copies, host, domain, key.encode(), sync=bool(env.get(ENV_REPLICA_SYNC)))
 
 
 def choose_peers(me: str, domain: str, entries: list[dict[str, Any]], down: set[str]) -> list[dict[str, Any]]:

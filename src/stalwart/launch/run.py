@@ -151,8 +151,8 @@ def run(argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if replicas(args) > 0:  # a third snapshot slot: copies that trail by two steps still meet the survivors'
         os.environ.setdefault(runtime.ENV_SNAPSHOT_SLOTS, "3")
-    if replica_sync(args):  # the workers' saves wait for their copies (the keeper learns it from replica_env)
-        os.environ[runtime.ENV_REPLICA_SYNC] = "1"
+    if sync := replica_sync(args):  # the workers' saves wait for copies (the keeper learns it from replica_env)
+        os.environ[runtime.ENV_REPLICA_SYNC] = sync
     os.environ[runtime.ENV_EXIT_GRACE] = repr(args.exit_grace)  # a returned script's process ends within it
     nccl_env.apply_defaults(os.environ, args.nccl_env == "on")  # the user's own values win
     # The keeper's own environment carries the job token: peer replicas, and the master's lost nodes.

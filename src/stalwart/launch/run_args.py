@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "copies trail the training, and a node lost while its copy is on the way costs that step)",
     )
     g.add_argument(
+        "--replica-overlap",
+        action="store_true",
+        help="like --replica-sync, but a step's copies overlap the next step: a checkpoint call waits for "
+        "the previous step's copies, not its own, so it costs nothing while a copy takes less than a step, "
+        "and a lost node costs at most the one step whose copy was on the way",
+    )
+    g.add_argument(
         "--replica-domain",
         default=os.environ.get(runtime.ENV_FAILURE_DOMAIN, ""),
         metavar="LABEL",
@@ -210,18 +217,25 @@ def replicas(args: argparse.Namespace) -> int:
     return args.replicas if torchrun.parse_min_max_nnodes(args.nnodes)[1] > 1 else 0
 
 
-def replica_sync(args: argparse.Namespace) -> bool:
-    """Do steps wait for their peer copies (``--replica-sync``)? Never in a job that makes none."""
-    if args.replica_sync and args.replicas == 0:
-        raise ValueError("--replica-sync waits for the peer copies that --replicas 0 turns off; give --replicas ≥ 1")
-    return bool(args.replica_sync) and replicas(args) > 0
+def replica_sync(args: argparse.Namespace) -> str:
+    """How steps wait for their peer copies: ``"1"`` each for its own (``--replica-sync``), ``"overlap"``
+    each for the previous step's (``--replica-overlap``), ``""`` not at all (also in a job that makes
+    no copies)."""
+    flag = "--replica-overlap" if args.replica_overlap else "--replica-sync" if args.replica_sync else ""
+    if args.replica_sync and args.replica_overlap:
+        raise ValueError("--replica-sync and --replica-overlap are two ways to wait for copies: give one")
+    if flag and args.replicas == 0:
+        raise ValueError(f"{flag} waits for the peer copies that --replicas 0 turns off; give --replicas ≥ 1")
+    if not flag or replicas(args) == 0:
+        return ""
+    return runtime.REPLICA_OVERLAP if args.replica_overlap else "1"
 
 
 def replica_env(args: argparse.Namespace, master_address: str, token: str) -> dict[str, str]:
     """The keeper's replica settings (the token stays out of the workers' environment)."""
     return {
         runtime.ENV_REPLICAS: str(replicas(args)),
-        runtime.ENV_REPLICA_SYNC: "1" if replica_sync(args) else "",
+        runtime.ENV_REPLICA_SYNC: replica_sync(args),
         runtime.ENV_REPLICA_HOST: replica_host(args, master_address),
         runtime.ENV_REPLICA_DOMAIN: args.replica_domain or "",
         runtime.ENV_REPLICA_KEY: token,

@@ -41,7 +41,9 @@ ENV_REPLICAS = "STALWART_REPLICAS"
 ENV_REPLICA_HOST = "STALWART_REPLICA_HOST"
 ENV_REPLICA_DOMAIN = "STALWART_REPLICA_DOMAIN"
 ENV_REPLICA_KEY = "STALWART_REPLICA_KEY"
-ENV_REPLICA_SYNC = "STALWART_REPLICA_SYNC"  # "1": a step's save returns once its snapshot is in a peer's memory
+# "1": a step's save returns once its snapshot is in a peer's memory; "overlap": once the previous one's is
+ENV_REPLICA_SYNC = "STALWART_REPLICA_SYNC"
+REPLICA_OVERLAP = "overlap"
 ENV_FAILURE_DOMAIN = "STALWART_FAILURE_DOMAIN"  # the user's: --replica-domain's default
 ENV_SNAPSHOT_SLOTS = "STALWART_SNAPSHOT_SLOTS"
 # How long a worker whose script returned may take to end (threads, exit handlers) before it is ended.
