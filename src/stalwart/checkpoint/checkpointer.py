@@ -175,8 +175,7 @@ class Checkpointer:
         self.writer = SnapshotWriter(self.paths, self.rank, self.world, slots, epoch=self.epoch)
         # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out;
         # `--replica-overlap`: once the previous save's are (``_copies_due``), so they overlap a step
-        sync = os.environ.get(ENV_REPLICA_SYNC, "") if self.world > len(self.node_ranks) else ""
-        self.replica_sync, self.replica_overlap = bool(sync), sync == REPLICA_OVERLAP
+        self.replica_wait = os.environ.get(ENV_REPLICA_SYNC, "") if self.world > len(self.node_ranks) else ""
         self._copies_due: tuple[int, float, bool] | None = None  # (step, since, started) of the last save
         self._bound: tuple[tuple[int, ...], TrainingState] | None = None
         self._hooked: set[int] = set()
@@ -263,14 +262,14 @@ class Checkpointer:
             if id(opt) not in self._hooked:
                 self._hooked.add(id(opt))
                 self._hooks.append(opt.register_step_pre_hook(self._before_optimizer_step))
-        since = time.time()
         if self._copies_due is not None:  # --replica-overlap: the previous save's copies, before a slot is reused
             self._wait_for_copies(*self._copies_due)
             self._copies_due = None
+        since = time.time()
         started = self.writer.start(step, tstate.capture(), persist)
-        if self.replica_overlap:
+        if self.replica_wait == REPLICA_OVERLAP:
             self._copies_due = (step, since, started)
-        elif self.replica_sync:
+        elif self.replica_wait:
             self._wait_for_copies(step, since, started)
         if started and persist:
             self.pending_persist = step

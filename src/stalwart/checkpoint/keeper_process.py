@@ -111,14 +111,24 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
     return 0
 
 
-_NO_JOB = {"keeper.lock", "keeper.json", "job.lock", "persist.lock", "rollback.json", STATUS_FILE, REPLICAS_DIR}
+_NO_JOB = {
+    "keeper.lock",
+    "keeper.json",
+    "job.lock",
+    "persist.lock",
+    "rollback.json",
+    STATUS_FILE,
+    REPLICAS_DIR,
+    FETCHED,
+    KEPT,
+}
 
 
 def holds_no_job(root: Path) -> bool:
     """True when ``root`` holds no snapshot nor job of its own: only locks, status and fetched or kept
     leftovers (or it is gone)."""
     try:
-        return {p.name for p in root.iterdir()} <= _NO_JOB | {FETCHED, KEPT}
+        return {p.name for p in root.iterdir()} <= _NO_JOB
     except (FileNotFoundError, NotADirectoryError):
         return True
 
@@ -251,8 +261,8 @@ class KeeperProcess:
         assert self.proc is not None and self.proc.returncode is not None
         if self.proc.returncode != 0:
             log.warning("keeper pid %d exited with %d; see %s", self.proc.pid, self.proc.returncode, self.log_path)
-        if self.job.root.is_dir() and holds_no_job(self.job.root):
-            remove(self.job.root)
+        if holds_no_job(self.job.root):
+            remove(self.job.root)  # under its job lock; a directory already gone is left alone
 
     def _wait_ready(self, deadline: float) -> None:
         """A keeper still importing when a short job ended dies of SIGTERM without its final pass, and

@@ -221,14 +221,12 @@ def replica_sync(args: argparse.Namespace) -> str:
     """How steps wait for their peer copies: ``"1"`` each for its own (``--replica-sync``), ``"overlap"``
     each for the previous step's (``--replica-overlap``), ``""`` not at all (also in a job that makes
     no copies)."""
-    flag = "--replica-overlap" if args.replica_overlap else "--replica-sync" if args.replica_sync else ""
     if args.replica_sync and args.replica_overlap:
         raise ValueError("--replica-sync and --replica-overlap are two ways to wait for copies: give one")
-    if flag and args.replicas == 0:
+    flag, mode = ("--replica-overlap", runtime.REPLICA_OVERLAP) if args.replica_overlap else ("--replica-sync", "1")
+    if (args.replica_sync or args.replica_overlap) and args.replicas == 0:
         raise ValueError(f"{flag} waits for the peer copies that --replicas 0 turns off; give --replicas ≥ 1")
-    if not flag or replicas(args) == 0:
-        return ""
-    return runtime.REPLICA_OVERLAP if args.replica_overlap else "1"
+    return mode if (args.replica_sync or args.replica_overlap) and replicas(args) > 0 else ""
 
 
 def replica_env(args: argparse.Namespace, master_address: str, token: str) -> dict[str, str]:

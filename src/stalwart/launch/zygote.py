@@ -49,18 +49,18 @@ from stalwart.launch.zygote_worker import become_worker, parse_python_args
 log = logging.getLogger("stalwart.zygote")
 CLIENT = Path(zygote_client.__file__)
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.checkpoint")
-SCRIPT_PRELOAD = _compat.DYNAMO_MODULES  # scripts: torch.compile and others import dynamo (0.5-3 s)
-# `-m stalwart`: the trainer, and dynamo after it: the model's weights drawn on the meta device
-# (nn.init.normal_ through torch._refs) import it, 0.4-0.7 s of a restart's start on the CPU.
-STALWART_PRELOAD = ("stalwart.cli", "stalwart.commands.train", "stalwart.train.trainer", *_compat.DYNAMO_MODULES)
+# `-m stalwart`: the trainer (first: what a stalwart worker needs before anything else).
+STALWART_PRELOAD = ("stalwart.cli", "stalwart.commands.train", "stalwart.train.trainer")
 MAX_REQUEST = 16 << 20
 
 
 def preload_for(cmd_args: list[str]) -> list[str]:
-    """Modules worth importing ahead for this worker command: torch's training stack always, then
-    stalwart's trainer when the worker is ``-m stalwart``, and dynamo."""
+    """Modules worth importing ahead for this worker command: torch's training stack, stalwart's trainer
+    when the worker is ``-m stalwart``, then dynamo for every worker: scripts' torch.compile and others
+    import it (0.5-3 s), and so does the trainer's model init on the meta device (nn.init.normal_
+    through torch._refs: 0.4-0.7 s of a restart's start on the CPU)."""
     stalwart_cli = "-m" in cmd_args and cmd_args[cmd_args.index("-m") + 1 :][:1] == ["stalwart"]
-    return [*DEFAULT_PRELOAD, *(STALWART_PRELOAD if stalwart_cli else SCRIPT_PRELOAD)]
+    return [*DEFAULT_PRELOAD, *(STALWART_PRELOAD if stalwart_cli else ()), *_compat.DYNAMO_MODULES]
 
 
 # -- the server ------------------------------------------------------------------------------------
