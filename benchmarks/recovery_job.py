@@ -20,9 +20,10 @@ Every rank appends JSON lines to ``LOG_DIR/rank<r>.jsonl`` (append mode, all att
 ``{"ev": "start", "attempt", "t_proc" (script started), "t_import" (imports done), "t_cuda" (CUDA
 context up; = t_import on the CPU), "t_pg" (process group up, NCCL's communicator included), "t_built"
 (model, DDP, optimizer), "t_restored", "resume_step", "restore_s", "source"}`` once per process, then
-rank 0 only ``{"ev": "step", "step", "t", "dt",
-"save_s", "attempt"}`` per step (``t`` = time.time() when the step and its checkpoint call finished,
-``dt`` = forward+backward+all-reduce+optimizer seconds, ``save_s`` = seconds in the checkpoint call),
+rank 0 only ``{"ev": "step", "step", "t", "dt", "save_s", "attempt", "injected_s"}`` per step (``t`` =
+time.time() when the step and its checkpoint call finished, ``dt`` = forward+backward+all-reduce+optimizer
+seconds, ``save_s`` = seconds in the checkpoint call, ``injected_s`` = seconds the previous step's injected
+fault took, e.g. a benchmark's ``slow`` pacing, which waits for no snapshot),
 ``{"ev": "fault", "step", "t", "action"}`` from the rank that fires a fault, and ``{"ev": "end"}``.
 """
 
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     ok = False
+    injected_s = 0.0  # the last step's injected fault (the benchmarks' pacing): not the job's own time
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.perf_counter()
@@ -241,14 +243,17 @@ def main(argv: list[str] | None = None) -> int:
                     save_s=save_s,
                     attempt=attempt,
                     loss=round(loss.item(), 4),
+                    injected_s=injected_s,
                 )
-            fault = chaos.due("step", step=step, rank=rank)
+            fault, injected_s = chaos.due("step", step=step, rank=rank), 0.0
             if fault is not None:
-                if args.ckpt == "flash":
+                t_fault = time.perf_counter()
+                if args.ckpt == "flash" and fault.action != "slow":
                     ckpt.wait()  # as stalwart train does: the snapshot of this step is complete
                 log.write(ev="fault", step=step, t=time.time(), action=fault.action, attempt=attempt)
                 log.f.flush()
                 fault.fire()
+                injected_s = time.perf_counter() - t_fault
         stalwart.finished()
         if args.ckpt == "flash":
             ckpt.wait(persist=True)

@@ -318,7 +318,7 @@ def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place
     journal = Journal(tmp_path / "journal.sqlite")
     [evict] = [d for d in journal.decisions() if d["action"] == "evict"]
     assert evict["details"]["node_id"] == "node1" and evict["details"]["cause"] == "straggler", evict
-    assert evict["details"]["spares"] == ["node2"] and evict["details"]["ratio"] > 2.5
+    assert evict["details"]["spares"] == ["node2"] and evict["details"]["ratio"] > 2.5, journal.decisions()
     flagged = [d for d in journal.decisions() if d["action"] == "straggler"]
     assert flagged and flagged[0]["details"]["node_id"] == "node1", flagged
     assert json.loads((tmp_path / "summary1.json").read_text())["evicted"].startswith("straggler")

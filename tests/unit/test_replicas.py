@@ -34,9 +34,9 @@ from stalwart.checkpoint.replicas import (
     ReplicaError,
     ReplicaServer,
     ReplicaStore,
+    SlotSource,
     Superseded,
     canonical,
-    copy_slot,
     replica_roots,
     send_copy,
     sign,
@@ -92,9 +92,9 @@ def train_snapshots(model: nn.Module, opt, state: TrainingState, writer: Snapsho
 
 
 def push(server: ReplicaServer, paths: JobPaths, slot, key: bytes = KEY, ranks=None) -> dict:
-    """What a keeper does: copy the slot out of shared memory, then send it."""
-    copy = copy_slot(paths, slot)
-    return send_copy(("127.0.0.1", server.port), key, paths.root.name, ranks or [slot.rank], copy)
+    """What a keeper does: open the slot in shared memory and send it from there."""
+    with SlotSource(paths, slot) as source:
+        return send_copy(("127.0.0.1", server.port), key, paths.root.name, ranks or [slot.rank], source)
 
 
 def serve(root: Path, key: bytes = KEY) -> ReplicaServer:
@@ -152,41 +152,50 @@ def test_a_push_with_another_key_cut_short_or_altered_publishes_nothing(shm, ser
         reply = json.loads(answers.readline())
     assert not reply["ok"] and "connection closed" in reply["error"]
     # bytes changed on the way, or a recorded push replayed: neither matches what the sender signed
-    copy = copy_slot(src, newest)
-    msg.update(bin_bytes=len(copy.data), obj_bytes=len(copy.objects))
+    with SlotSource(src, newest) as source:
+        data, objects = src.slot(0, newest.slot, "bin").read_bytes()[: source.size], source.objects
+    msg.update(bin_bytes=len(data), obj_bytes=len(objects))
     line = canonical({**msg, "mac": sign(KEY, msg)})
-    tampered = bytearray(copy.data)
+    tampered = bytearray(data)
     tampered[0] ^= 0xFF
-    for data, replayed in ((bytes(tampered), False), (bytes(copy.data), True)):
+    for sent, replayed in ((bytes(tampered), False), (data, True)):
         with socket.create_connection(("127.0.0.1", server.port)) as sock, sock.makefile("rb") as answers:
             sock.sendall(line + b"\n")
             nonce = json.loads(answers.readline())["nonce"]
             signed_for = "an earlier push's nonce" if replayed else nonce
-            trailer = {"mac": trailer_mac(KEY, line, signed_for, zlib.crc32(copy.data))}
-            sock.sendall(data + copy.objects + json.dumps(trailer).encode() + b"\n")
+            trailer = {"mac": trailer_mac(KEY, line, signed_for, zlib.crc32(data))}
+            sock.sendall(sent + objects + json.dumps(trailer).encode() + b"\n")
             reply = json.loads(answers.readline())
         assert not reply["ok"] and "CRC32 the sender signed" in reply["error"]
     assert all(not complete_slots(JobPaths(r), 0) for r in replica_roots(shm / "job-nodeB"))
     assert server.store.received == 0 and server.store.refused == 4
 
 
-def test_a_slot_overwritten_while_it_is_copied_is_superseded_and_never_sent(shm, server, monkeypatch):
+@pytest.mark.parametrize("while_", ["read", "sent"])
+def test_a_slot_overwritten_while_it_is_read_or_sent_is_superseded_and_never_published(
+    shm, server, monkeypatch, while_
+):
     src = JobPaths(shm / "job-nodeA")
     snapshot(src, 0, 2, steps=1, seed=0)
     newest = complete_slots(src, 0)[0]
     real = replicas.header_version
     checks: list[object] = []
 
-    def overwritten_meanwhile(path):  # the writer snapshots two more steps while the bytes are copied
+    def overwritten_meanwhile(path):  # the writer snapshots two more steps while the bytes are read or sent
         checks.append(path)
-        if len(checks) == 2:
+        if len(checks) == (2 if while_ == "read" else 3):  # the checks: open, read, after the send
             snapshot(src, 0, 2, steps=2, seed=5)
         return real(path)
 
     monkeypatch.setattr(replicas, "header_version", overwritten_meanwhile)
     with pytest.raises(Superseded):
         push(server, src, newest)
-    assert (server.store.received, server.store.refused) == (0, 0)  # nothing torn was sent
+    # read: nothing sent; sent: cut off before its trailer, so the receiver refused what it got
+    deadline = time.monotonic() + 10
+    while server.store.refused < (while_ == "sent") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (server.store.received, server.store.refused) == (0, int(while_ == "sent"))
+    assert all(not complete_slots(JobPaths(r), 0) for r in replica_roots(shm / "job-nodeB"))
     # the newer snapshot goes through, with the newer bytes
     newer = complete_slots(src, 0)[0]
     assert newer.step == 2 and push(server, src, newer)["step"] == 2

@@ -19,8 +19,9 @@ cluster network to be private (an active man-in-the-middle could forge a CRC32).
 unpickled: the slot's objects stay bytes until a restore reads them with
 ``torch.load(weights_only=True)``. A copy is published
 (its header written) only after the trailer checks out; the CRC32 then recorded guards it at rest.
-The sender copies the slot out of shared memory first (``copy_slot``: consistent without locking it),
-so a slow network never holds a slot.
+The sender sends the slot straight from shared memory (``SlotSource``: ``sendfile``, no copy of the
+state in the keeper), without locking it: a slot overwritten while it was sent is cut off before the
+trailer and the newer snapshot pushed instead; one superseded again and again is pinned.
 Replicas live in ``<job dir>/replicas/<src node>/rank<r>/slot<i>.{bin,obj,json}``: the layout of a
 rank's own snapshots (``shm.JobPaths``), so restore reads them with the same code; the header gains
 ``replica: {src, crc32_bin, received}``, against which a restore verifies the bytes again.
@@ -33,6 +34,7 @@ import hashlib
 import hmac
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -41,7 +43,6 @@ import socketserver
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -279,65 +280,84 @@ def header_version(path: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_mtime_ns
 
 
-@dataclass(frozen=True)
-class SlotCopy:
-    """One rank's complete slot, copied out of shared memory so that sending it may take any time."""
+class SlotSource:
+    """One rank's complete slot, sent straight from shared memory (``socket.sendfile``: no copy of the
+    state in the keeper, whatever its size). Lock-free by default: the writer deletes a slot's header
+    before it overwrites the slot, so a header that is the same file from the opening to the end of a
+    send proves the bytes sent consistent (``unchanged``); a send that fails it is cut off before its
+    trailer, so the receiver publishes nothing. ``pin``: hold the slot's shared lock until ``close``
+    instead (the writer then takes another slot; for states too large to send between two snapshots).
+    The CRC32 is taken once, through a read-only mapping."""
 
-    rank: int
-    header: dict[str, Any]
-    data: bytearray
-    objects: bytes
+    def __init__(self, paths: JobPaths, slot: Any, pin: bool = False) -> None:
+        self.rank = slot.rank
+        self._hdr = paths.slot(slot.rank, slot.slot, "json")
+        self._before = header_version(self._hdr)
+        self.file = open(paths.slot(slot.rank, slot.slot, "bin"), "rb")  # closed by close()
+        try:
+            self._open(paths, slot, pin)
+        except BaseException:
+            self.file.close()
+            raise
 
-
-def copy_slot(paths: JobPaths, slot: Any, pin: bool = False) -> SlotCopy:
-    """Copy a complete slot (a ``shm.SlotInfo`` of ``paths``) into memory.
-
-    Lock-free by default: the writer deletes a slot's header before it overwrites the slot, so a
-    header that is the same file before and after the copy proves the bytes consistent; otherwise
-    :class:`Superseded`. ``pin``: hold the slot's shared lock meanwhile instead (the writer then takes
-    the other slot; for states too large to copy between two snapshots)."""
-    hdr, source = paths.slot(slot.rank, slot.slot, "json"), paths.slot(slot.rank, slot.slot, "bin")
-    before = header_version(hdr)
-    with open(source, "rb") as f:
+    def _open(self, paths: JobPaths, slot: Any, pin: bool) -> None:
+        where = f"rank {slot.rank} slot {slot.slot}"
         if pin:
             try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(self.file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise Superseded(f"rank {slot.rank} slot {slot.slot} is being written") from None
+                raise Superseded(f"{where} is being written") from None
         try:
-            header = json.loads(hdr.read_bytes())
+            self.header: dict[str, Any] = json.loads(self._hdr.read_bytes())
         except FileNotFoundError:
-            raise Superseded(f"rank {slot.rank} slot {slot.slot} is being overwritten") from None
-        if header.get("generation") != slot.generation:
-            raise Superseded(f"rank {slot.rank} slot {slot.slot} was overwritten before it was copied")
-        data = bytearray(int(header["data_bytes"]))
-        if f.readinto(data) != len(data):  # being resized for a larger state: a newer snapshot comes
-            raise Superseded(f"rank {slot.rank} slot {slot.slot} is shorter than its header says")
-        objects = paths.slot(slot.rank, slot.slot, "obj").read_bytes()
-    if before is None or header_version(hdr) != before or zlib.crc32(objects) != header["objects_crc32"]:
-        raise Superseded(f"rank {slot.rank} slot {slot.slot} was overwritten while it was copied")
-    return SlotCopy(slot.rank, header, data, objects)
+            raise Superseded(f"{where} is being overwritten") from None
+        if self.header.get("generation") != slot.generation:
+            raise Superseded(f"{where} was overwritten before it was sent")
+        self.size = int(self.header["data_bytes"])
+        if os.fstat(self.file.fileno()).st_size < self.size:  # being resized for a larger state
+            raise Superseded(f"{where} is shorter than its header says")
+        self.crc = 0
+        if self.size:
+            with mmap.mmap(self.file.fileno(), self.size, prot=mmap.PROT_READ) as mapped:
+                self.crc = zlib.crc32(mapped)
+        self.objects = paths.slot(slot.rank, slot.slot, "obj").read_bytes()
+        if not self.unchanged() or zlib.crc32(self.objects) != self.header["objects_crc32"]:
+            raise Superseded(f"{where} was overwritten while it was read")
+
+    def unchanged(self) -> bool:
+        """No newer snapshot has begun to overwrite the slot since it was opened."""
+        return self._before is not None and header_version(self._hdr) == self._before
+
+    def close(self) -> None:
+        self.file.close()  # and with it a pin
+
+    def __enter__(self) -> SlotSource:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
 
 
-def send_copy(address: tuple[str, int], key: bytes, src: str, ranks: list[int], copy: SlotCopy) -> dict[str, Any]:
-    """Push one copied slot to the replica server at ``address``; returns its reply."""
+def send_copy(address: tuple[str, int], key: bytes, src: str, ranks: list[int], source: SlotSource) -> dict[str, Any]:
+    """Push one slot to the replica server at ``address``; returns its reply. :class:`Superseded` when
+    the slot was overwritten while it was sent (the connection is closed before the trailer)."""
     import socket
 
-    msg = {"v": VERSION, "src": src, "rank": copy.rank, "ranks": ranks, "header": copy.header}
-    msg.update(bin_bytes=len(copy.data), obj_bytes=len(copy.objects))
+    msg = {"v": VERSION, "src": src, "rank": source.rank, "ranks": ranks, "header": source.header}
+    msg.update(bin_bytes=source.size, obj_bytes=len(source.objects))
     line = canonical({**msg, "mac": sign(key, msg)})
-    view = memoryview(copy.data)
     with socket.create_connection(address, timeout=30.0) as sock, sock.makefile("rb") as answers:
         sock.sendall(line + b"\n")
         ready = json.loads(answers.readline(4096) or b"{}")
         if not ready.get("ready"):
             raise ReplicaError(str(ready.get("error", "no answer")))
         nonce = str(ready.get("nonce", ""))
-        for at in range(0, len(view), CHUNK):
-            sock.sendall(view[at : at + CHUNK])
-        sock.sendall(copy.objects)
-        crc = zlib.crc32(copy.data)
-        sock.sendall(json.dumps({"mac": trailer_mac(key, line, nonce, crc)}).encode() + b"\n")
+        if source.size:
+            sock.sendfile(source.file, 0, source.size)
+        sock.sendall(source.objects)
+        if not source.unchanged():
+            raise Superseded(f"rank {source.rank}'s slot was overwritten while it was sent")
+        sock.sendall(json.dumps({"mac": trailer_mac(key, line, nonce, source.crc)}).encode() + b"\n")
         reply = json.loads(answers.readline(4096) or b"{}")
     if not reply.get("ok"):
         raise ReplicaError(str(reply.get("error", "no answer")))

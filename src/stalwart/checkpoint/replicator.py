@@ -1,6 +1,6 @@
 """Peer memory replicas, the sending side: the node's keeper copies the newest snapshot all of its
 ranks hold into the shared memory of ``--replicas K`` other nodes, in the background (training never
-waits: the slots are copied out without locking them, see ``replicas.copy_slot``, then sent).
+waits: the slots are sent straight from shared memory without locking them, see ``replicas.SlotSource``).
 
 Peers find each other the way the keepers already meet, through the checkpoint storage: each keeper
 serving replicas writes ``<storage>/.replicas/<node>.json`` (host, port, failure domain, time) every
@@ -25,10 +25,9 @@ from stalwart.checkpoint.replicas import (
     ReplicaError,
     ReplicaServer,
     ReplicaStore,
-    SlotCopy,
+    SlotSource,
     Superseded,
     background_priority,
-    copy_slot,
     safe_name,
     send_copy,
 )
@@ -230,17 +229,17 @@ class Replicator:
             self._skip(step, times, "no peer")  # nobody to copy to (yet): copying the state out would be wasted
             return
         t0, sent = time.perf_counter(), set()
-        for r in ranks:  # one rank's copy in memory at a time
+        for r in ranks:
             slot = next((s for s in complete_slots(self.node.paths, r) if s.step == step), None)
             try:
                 if slot is None:
                     raise Superseded(f"rank {r} no longer holds step {step}")
-                copy = copy_slot(self.node.paths, slot, pin=self.superseded_in_a_row >= PIN_AFTER)
+                with SlotSource(self.node.paths, slot, pin=self.superseded_in_a_row >= PIN_AFTER) as source:
+                    to = self._send(source, ranks, step)
             except Superseded:
                 self.superseded_in_a_row += 1
                 self.status["superseded"] = self.status.get("superseded", 0) + 1
                 return  # the writer is ahead: push its newer step instead
-            to = self._send(copy, ranks, step)
             if not to:
                 self._idle_until = time.monotonic() + 1.0  # every candidate failed: not 50 copies a second
                 self._skip(step, times, "no peer took the copy")
@@ -283,14 +282,16 @@ class Replicator:
             self.me, self.config.domain, self._peers, {n for n, t in self.down.items() if now - t < DOWN_S}
         )
 
-    def _send(self, copy: SlotCopy, ranks: list[int], step: int) -> list[str]:
-        """Push one rank's copy to the first ``copies`` peers that take it; the ones that did."""
+    def _send(self, source: SlotSource, ranks: list[int], step: int) -> list[str]:
+        """Push one rank's slot to the first ``copies`` peers that take it; the ones that did."""
         sent: list[str] = []
         for peer in self._candidates():
             if len(sent) >= self.config.copies:
                 break
             try:
-                send_copy((peer["host"], int(peer["port"])), self.config.key, self.me, ranks, copy)
+                send_copy((peer["host"], int(peer["port"])), self.config.key, self.me, ranks, source)
+            except Superseded:
+                raise  # the slot's fault, not the peer's
             except (OSError, ReplicaError, ValueError) as err:
                 if peer["node"] not in self.failing:
                     log.warning("replicas: push of step %d to %s failed: %s", step, peer["node"], err)
