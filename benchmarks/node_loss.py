@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pace-s",
         type=float,
         help="seconds of sleep after every step, so that millisecond steps do not outrun the kill "
-        "(default: 0.05 with a GPU, 0 on the CPU, whose steps take ~0.2 s; a pause absorbs the "
+        "(default: 0.05 with a GPU, 0 on the CPU, whose steps take ~0.3 s; a pause absorbs the "
         "checkpoint's background work)",
     )
     p.add_argument("--json", action="store_true")
@@ -266,7 +266,7 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
     # median step time before the kill: what replication costs a step (against stalwart-noreplica)
     steady = [r for r in rows if r.get("ev") == "step" and r["t"] < t_kill and r["step"] > 5]
     dts = [r["dt"] for r in steady]
-    # less the injected pacing (``env``: 50 ms after every step), which is the benchmark's, not the job's
+    # less the injected pacing (``--pace-s`` after every step), which is the benchmark's, not the job's
     walls = [
         b["t"] - a["t"] - b.get("injected_s", 0.0) for a, b in itertools.pairwise(steady) if b["step"] == a["step"] + 1
     ]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpoint.replicas import REPLICAS_DIR, RESTORED, replica_roots
-from stalwart.checkpoint.shm import JobPaths, SlotInfo, atomic_write, complete_slots, secure_dir
+from stalwart.checkpoint.shm import JobPaths, SlotInfo, atomic_write, complete_slots, data_crc32, secure_dir
 
 FETCHED = "fetched"
 Location = tuple[JobPaths, SlotInfo]
@@ -84,15 +84,12 @@ def verify_copy(location: Location) -> str | None:
     expected = slot.header.get("replica", {}).get("crc32_bin")
     if expected is None:
         return None
-    crc = 0
     try:
         with open(paths.slot(slot.rank, slot.slot, "bin"), "rb") as f:
-            left = int(slot.header["data_bytes"])
-            while left and (chunk := f.read(min(4 << 20, left))):
-                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            crc = data_crc32(f, int(slot.header["data_bytes"]))  # None: truncated
     except OSError as err:  # pruned or overwritten since it was listed
         return f"replica of rank {slot.rank} unreadable: {err}"
-    return None if crc == expected and not left else f"replica of rank {slot.rank} fails its CRC32 check"
+    return None if crc == expected else f"replica of rank {slot.rank} fails its CRC32 check"
 
 
 def obtain(

@@ -34,7 +34,6 @@ import hashlib
 import hmac
 import json
 import logging
-import mmap
 import os
 import re
 import secrets
@@ -46,7 +45,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any
 
-from stalwart.checkpoint.shm import SLOTS, JobPaths, atomic_write, complete_slots, read_json, secure_dir
+from stalwart.checkpoint.shm import SLOTS, JobPaths, atomic_write, complete_slots, data_crc32, read_json, secure_dir
 from stalwart.checkpoint.snapshot import trajectory_of
 
 log = logging.getLogger("stalwart.checkpoint.replicas")
@@ -314,12 +313,10 @@ class SlotSource:
         if self.header.get("generation") != slot.generation:
             raise Superseded(f"{where} was overwritten before it was sent")
         self.size = int(self.header["data_bytes"])
-        if os.fstat(self.file.fileno()).st_size < self.size:  # being resized for a larger state
+        crc = data_crc32(self.file, self.size)
+        if crc is None:  # being resized for a larger state
             raise Superseded(f"{where} is shorter than its header says")
-        self.crc = 0
-        if self.size:
-            with mmap.mmap(self.file.fileno(), self.size, prot=mmap.PROT_READ) as mapped:
-                self.crc = zlib.crc32(mapped)
+        self.crc = crc
         self.objects = paths.slot(slot.rank, slot.slot, "obj").read_bytes()
         if not self.unchanged() or zlib.crc32(self.objects) != self.header["objects_crc32"]:
             raise Superseded(f"{where} was overwritten while it was read")

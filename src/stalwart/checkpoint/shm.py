@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import socket
 import stat
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from stalwart import runtime
 from stalwart.runtime import ENV_SNAPSHOT_SLOTS, worker_env
@@ -127,6 +129,17 @@ def secure_job_dir(root: str | Path) -> Path:
         parent.mkdir(parents=True, exist_ok=True)
     secure_dir(root)
     return root
+
+
+def data_crc32(f: BinaryIO, size: int) -> int | None:
+    """CRC32 of the first ``size`` bytes of an open slot data file, read through a read-only mapping (no
+    copy); None when the file is shorter (being resized, or truncated)."""
+    if os.fstat(f.fileno()).st_size < size:
+        return None
+    if not size:
+        return 0
+    with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        return zlib.crc32(mapped)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
