@@ -180,7 +180,10 @@ def test_node_status_windows_and_eviction():
     assert "window" not in body and [r["step"] for r in body["ranks"]] == [1, 2]
     assert body["member"] is None, "not at the rendezvous yet: neither member nor spare"
     status.set_member(False)
-    assert status.report(3.0)["member"] is False
+    assert status.report(3.0)["member"] is False and status.report(3.0)["round"] is None
+    status.set_member(True, 3)
+    status.set_member(False)  # regrouping: it still names the round it was in
+    assert (status.report(3.0)["member"], status.report(3.0)["round"]) == (False, 3)
     clock[0] = 6.0
     # rank 1 reported steps 1 and 2 one second apart: the step time; rank 0 reported one step only
     assert status.report(3.0)["window"] == {"compute_s": 0.5, "steps": 3, "step_s": 1.0}

@@ -38,6 +38,16 @@ def test_spares_wait_beside_a_running_round_only():
     assert eviction.spares(group, now) == []
 
 
+def test_a_member_that_regroups_is_no_spare_but_one_left_out_of_the_new_round_is():
+    now = 1000.0
+    group = nodes(now, a=True, b=False, c=False)
+    for n, round_ in zip(group, (4, 4, None)):  # b left round 4 to regroup; c never was a member
+        n["progress"]["round"] = round_
+    assert eviction.spares(group, now) == ["c"]
+    group[0]["progress"]["round"] = 5  # round 5 formed without b: b waits beside it
+    assert eviction.spares(group, now) == ["b", "c"]
+
+
 def test_eviction_keeps_the_minimum_and_judges_precheck_times():
     now = 1000.0
     assert not eviction.keeps_minimum(nodes(now, a=True, b=True), "a", now), "MIN is 2"

@@ -287,7 +287,7 @@ class StalwartAgent(LocalElasticAgent):
             self._run_precheck()
         self.status.set_member(False)
         super()._initialize_workers(worker_group)
-        self.status.set_member(True)
+        self.status.set_member(True, self._handler.round)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # Fresh records: a restarted rank must not look alive through its predecessor's record.

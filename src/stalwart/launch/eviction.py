@@ -52,11 +52,21 @@ def members(nodes: list[dict[str, Any]], now: float | None = None, fresh_s: floa
 
 def spares(nodes: list[dict[str, Any]], now: float | None = None, fresh_s: float = 5.0) -> list[str]:
     """Nodes that beat but wait outside a running round. None while no round runs (at the start, or
-    while every member regroups): then nobody is waiting *beside* the job, everyone is joining it."""
+    while every member regroups): then nobody is waiting *beside* the job, everyone is joining it. A
+    member of the running round that already waits to regroup (its ``round`` is the members' newest)
+    is no spare either: it goes on with the job."""
     now = time.time() if now is None else now
-    if not members(nodes, now, fresh_s):
+    running = [n for n in nodes if n["node_id"] in members(nodes, now, fresh_s)]
+    if not running:
         return []
-    return [n["node_id"] for n in nodes if _fresh(n, now, fresh_s) and n["progress"].get("member") is False]
+    current = max((n["progress"].get("round") for n in running if n["progress"].get("round") is not None), default=None)
+    return [
+        n["node_id"]
+        for n in nodes
+        if _fresh(n, now, fresh_s)
+        and n["progress"].get("member") is False
+        and (current is None or n["progress"].get("round") != current)
+    ]
 
 
 def precheck_ratio(matmul_s: float, others: list[float]) -> float | None:

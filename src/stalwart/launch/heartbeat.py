@@ -43,6 +43,7 @@ class NodeStatus:
         # True: this node's workers are in the current rendezvous round; False: it waits at the
         # rendezvous (a spare while a round runs); None: not at the rendezvous yet (starting, prechecking)
         self._member: bool | None = None
+        self._round: int | None = None  # the last rendezvous round this node's workers were in
         self._leave: str | None = None
         self._parked = False  # the leave is a park (the autoscaler's shrink): wait as a spare, not exit
         self._storage: dict[str, Any] | None = None  # the keeper's checkpoint-store status
@@ -67,9 +68,13 @@ class NodeStatus:
         with self._lock:
             self._storage = storage
 
-    def set_member(self, member: bool | None) -> None:
+    def set_member(self, member: bool | None, round_: int | None = None) -> None:
+        """``round_``: with ``member`` True, the round the workers joined; a node that leaves it to
+        regroup keeps naming it, so the master does not take a regrouping member for a spare."""
         with self._lock:
             self._member = member
+            if member and round_ is not None:
+                self._round = round_
 
     def evict(self, reason: str) -> bool:
         """Record that this node must leave (the first reason wins); True when it is new."""
@@ -110,7 +115,7 @@ class NodeStatus:
                 }
                 for p in self._latest
             ]
-            body: dict[str, Any] = {"ranks": ranks, "member": self._member}
+            body: dict[str, Any] = {"ranks": ranks, "member": self._member, "round": self._round}
             if self._storage is not None:
                 body["storage"] = self._storage
             window = self._close_window()

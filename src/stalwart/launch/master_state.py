@@ -101,8 +101,8 @@ class MasterState:
                     f"node {node_id} computes {ratio:.2f}× slower than the others for {self.stragglers.k} windows",
                     {"node_id": node_id, "ratio": ratio},
                 )
-            if node_id in self.stragglers.flagged and self.policy.stragglers == "evict":
-                self._evict_straggler(node_id, ratio)
+            if node_id in self.stragglers.flagged and ratio is not None and self.policy.stragglers == "evict":
+                self._evict_straggler(node_id, ratio)  # only while this window still compares it to peers
             step_s = window.get("step_s")
             self.autoscaler.observe(node_id, float(window["compute_s"]), step_s if isinstance(step_s, float) else None)
             self._autoscale()
@@ -162,12 +162,12 @@ class MasterState:
     def _waiting_spares(self, nodes: list[dict[str, Any]], leaving: str) -> list[str]:
         return [n for n in eviction.spares(nodes, fresh_s=self.policy.fresh_s) if n != leaving]
 
-    def _evict_straggler(self, node_id: str, ratio: float | None) -> None:
+    def _evict_straggler(self, node_id: str, ratio: float) -> None:
         waiting = self._waiting_spares(self.journal.nodes(), node_id)
         if waiting:
             self.evict(
                 node_id,
-                f"straggler ({ratio or 0:.2f}× the others for {self.stragglers.k} windows); "
+                f"straggler ({ratio:.2f}× the others for {self.stragglers.k} windows); "
                 f"spare {waiting[0]} takes its place",
                 {"cause": "straggler", "ratio": ratio, "spares": waiting},
             )
