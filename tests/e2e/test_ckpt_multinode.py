@@ -106,6 +106,12 @@ def test_each_node_writes_its_shards_and_rank0s_node_commits(reference):
     # ... and told the master's checkpoint decider its node's ranks, which formed the execution there.
     decider = Journal(out / "journal.sqlite").get("ckpt")["decider"]
     assert decider["nodes"] == {"node0": [0], "node1": [1]} and decider["epoch"] == 0, decider
+    # Shadow reports (docs/protocol.md, plan step 2): the decider commits what the old protocol committed.
+    old = {int(s) for s in re.findall(r"keeper\[\d+\] INFO committed step (\d+):", log)}
+    decided = [d for _, d in Journal(out / "journal.sqlite").get("ckpt")["outbox"]]
+    commits = [d["step"] for d in decided if d["kind"] == "Commit"]
+    assert STEPS in old and commits and set(commits) <= old, (old, decided)  # fast steps coalesce
+    assert decider["latest"] == STEPS and decider["ended"], decider
     assert summary["checkpoint"]["restored_from"] == "fresh"
 
 

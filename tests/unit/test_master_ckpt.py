@@ -18,13 +18,18 @@ from stalwart.launch.master import Master
 RANKS = {"n0": [0, 1], "n1": [2, 3]}
 
 
-@pytest.fixture
-def master(tmp_path):
+def started_master(tmp_path):
+    """A real job master (journal in ``tmp_path``) that the nodes of ``RANKS`` joined."""
     m = Master(tmp_path / "journal.sqlite", "token").start()
     for node in RANKS:
         MasterClient(m.address, "token").join(node, "host", 2)
     yield m
     m.stop()
+
+
+@pytest.fixture
+def master(tmp_path):
+    yield from started_master(tmp_path)
 
 
 class Keeper:
@@ -44,8 +49,9 @@ class Keeper:
         reply["decisions"] = [wire.from_json(d, wire.DECISIONS) for d in reply["decisions"]]
         return reply
 
-    def member(self, epoch: int = 0) -> dict:
-        return self.send({"kind": "Member", "epoch": epoch, "ranks": RANKS[self.node], "world": 4})
+    def member(self, epoch: int = 0, agent: str = "") -> dict:
+        report = {"kind": "Member", "epoch": epoch, "ranks": RANKS[self.node], "world": 4}
+        return self.send({**report, "agent": agent} if agent else report)
 
     def holding(self, seq: int, *keys: tuple[int, int], pinned: bool = False) -> ev.Holding:
         return ev.Holding(self.node, 1, seq, tuple((s, e, tuple(RANKS[self.node]), pinned) for s, e in keys))
@@ -116,6 +122,27 @@ def test_a_new_epoch_forms_from_its_members_and_late_word_of_the_old_one_is_igno
     assert a.member(epoch=0)["taken"] == 1 and master.state.ckpt.state()["epoch"] == 1
     a.send(ev.PersistDue(5, 0))  # a late flag of the old execution
     assert master.state.ckpt.state()["due"] is None
+
+
+def test_a_new_launch_counting_epochs_from_0_again_gets_a_new_decider_and_the_old_ones_word_is_late(master):
+    a, b = Keeper(master, "n0"), Keeper(master, "n1")
+    a.member(0, "a1"), b.member(0, "a1b")
+    a.member(1, "a1"), b.member(1, "a1b")
+    assert master.state.ckpt.state()["epoch"] == 1
+    a.send(a.holding(1, (4, 1))), b.send(b.holding(1, (4, 1)))
+    a.send(ev.PersistDue(4, 1))
+    assert master.state.ckpt.state()["plan"]["key"] == [4, 1]
+    b.member(0, "a1b")  # the same launch's late word
+    assert master.state.ckpt.state()["epoch"] == 1 and master.state.ckpt.state()["plan"] is not None
+    a.member(0, "a2")  # requeued: a new agent, a new rendezvous from round 0
+    assert master.state.ckpt.state() is None, "the last launch's decider is done"
+    b.member(0, "a1b")  # a keeper of the last launch, still alive: not a member of this one
+    assert master.state.ckpt.state() is None
+    b.member(0, "a2b")
+    state = master.state.ckpt.state()
+    assert (state["epoch"], state["plan"], state["latest"]) == (0, None, None)
+    b.member(1, "a1b")  # the old launch's agent again, with a round number the new one has not reached
+    assert master.state.ckpt.state()["epoch"] == 0, "a lone report forms nothing"
 
 
 def raw(master: Master, body: object, token: str | None = "token") -> tuple[int, str]:

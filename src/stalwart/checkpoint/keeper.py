@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from stalwart import chaos
 from stalwart.checkpoint import stage
+from stalwart.checkpoint.decider_shadow import Shadow
 from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import remove_torn, retention
@@ -64,10 +65,9 @@ class Keeper:
         self.request_checked = 0.0
         self.leftovers: set[int] = set()  # failed attempts whose removal failed too: removed later
         self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
-        if self.members is not None:
-            log.info("node %s: the job master at %s says which nodes are lost", self.members.me, self.members.address)
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
+        self.shadow = Shadow.from_env(lambda: self.coordinator, lambda s: self.storage.manifest(s) is not None)
         self.last_persist_time = time.monotonic()
 
     def _reload_job(self) -> bool:
@@ -172,8 +172,8 @@ class Keeper:
             if (
                 world
                 and self.active
-                and all(self._closed(r, o) for r, o in owners.items())
-                and self._finish(world, "all ranks closed the checkpointer: job complete")
+                and all(self.node.closed(r, o) for r, o in owners.items())
+                and self._finish(world, "all ranks closed the checkpointer: job complete", complete=True)
             ):
                 return
             if self.members is not None and 0 < len(ranks) < world:  # the master can name a lost node's ranks
@@ -206,13 +206,9 @@ class Keeper:
         self._maybe_persist(world, ranks, force=True)
         self._finish(world, self.stop.why or "stopped")
 
-    def _closed(self, rank: int, owner: dict[str, Any] | None) -> bool:
-        closed = read_json(self.paths.closed(rank))
-        return bool(owner and closed and closed.get("pid") == owner.get("pid"))
-
     def _check_failures(self, world: int, owners: dict[int, dict[str, Any] | None]) -> None:
         for r, owner in owners.items():
-            if not owner or owner.get("world_size") != world or self._closed(r, owner):
+            if not owner or owner.get("world_size") != world or self.node.closed(r, owner):
                 continue
             pid = int(owner["pid"])
             if pid in self.handled_pids or pid_alive(pid):
@@ -231,6 +227,8 @@ class Keeper:
                 self._retention(result["step"])
                 self.last_persisted = max(self.last_persisted, result["step"])
             self.event("save-on-failure", result["step"], result["detail"])
+        if self.shadow is not None and len(owners) < world:
+            self.shadow.workers_died(self.node, world, owners, self.handled_pids)
 
     def _maybe_persist(self, world: int, ranks: list[int], force: bool = False) -> None:
         """Persist what the policy says is due. While storage fails, attempts back off and each retry
@@ -244,6 +242,9 @@ class Keeper:
         # step skipped (or abandoned) for the snapshot it had then is the new snapshot's to persist.
         self.given_up = {s: t for s, t in self.given_up.items() if t is None or taken.get(s, t) == t}
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
+        if self.shadow is not None and len(ranks) < world:  # the decider hears jobs that span nodes
+            self.shadow.observe(steps, flagged)
+            self.shadow.answer(self.last_persisted, set(self.given_up))
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
         target = max(flagged, default=-1)
         if self.health.streak and self.coordinator and (self.policy("persist_every_steps") or every_s):
@@ -360,26 +361,25 @@ class Keeper:
         if not self.coordinator:
             return  # the coordinator may be committing one right now
         try:
-            self._tidy_torn()
+            with self.node.persist_lock():
+                latest = self.storage.latest()
+                for s in self.storage.remove_uncommitted():
+                    why = f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})"
+                    self.event("removed-torn", s, why, logging.WARNING)
+                if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
+                    stage.clear_stage(self.storage, below=latest + 1)
         except Exception as err:  # unreachable storage: the first persist will report it too
             self.health.failed("tidy", None, err)
 
-    def _tidy_torn(self) -> None:
-        with self.node.persist_lock():
-            latest = self.storage.latest()
-            for s in self.storage.remove_uncommitted():
-                why = f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})"
-                self.event("removed-torn", s, why, logging.WARNING)
-            if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
-                stage.clear_stage(self.storage, below=latest + 1)
-
-    def _finish(self, world: int, why: str) -> bool:
+    def _finish(self, world: int, why: str, complete: bool = False) -> bool:
         """Stop serving, removing the snapshots if storage has everything they hold (otherwise keep them
         and say so). Returns False — keep running — if a worker attached meanwhile (a restart)."""
         lock = self.node.try_lock(self.paths.job_lock)
         if lock is None:
             return False
         try:
+            if self.shadow is not None:
+                self.shadow.end(complete, self.last_persisted, set(self.given_up))
             newest = self.node.newest_agreed(world) if world else -1
             self.storage.refresh()
             latest = self.storage.latest() or -1

@@ -28,8 +28,9 @@ class LostNodes:
     """Which nodes the master holds lost now (its current state, no clock compared across nodes),
     asked at most every ``every_s``; ``me``: this keeper's node id, named in its snapshot tables."""
 
-    def __init__(self, address: str, token: str, me: str, every_s: float = 0.2) -> None:
+    def __init__(self, address: str, token: str, me: str, every_s: float = 0.2, agent: str = "") -> None:
         self.address, self.token, self.me, self.every_s = address.rstrip("/"), token, me, every_s
+        self.agent = agent  # this launch of the node's agent (``runtime.ENV_AGENT``): a requeue is a new one
         self._lost: set[str] = set()
         self._lost_ranks: dict[int, str] = {}  # rank → its lost node, for the nodes that reported their ranks
         self._reported: tuple[int, list[int], int] | None = None  # (epoch, ranks, world) the master has
@@ -44,7 +45,8 @@ class LostNodes:
         address, token, me = (env.get(k, "") for k in (runtime.ENV_MASTER, runtime.ENV_JOB_TOKEN, runtime.ENV_NODE_ID))
         if not (address and token and me):
             return None
-        return cls(address, token, me)
+        log.info("node %s: the job master at %s says which nodes are lost", me, address)
+        return cls(address, token, me, agent=env.get(runtime.ENV_AGENT, ""))
 
     def _call(self, path: str, body: dict | None = None) -> dict:
         """One short try: a master that does not answer must not slow the persist's polling."""
@@ -78,6 +80,8 @@ class LostNodes:
             return
         self._report_tried = now
         event = {"kind": "Member", "epoch": epoch, "ranks": member[1], "world": world}
+        if self.agent:
+            event["agent"] = self.agent
         try:
             self._call("/v1/ckpt", {"node": self.me, "events": [event]})
             self._reported = member

@@ -160,6 +160,11 @@ class NodeJob:
                 pass
             os.close(fd)
 
+    def closed(self, rank: int, owner: dict[str, Any] | None) -> bool:
+        """Rank ``rank``'s worker ``owner`` closed its checkpointer: it ended, it did not die."""
+        closed = read_json(self.paths.closed(rank))
+        return bool(owner and closed and closed.get("pid") == owner.get("pid"))
+
     def workers_attached(self) -> bool:
         """True while some worker holds the job lock (released by the kernel when it dies)."""
         return self._held(self.paths.job_lock)

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,6 +130,7 @@ def run(argv: list[str]) -> int:
         ).start()
         address = master.address
     os.environ.update({runtime.ENV_MASTER: address, runtime.ENV_JOB_ID: args.rdzv_id, runtime.ENV_NODE_ID: node_id})
+    os.environ[runtime.ENV_AGENT] = uuid.uuid4().hex  # this launch of the node's agent (its keeper says so)
     client = MasterClient(address, token)
     write_address(run_dir, address, args.rdzv_id, node_id)
 

@@ -12,6 +12,7 @@ from the node's zygote calls ``reset()`` first: the zygote imported this package
 """
 
 from stalwart.runtime.env import (
+    ENV_AGENT,
     ENV_CHAOS,
     ENV_CHAOS_DIR,
     ENV_CHAOS_FILE,
@@ -72,6 +73,7 @@ def reset() -> None:
 
 
 __all__ = [
+    "ENV_AGENT",
     "ENV_CHAOS",
     "ENV_CHAOS_DIR",
     "ENV_CHAOS_FILE",

@@ -51,6 +51,9 @@ ENV_EXIT_GRACE = "STALWART_EXIT_GRACE_S"
 # The execution the workers belong to (the rendezvous round: the same integer on every node of one
 # execution, larger after every restart or regrouping). Checkpoint coordination compares these, never clocks.
 ENV_EPOCH = "STALWART_EPOCH"
+# One launch of a node's agent (a fresh id per `stalwart run`): a Slurm requeue starts a new rendezvous
+# whose rounds count from 0 again, and the checkpoint decider tells it from a late report by this id.
+ENV_AGENT = "STALWART_AGENT"
 # The tmpfs root for snapshots (default /dev/shm): the agent's keeper and its workers read the same.
 ENV_SHM_DIR = "STALWART_SHM_DIR"
 EXIT_GRACE_S = 30.0

@@ -1,0 +1,167 @@
+"""Shadow reports: the keeper tells the decider what it holds and what storage got, without acting on it.
+
+Step 2 of docs/protocol.md's plan: the `.stage/` protocol (``multinode``, ``stage``) still persists;
+each keeper also reports its node's snapshots (``Holding``, on a change only), the steps due
+(``PersistDue``, by rank 0's node), its workers' end (``WorkersGone``) and the job's end (``JobEnded``),
+and answers the decider's plans from what the old protocol did: a plan's step committed in storage is
+``Pinned`` and ``Wrote`` (and ``Committed`` by rank 0's node), one it can no longer hold or that the
+old protocol gave up is refused (``Pinned`` not ok). The decider's decisions land in the master's
+journal and the keeper's log, so a real run shows whether the decider names the steps the old
+protocol committed (the e2e tests check) before anything depends on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from stalwart import runtime
+from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint.decider_link import DeciderLink
+from stalwart.checkpoint.node_job import NodeJob
+from stalwart.checkpoint.shm import pid_alive
+
+log = logging.getLogger("stalwart.checkpoint.keeper")
+CHECK_EVERY_S = 0.2  # how often a pending plan's step is looked up in storage
+
+
+class Shadow:
+    """One keeper's reports. ``coordinator()``: this is rank 0's node; ``committed(step)``: storage
+    holds that step committed."""
+
+    def __init__(self, link: DeciderLink, coordinator: Callable[[], bool], committed: Callable[[int], bool]) -> None:
+        self.link, self.node, self.is_coordinator, self._committed = link, link.node, coordinator, committed
+        self.seen_committed: set[int] = set()  # retention may remove a step later: its word stands
+        self.incarnation = time.time_ns() // 1_000_000  # a restarted keeper on this node reports higher
+        self.seq = 0
+        self.held: ev.Held | None = None
+        self.due_sent: set[ev.Key] = set()
+        self.plans: dict[int, ev.Persist] = {}  # plans naming this node, not yet answered in full
+        self.commits: dict[int, ev.Commit] = {}  # rank 0's node: commits to confirm
+        self.answered: set[tuple[str, int, int]] = set()  # (what, plan, attempt) sent
+        self.awaiting: set[int] = set()  # rank 0's node: plans written everywhere here, their commit to come
+        self.gone: set[int] = set()  # epochs whose WorkersGone was sent
+        self._checked = 0.0
+
+    @classmethod
+    def from_env(
+        cls, coordinator: Callable[[], bool], committed: Callable[[int], bool], env: Mapping[str, str] | None = None
+    ) -> Shadow | None:
+        """Under ``stalwart run`` (master, job token and node id in the keeper's environment); else None."""
+        env = os.environ if env is None else env
+        address, token, me = (env.get(k, "") for k in (runtime.ENV_MASTER, runtime.ENV_JOB_TOKEN, runtime.ENV_NODE_ID))
+        return cls(DeciderLink(address, token, me), coordinator, committed) if address and token and me else None
+
+    def committed(self, step: int) -> bool:
+        if step not in self.seen_committed and self._committed(step):
+            self.seen_committed.add(step)
+        return step in self.seen_committed
+
+    def observe(self, steps: dict[int, dict[int, dict[str, Any]]], flagged: list[int]) -> None:
+        """The node's snapshots (rank → {step: header}) and the steps due: report what changed."""
+        held = holdings(steps)
+        if held != self.held or self.link.missed:
+            self.link.missed = False
+            self.held, self.seq = held, self.seq + 1
+            self.link.send(ev.Holding(self.node, self.incarnation, self.seq, held))
+        if self.is_coordinator():
+            for step in flagged:
+                key = (step, _epoch(steps, step))
+                if key not in self.due_sent:
+                    self.due_sent.add(key)
+                    self.link.send(ev.PersistDue(*key))
+
+    def answer(self, last_persisted: int, given_up: set[int], final: bool = False) -> None:
+        """Read the decider's decisions and answer the plans from what the old protocol did."""
+        for d in self.link.take():
+            log.info("decider (shadow): %s", _describe(d))
+            if isinstance(d, ev.Persist) and self.node in d.nodes:
+                self.plans[d.plan] = d
+            elif isinstance(d, ev.Commit) and self.is_coordinator():
+                self.commits[d.plan] = d
+            elif isinstance(d, ev.GiveUp) and d.plan is not None:
+                self.plans.pop(d.plan, None)
+                self.commits.pop(d.plan, None)
+                self.awaiting.discard(d.plan)
+        now = time.monotonic()
+        if not (self.plans or self.commits) or now - self._checked < CHECK_EVERY_S:
+            return
+        self._checked = now
+        for plan in list(self.plans.values()):
+            self._answer_plan(plan, last_persisted, given_up, final)
+        for c in list(self.commits.values()):
+            if self.committed(c.step):
+                self.link.send(ev.Committed(c.plan, True))
+                del self.commits[c.plan]
+                self.awaiting.discard(c.plan)
+
+    def _answer_plan(self, p: ev.Persist, last_persisted: int, given_up: set[int], final: bool) -> None:
+        step = p.key[0]
+        if self.committed(step):
+            self._once("pinned", p, ev.Pinned(self.node, p.plan, True))
+            self._once("wrote", p, ev.Wrote(self.node, p.plan, p.attempt, True))
+            del self.plans[p.plan]
+            if self.is_coordinator():
+                self.awaiting.add(p.plan)
+        elif final or step in given_up or last_persisted > step or not self._holds(p.key):
+            why = "given up by the old protocol" if step in given_up else "not persisted by the old protocol"
+            self._once("pinned", p, ev.Pinned(self.node, p.plan, False, why))
+            del self.plans[p.plan]
+        else:
+            self._once("pinned", p, ev.Pinned(self.node, p.plan, True))  # the old protocol may be writing it
+
+    def _once(self, what: str, p: ev.Persist, event: Any) -> None:
+        mark = (what, p.plan, p.attempt if what == "wrote" else 0)
+        if mark not in self.answered:
+            self.answered.add(mark)
+            self.link.send(event)
+
+    def _holds(self, key: ev.Key) -> bool:
+        return any(s == key[0] and e == key[1] for s, e, _, _ in self.held or ())
+
+    def workers_died(self, job: NodeJob, world: int, owners: dict[int, dict[str, Any] | None], died: set[int]) -> None:
+        """Once every worker of this node is gone and one at least died (``died``: their pids; a closed
+        one did not), its final holdings for the execution they ran."""
+        pids = [int(o["pid"]) for o in owners.values() if o]
+        epoch = job.epoch()
+        if epoch in self.gone or not any(p in died for p in pids) or any(pid_alive(p) for p in pids):
+            return
+        self.gone.add(epoch)
+        self.link.send(ev.WorkersGone(self.node, epoch, holdings(job.snapshot_steps(world, list(owners)))))
+
+    def end(self, job_complete: bool, last_persisted: int, given_up: set[int], wait_s: float = 2.0) -> None:
+        """The keeper exits, the old protocol done: a bounded last exchange of answers (a plan whose step
+        storage lacks is refused now), so the final commit reaches the decider; then, from rank 0's node
+        when the job completed, its end."""
+        deadline = time.monotonic() + wait_s
+        while self.link.formed and self.link.sync(max(0.0, deadline - time.monotonic())):
+            self._checked = 0.0
+            self.answer(last_persisted, given_up, final=True)
+            if not (self.plans or self.commits or self.awaiting or self.link.pending()):
+                break
+            time.sleep(0.05)
+        if job_complete and self.is_coordinator() and self.link.formed:
+            self.link.send(ev.JobEnded())
+            self.link.sync(max(0.5, deadline - time.monotonic()))
+        self.link.close()
+
+
+def holdings(steps: dict[int, dict[int, dict[str, Any]]]) -> ev.Held:
+    """rank → {step: header} as the decider's ``Held``: (step, epoch, ranks, pinned) in a stable order."""
+    keys: dict[ev.Key, list[int]] = {}
+    for rank, by_step in steps.items():
+        for step, header in by_step.items():
+            keys.setdefault((step, int(header.get("epoch", 0))), []).append(rank)
+    return tuple((s, e, tuple(sorted(r)), False) for (s, e), r in sorted(keys.items()))
+
+
+def _epoch(steps: dict[int, dict[int, dict[str, Any]]], step: int) -> int:
+    return max(int(by_step[step].get("epoch", 0)) for by_step in steps.values() if step in by_step)
+
+
+def _describe(d: Any) -> str:
+    fields = ", ".join(f"{k}={v}" for k, v in vars(d).items())
+    return f"{type(d).__name__}({fields})"
