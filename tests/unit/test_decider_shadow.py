@@ -142,3 +142,13 @@ def test_a_nodes_final_holdings_go_to_the_decider_once_every_worker_is_gone(mast
         for w in workers:
             w.kill()
         shadow.link.close()
+
+
+def test_a_keeper_reports_no_membership_from_a_job_file_an_earlier_launch_left(master):
+    from stalwart.checkpoint.membership import LostNodes
+
+    members = LostNodes(master.address, "token", "n0", agent="launch-2")
+    members.report_member(3, RANKS["n0"], 4, agent="launch-1")  # job.json of the last launch's workers
+    assert master.state.ckpt.ranks_of("n0") == []
+    members.report_member(0, RANKS["n0"], 4, agent="launch-2")
+    assert master.state.ckpt.ranks_of("n0") == [0, 1]

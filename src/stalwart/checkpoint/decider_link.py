@@ -25,8 +25,11 @@ MAX_QUEUED = 10_000  # a master gone for long: the oldest reports go (a Holding 
 class DeciderLink:
     """Events out and decisions in, for node ``node``, through the master at ``address``."""
 
-    def __init__(self, address: str, token: str, node: str, every_s: float = 0.1) -> None:
+    def __init__(self, address: str, token: str, node: str, every_s: float = 0.1, idle_s: float = 1.0) -> None:
         self.address, self.token, self.node, self.every_s = address.rstrip("/"), token, node, every_s
+        self.idle_s = idle_s  # the call's period with nothing queued and no answer awaited (a big job's
+        # master hears each node about once a second, not ten times)
+        self.eager = False  # set by the owner while it awaits decisions: call every ``every_s``
         self.after: int | None = None  # the number of the last decision read (None: start from the next)
         self.missed = False  # decisions dropped before this keeper read them: report holdings again
         self._queue: list[dict[str, Any]] = []
@@ -86,7 +89,9 @@ class DeciderLink:
 
     def _run(self) -> None:
         while not self._closed:
-            self._wake.wait(self.every_s)
+            with self._lock:
+                busy = bool(self._queue) or self.eager
+            self._wake.wait(self.every_s if busy else self.idle_s)
             self._wake.clear()
             try:
                 self._exchange()

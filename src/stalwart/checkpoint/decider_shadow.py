@@ -26,6 +26,7 @@ from stalwart.checkpoint.shm import pid_alive
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
 CHECK_EVERY_S = 0.2  # how often a pending plan's step is looked up in storage
+HOLDING_EVERY_S = 1.0  # holdings that change no step due are reported at most this often
 
 
 class Shadow:
@@ -37,7 +38,10 @@ class Shadow:
         self.seen_committed: set[int] = set()  # retention may remove a step later: its word stands
         self.incarnation = time.time_ns() // 1_000_000  # a restarted keeper on this node reports higher
         self.seq = 0
-        self.held: ev.Held | None = None
+        self.held: ev.Held | None = None  # as last reported
+        self.current: ev.Held = ()  # as last seen
+        self.due_held: set[ev.Key] = set()  # the keys flagged for persistence among them
+        self.sent_at = -float("inf")
         self.due_sent: set[ev.Key] = set()
         self.plans: dict[int, ev.Persist] = {}  # plans naming this node, not yet answered in full
         self.commits: dict[int, ev.Commit] = {}  # rank 0's node: commits to confirm
@@ -61,12 +65,22 @@ class Shadow:
         return step in self.seen_committed
 
     def observe(self, steps: dict[int, dict[int, dict[str, Any]]], flagged: list[int]) -> None:
-        """The node's snapshots (rank → {step: header}) and the steps due: report what changed."""
-        held = holdings(steps)
-        if held != self.held or self.link.missed:
+        """The node's snapshots (rank → {step: header}) and the steps due: report what changed. The
+        decider plans a due step from holdings, so they are sent at once when the steps flagged for
+        persistence among them change (one comes, or goes: moved past), else at most every
+        ``HOLDING_EVERY_S`` — not at every step of every node."""
+        held = self.current = holdings(steps)
+        due = {
+            (s, e)
+            for s, e, _, _ in held
+            if any(s in by_step and by_step[s].get("persist") for by_step in steps.values())
+        }
+        now = time.monotonic()
+        if (held != self.held and (due != self.due_held or now - self.sent_at >= HOLDING_EVERY_S)) or self.link.missed:
             self.link.missed = False
-            self.held, self.seq = held, self.seq + 1
+            self.held, self.due_held, self.sent_at, self.seq = held, due, now, self.seq + 1
             self.link.send(ev.Holding(self.node, self.incarnation, self.seq, held))
+        self.link.eager = bool(self.plans or self.commits or self.awaiting or due)
         if self.is_coordinator():
             for step in flagged:
                 key = (step, _epoch(steps, step))
@@ -120,7 +134,7 @@ class Shadow:
             self.link.send(event)
 
     def _holds(self, key: ev.Key) -> bool:
-        return any(s == key[0] and e == key[1] for s, e, _, _ in self.held or ())
+        return any(s == key[0] and e == key[1] for s, e, _, _ in self.current)
 
     def workers_died(self, job: NodeJob, world: int, owners: dict[int, dict[str, Any] | None], died: set[int]) -> None:
         """Once every worker of this node is gone and one at least died (``died``: their pids; a closed

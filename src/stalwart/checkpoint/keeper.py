@@ -177,7 +177,7 @@ class Keeper:
             ):
                 return
             if self.members is not None and 0 < len(ranks) < world:  # the master can name a lost node's ranks
-                self.members.report_member(self.node.epoch(), ranks, world)
+                self.members.report_member(self.node.epoch(), ranks, world, self.job.get("agent", ""))
             if self.active and world:
                 self._check_failures(world, owners)
                 self._maybe_persist(world, ranks)

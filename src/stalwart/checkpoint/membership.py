@@ -70,10 +70,13 @@ class LostNodes:
         self._refresh()
         return node in self._lost
 
-    def report_member(self, epoch: int, ranks: list[int], world: int) -> None:
+    def report_member(self, epoch: int, ranks: list[int], world: int, agent: str = "") -> None:
         """Tell the master (once per execution; a failed try again after ``every_s``) that this node runs
         ``ranks`` of ``world`` in ``epoch``, so it can name a lost node's ranks: a persist waiting on a
-        rank whose node never wrote a word is given up at once, not after ``answer_s``."""
+        rank whose node never wrote a word is given up at once, not after ``answer_s``. ``agent``: the
+        launch whose workers wrote that (``job.json``); one left by an earlier launch is not reported."""
+        if agent != self.agent:
+            return
         member = (epoch, sorted(ranks), world)
         now = time.monotonic()
         if member == self._reported or now - self._report_tried < self.every_s:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart import runtime
 from stalwart.checkpoint import multinode, stage
 from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.persist import write_checkpoint
@@ -81,6 +82,7 @@ class NodeJob:
                     "keeper": keeper,
                     "keeper_log": str(Path(keeper_log).absolute()) if keeper_log else None,
                     "epoch": epoch,  # the execution of the workers that wrote it
+                    "agent": os.environ.get(runtime.ENV_AGENT, ""),  # ... under this launch of the agent
                 }
             ).encode(),
         )
