@@ -102,10 +102,13 @@ def test_a_master_that_does_not_answer_costs_the_keeper_no_wait_and_loses_no_rep
         port = s.getsockname()[1]
     link = DeciderLink(f"http://127.0.0.1:{port}", "token", "n0", every_s=0.02)
     try:
+        held = ((4, 0, (0, 1), False),)
         t0 = time.monotonic()
-        link.send(ev.PersistDue(4, 0), ev.PersistDue(8, 0))
-        assert time.monotonic() - t0 < 0.05, "send never waits on the network"
-        assert not link.sync(0.3) and link.pending() == 2 and link.take() == []
+        link.send(ev.PersistDue(4, 0), ev.Holding("n0", 1, 1, ()), ev.Holding("n0", 1, 2, held))
+        assert time.monotonic() - t0 < 0.5, "send never waits on the network"
+        t0 = time.monotonic()
+        assert not link.sync(10) and time.monotonic() - t0 < 5, "a failed call ends the wait at once"
+        assert link.pending() == 2 and link.take() == [], "the newer holdings replace the older, nothing is lost"
     finally:
         link.close()
 
@@ -152,3 +155,24 @@ def test_a_keeper_reports_no_membership_from_a_job_file_an_earlier_launch_left(m
     assert master.state.ckpt.ranks_of("n0") == []
     members.report_member(0, RANKS["n0"], 4, agent="launch-2")
     assert master.state.ckpt.ranks_of("n0") == [0, 1]
+
+
+def test_a_plan_pinned_while_the_old_protocol_wrote_is_refused_when_it_gives_the_step_up(master):
+    for node in RANKS:
+        Keeper(master, node).member()
+    shadows = [
+        Shadow(DeciderLink(master.address, "token", node, every_s=0.02), lambda n=node: n == "n0", lambda s: False)
+        for node in RANKS
+    ]
+    decider = master.state.ckpt.state
+    try:
+        for shadow, node in zip(shadows, RANKS):
+            shadow.observe(steps_of(node, 4), [4])
+        until("both pins", lambda: sorted((decider()["plan"] or {}).get("pinned", [])) == ["n0", "n1"], shadows)
+        # ... then the old protocol gives step 4 up (training outpaced it): the decider hears so
+        until("step 4 given up", lambda: decider()["plan"] is None, shadows, given_up={4})
+        [gave_up] = [d for _, d in master.state.ckpt.outbox if d["kind"] == "GiveUp"]
+        assert gave_up["step"] == 4 and gave_up["why"].endswith("given up by the old protocol"), gave_up
+    finally:
+        for shadow in shadows:
+            shadow.link.close()

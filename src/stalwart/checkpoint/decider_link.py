@@ -5,7 +5,8 @@ Under ``stalwart run`` the decider lives in the job master (``launch/master_ckpt
 order with the number of the last decision it read, keeps those the master did not take yet (they came
 before the execution formed, or belong to an epoch not yet formed there) for the next call, and hands
 the decoded decisions back through ``take()``. A master that does not answer costs nothing but delay:
-the queue waits (bounded) and the next call carries it. JSON both ways, never pickle.
+the queue waits (bounded; a newer ``Holding`` replaces a queued one, as it is a full report) and the
+next call carries it. JSON both ways, never pickle.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import time
 from typing import Any
 
 from stalwart.checkpoint import decider_wire as wire
-from stalwart.runtime.master_call import MasterError, call_master
+from stalwart.runtime.master_call import call_master
 
 log = logging.getLogger("stalwart.checkpoint")
-MAX_QUEUED = 10_000  # a master gone for long: the oldest reports go (a Holding report is repeated anyway)
+MAX_QUEUED = 10_000  # a master gone for long: the oldest reports go
+MAX_BATCH = 200  # events per call (the master refuses bodies over 1 MiB; a Holding is ~200 B)
 
 
 class DeciderLink:
@@ -32,13 +34,16 @@ class DeciderLink:
         self.eager = False  # set by the owner while it awaits decisions: call every ``every_s``
         self.after: int | None = None  # the number of the last decision read (None: start from the next)
         self.missed = False  # decisions dropped before this keeper read them: report holdings again
-        self._queue: list[dict[str, Any]] = []
+        self.formed = False  # the master has a decider for this job (its nodes reported their ranks)
+        self._queue: list[tuple[int, dict[str, Any]]] = []  # (number, event as JSON)
+        self._numbered = 0
         self._decisions: list[Any] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
         self._exchanges = 0  # calls answered so far
-        self.formed = False  # the master has a decider for this job (its nodes reported their ranks)
+        self._failures = 0  # calls that failed so far
+        self._said = ""  # the last failure logged (each new one once)
         self._thread: threading.Thread | None = None  # started by the first event: a job that never
         # reports (one node) costs no calls
 
@@ -48,9 +53,13 @@ class DeciderLink:
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name="stalwart-decider-link", daemon=True)
                 self._thread.start()
-            self._queue.extend(wire.to_json(e) for e in events)
-            dropped = len(self._queue) - MAX_QUEUED
-            if dropped > 0:
+            for event in events:
+                data = wire.to_json(event)
+                if data["kind"] == "Holding":  # a full report: an older one still queued says nothing more
+                    self._queue = [q for q in self._queue if q[1]["kind"] != "Holding"]
+                self._numbered += 1
+                self._queue.append((self._numbered, data))
+            if (dropped := len(self._queue) - MAX_QUEUED) > 0:
                 del self._queue[:dropped]
                 log.warning("decider link: the master has not answered; dropped %d old report(s)", dropped)
         self._wake.set()
@@ -63,17 +72,19 @@ class DeciderLink:
 
     def sync(self, timeout_s: float) -> bool:
         """Wait (bounded) for a call that starts after now: what is queued is sent and the decisions made
-        until then are read. False if the master did not answer in time."""
+        until then are read. False at once when a call fails (the master is gone), or after ``timeout_s``."""
         with self._lock:
             if self._thread is None:
                 return False  # nothing was ever sent
-            target = self._exchanges + 2  # one may be under way with an older queue
+            target, failures = self._exchanges + 2, self._failures  # one may be under way, older
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._wake.set()
             with self._lock:
                 if self._exchanges >= target:
                     return True
+                if self._failures > failures:
+                    return False
             time.sleep(0.01)
         return False
 
@@ -85,7 +96,7 @@ class DeciderLink:
         self._closed = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=3)  # a call times out after 2 s
 
     def _run(self) -> None:
         while not self._closed:
@@ -95,19 +106,30 @@ class DeciderLink:
             self._wake.clear()
             try:
                 self._exchange()
-            except (OSError, ValueError, KeyError, TypeError, MasterError) as err:
-                log.debug("decider link: no exchange with the master (%s); the next call carries the reports", err)
+            except Exception as err:  # the link must outlive any failure: the next call carries the reports
+                with self._lock:
+                    self._failures += 1
+                if str(err) != self._said:
+                    self._said = str(err)
+                    log.warning("decider link: no exchange with the master (%s); the next call tries again", err)
 
     def _exchange(self) -> None:
         with self._lock:
-            events = list(self._queue)
-        body = {"node": self.node, "events": events, "after": self.after}
+            batch = self._queue[:MAX_BATCH]
+        body = {"node": self.node, "events": [data for _, data in batch], "after": self.after}
         reply = call_master(self.address, self.token, "POST", "/v1/ckpt", body, 2.0, retry_for_s=0)
-        decisions = [wire.from_json(d, wire.DECISIONS) for d in reply["decisions"]]
+        decisions = []
+        for data in reply["decisions"]:
+            try:
+                decisions.append(wire.from_json(data, wire.DECISIONS))
+            except (ValueError, TypeError) as err:  # a master of another version: skip it, and say so
+                log.warning("decider link: skipped a decision this keeper cannot read (%s)", err)
         with self._lock:
-            del self._queue[: int(reply["taken"])]
+            sent = {number for number, _ in batch[: int(reply["taken"])]}
+            self._queue = [q for q in self._queue if q[0] not in sent]
             self._decisions.extend(decisions)
             self.after = int(reply["next"]) - 1
             self.missed = self.missed or bool(reply.get("missed"))
             self._exchanges += 1
             self.formed = reply.get("epoch") is not None
+            self._said = ""

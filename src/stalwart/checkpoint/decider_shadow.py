@@ -48,6 +48,7 @@ class Shadow:
         self.answered: set[tuple[str, int, int]] = set()  # (what, plan, attempt) sent
         self.awaiting: set[int] = set()  # rank 0's node: plans written everywhere here, their commit to come
         self.gone: set[int] = set()  # epochs whose WorkersGone was sent
+        self.settled: set[int] = set()  # steps the decider planned or gave up (held ones only)
         self._checked = 0.0
 
     @classmethod
@@ -96,10 +97,13 @@ class Shadow:
                 self.plans[d.plan] = d
             elif isinstance(d, ev.Commit) and self.is_coordinator():
                 self.commits[d.plan] = d
-            elif isinstance(d, ev.GiveUp) and d.plan is not None:
+            elif isinstance(d, ev.GiveUp):
+                self.settled.add(d.step)
                 self.plans.pop(d.plan, None)
                 self.commits.pop(d.plan, None)
                 self.awaiting.discard(d.plan)
+            if isinstance(d, ev.Persist | ev.Commit):
+                self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
         now = time.monotonic()
         if not (self.plans or self.commits) or now - self._checked < CHECK_EVERY_S:
             return
@@ -111,6 +115,17 @@ class Shadow:
                 self.link.send(ev.Committed(c.plan, True))
                 del self.commits[c.plan]
                 self.awaiting.discard(c.plan)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the bookkeeping of open plans and held steps only: a job's life long, it stays small."""
+        open_plans = {*self.plans, *self.commits, *self.awaiting}
+        self.answered = {m for m in self.answered if m[1] in open_plans}
+        held = {(s, e) for s, e, _, _ in self.current}
+        self.due_sent &= held
+        oldest = min((s for s, _ in held), default=0)
+        self.seen_committed = {s for s in self.seen_committed if s >= oldest}
+        self.settled = {s for s in self.settled if s >= oldest}
 
     def _answer_plan(self, p: ev.Persist, last_persisted: int, given_up: set[int], final: bool) -> None:
         step = p.key[0]
@@ -122,7 +137,7 @@ class Shadow:
                 self.awaiting.add(p.plan)
         elif final or step in given_up or last_persisted > step or not self._holds(p.key):
             why = "given up by the old protocol" if step in given_up else "not persisted by the old protocol"
-            self._once("pinned", p, ev.Pinned(self.node, p.plan, False, why))
+            self._once("refused", p, ev.Pinned(self.node, p.plan, False, why))  # even after a pin said ok
             del self.plans[p.plan]
         else:
             self._once("pinned", p, ev.Pinned(self.node, p.plan, True))  # the old protocol may be writing it
@@ -154,7 +169,8 @@ class Shadow:
         while self.link.formed and self.link.sync(max(0.0, deadline - time.monotonic())):
             self._checked = 0.0
             self.answer(last_persisted, given_up, final=True)
-            if not (self.plans or self.commits or self.awaiting or self.link.pending()):
+            unheard = [s for s, _ in self.due_held if s not in self.settled]  # its plan may be on its way
+            if not (self.plans or self.commits or self.awaiting or self.link.pending() or unheard):
                 break
             time.sleep(0.05)
         if job_complete and self.is_coordinator() and self.link.formed:

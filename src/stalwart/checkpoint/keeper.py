@@ -201,10 +201,10 @@ class Keeper:
         world = self.node.world()
         if not (self.active and world):
             return
-        ranks = self.node.node_ranks(world)
-        self._check_failures(world, {r: read_json(self.paths.owner(r)) for r in ranks})
-        self._maybe_persist(world, ranks, force=True)
-        self._finish(world, self.stop.why or "stopped")
+        owners = {r: read_json(self.paths.owner(r)) for r in self.node.node_ranks(world)}
+        self._check_failures(world, owners)
+        self._maybe_persist(world, list(owners), force=True)
+        self._finish(world, self.stop.why or "stopped", all(self.node.closed(r, o) for r, o in owners.items()))
 
     def _check_failures(self, world: int, owners: dict[int, dict[str, Any] | None]) -> None:
         for r, owner in owners.items():
@@ -378,8 +378,6 @@ class Keeper:
         if lock is None:
             return False
         try:
-            if self.shadow is not None:
-                self.shadow.end(complete, self.last_persisted, set(self.given_up))
             newest = self.node.newest_agreed(world) if world else -1
             self.storage.refresh()
             latest = self.storage.latest() or -1
@@ -395,6 +393,8 @@ class Keeper:
             else:
                 self.event("exit", None, f"{why}; removing {self.paths.root}")
                 shutil.rmtree(self.paths.root, ignore_errors=True)
-            return True
         finally:
             os.close(lock)
+        if self.shadow is not None:  # outside the job lock: a restarting worker must not wait on the master
+            self.shadow.end(complete, self.last_persisted, set(self.given_up))
+        return True

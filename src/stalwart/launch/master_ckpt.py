@@ -52,7 +52,8 @@ class CheckpointDesk:
             raise ApiError(HTTPStatus.BAD_REQUEST, "'after' must be an integer and 'events' a list")
         events = [self._decode(node, e) for e in body.get("events", [])]  # all or nothing
         with self._lock:
-            if after is None:  # a keeper's first call: the decisions from this call on
+            reset = after is not None and after >= self.next  # it read numbers this journal never gave
+            if after is None or reset:  # a keeper's first call: the decisions from this call on
                 after = self.next - 1
             taken, changed = 0, False
             for event in events:
@@ -74,7 +75,7 @@ class CheckpointDesk:
                 "taken": taken,  # events taken in order; the rest came before every node's Member
                 "decisions": [d for n, d in self.outbox if n > after],
                 "next": self.next,
-                "missed": after + 1 < first,  # dropped before this keeper read them
+                "missed": reset or after + 1 < first,  # dropped before this keeper read them: report again
                 "epoch": self.decider.epoch if self.decider else None,
             }
 
@@ -116,7 +117,8 @@ class CheckpointDesk:
             log.info("checkpoint decider: ignored node %s's membership from an earlier launch", node)
             return
         if self.decider is not None and epoch <= self.decider.epoch:
-            if not agent or self.agents.get(node, agent) == agent:
+            known = {*self.agents.values(), *self.forming.get("agents", {}).values()}
+            if not agent or agent in known:  # (a node joining the running launch reports a newer epoch)
                 log.info("checkpoint decider: ignored node %s's late membership of epoch %d", node, epoch)
                 return
             # A new agent whose rendezvous counts from 0 again: the job was launched anew (a requeue).
