@@ -22,6 +22,19 @@ def stdlib_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_default_corpus(tmp_path_factory.mktemp("data") / "stdlib-byte")
 
 
+@pytest.fixture(autouse=True)
+def sigterm_left_as_found():
+    """A test that leaves SIGTERM ignored (or handled) in the test process makes every process started
+    after it in that process inherit an ignored SIGTERM (CI: a child that `terminate()` did not end):
+    such a test fails here, and the disposition is put back."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    after = signal.getsignal(signal.SIGTERM)
+    if after is not before:
+        signal.signal(signal.SIGTERM, before)
+        pytest.fail(f"the test left SIGTERM's handler changed ({before!r} → {after!r})")
+
+
 @pytest.fixture(scope="module")
 def shm_root() -> Path:
     """A private /dev/shm root for one test module's jobs; keepers started under it are killed after."""

@@ -136,7 +136,7 @@ def test_a_nodes_final_holdings_go_to_the_decider_once_every_worker_is_gone(mast
         workers[0].kill(), workers[0].wait()
         shadow.workers_died(job, 4, owners, {workers[0].pid})
         assert shadow.link.pending() == 0 and master.state.ckpt.state()["failure"] is None, "rank 1 still runs"
-        workers[1].terminate(), workers[1].wait()
+        workers[1].kill(), workers[1].wait()  # (SIGKILL: a test process may pass SIGTERM ignored on)
         shadow.workers_died(job, 4, owners, {workers[0].pid})
         assert shadow.link.sync(5)
         final = master.state.ckpt.state()["failure"]["final"]

@@ -118,7 +118,7 @@ def test_a_worker_killed_by_the_notice_is_the_preemption_and_a_swallowed_notice_
     agent's handler runs (CI saw it: the job spent its restart budget instead of persisting), and the
     handler's exception can be raised inside a library's ``except Exception`` and lost."""
     notice = preempt.Preemption((signal.SIGTERM, signal.SIGUSR1))
-    previous = signal.getsignal(signal.SIGUSR1)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         notice.arm()
         notice.check_workers([1, -int(signal.SIGTERM)])  # a fault, and the agent's own stop signal: not a notice
@@ -138,8 +138,9 @@ def test_a_worker_killed_by_the_notice_is_the_preemption_and_a_swallowed_notice_
         except Exception:  # as TorchElastic's log tailer does
             pass
         assert swallowed.missed() is not None and swallowed.missed().signum == signal.SIGUSR1
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    finally:  # both: a SIGTERM left ignored here is inherited by every process the later tests start
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def test_the_master_host_waits_for_every_node_alive_at_the_notice_to_journal_its_preemption():
