@@ -13,16 +13,16 @@ protocol committed (the e2e tests check) before anything depends on it.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from stalwart import runtime
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider_link import DeciderLink
+from stalwart.checkpoint.membership import LostNodes
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.shm import pid_alive
+from stalwart.checkpoint.snapshot import epoch_of
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
 CHECK_EVERY_S = 0.2  # how often a pending plan's step is looked up in storage
@@ -52,13 +52,13 @@ class Shadow:
         self._checked = 0.0
 
     @classmethod
-    def from_env(
-        cls, coordinator: Callable[[], bool], committed: Callable[[int], bool], env: Mapping[str, str] | None = None
+    def of(
+        cls, members: LostNodes | None, coordinator: Callable[[], bool], committed: Callable[[int], bool]
     ) -> Shadow | None:
-        """Under ``stalwart run`` (master, job token and node id in the keeper's environment); else None."""
-        env = os.environ if env is None else env
-        address, token, me = (env.get(k, "") for k in (runtime.ENV_MASTER, runtime.ENV_JOB_TOKEN, runtime.ENV_NODE_ID))
-        return cls(DeciderLink(address, token, me), coordinator, committed) if address and token and me else None
+        """Under ``stalwart run`` (the keeper knows the master: ``members``); else None."""
+        if members is None:
+            return None
+        return cls(DeciderLink(members.address, members.token, members.me), coordinator, committed)
 
     def committed(self, step: int) -> bool:
         if step not in self.seen_committed and self._committed(step):
@@ -92,7 +92,7 @@ class Shadow:
     def answer(self, last_persisted: int, given_up: set[int], final: bool = False) -> None:
         """Read the decider's decisions and answer the plans from what the old protocol did."""
         for d in self.link.take():
-            log.info("decider (shadow): %s", _describe(d))
+            log.info("decider (shadow): %r", d)
             if isinstance(d, ev.Persist) and self.node in d.nodes:
                 self.plans[d.plan] = d
             elif isinstance(d, ev.Commit) and self.is_coordinator():
@@ -184,14 +184,9 @@ def holdings(steps: dict[int, dict[int, dict[str, Any]]]) -> ev.Held:
     keys: dict[ev.Key, list[int]] = {}
     for rank, by_step in steps.items():
         for step, header in by_step.items():
-            keys.setdefault((step, int(header.get("epoch", 0))), []).append(rank)
+            keys.setdefault((step, epoch_of(header)), []).append(rank)
     return tuple((s, e, tuple(sorted(r)), False) for (s, e), r in sorted(keys.items()))
 
 
 def _epoch(steps: dict[int, dict[int, dict[str, Any]]], step: int) -> int:
-    return max(int(by_step[step].get("epoch", 0)) for by_step in steps.values() if step in by_step)
-
-
-def _describe(d: Any) -> str:
-    fields = ", ".join(f"{k}={v}" for k, v in vars(d).items())
-    return f"{type(d).__name__}({fields})"
+    return max(epoch_of(by_step[step]) for by_step in steps.values() if step in by_step)

@@ -67,7 +67,7 @@ class Keeper:
         self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
-        self.shadow = Shadow.from_env(lambda: self.coordinator, lambda s: self.storage.manifest(s) is not None)
+        self.shadow = Shadow.of(self.members, lambda: self.coordinator, lambda s: self.storage.manifest(s) is not None)
         self.last_persist_time = time.monotonic()
 
     def _reload_job(self) -> bool:
