@@ -9,6 +9,7 @@ Nothing outside this module imports a private torch name (``torch.*._x``) or pat
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -139,16 +140,22 @@ def rendezvous_poll(max_nodes: int) -> float:
     last one — what a job across nodes lost per recovery against one node. The holder's cache also
     paces the agent's ``num_nodes_waiting`` every monitor tick, so the store's load (each read is the
     whole O(nodes) state) stays at most a hundred reads a second below 100 nodes, and torch's own from
-    there on. Returns the interval; idempotent."""
+    there on. Its random skew of a round's first join (``_delay(seconds=(0, 0.3))``, there to spread
+    thousands of nodes' first calls; it also delays every restart's round, 0.15 s on average) is
+    scaled the same way: torch's 0.3 s from 1,000 nodes, 0.3 ms for one. Returns the interval; idempotent."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     poll_s = min(1.0, max(0.05, max_nodes / 100))
+    skew = min(1.0, max_nodes / 1000)
     delay = getattr(dr._delay, "__wrapped__", dr._delay)
     holder_init = getattr(dr._BackendRendezvousStateHolder.__init__, "__wrapped__", None)
     holder_init = holder_init or dr._BackendRendezvousStateHolder.__init__
 
     def polled(seconds: float | tuple[float, float]) -> None:
-        delay(poll_s if seconds == 1 else seconds)  # the SYNC wait is the only one of exactly a second
+        if isinstance(seconds, tuple):  # the first join's random skew
+            delay((seconds[0] * skew, seconds[1] * skew))
+        else:
+            delay(poll_s if seconds == 1 else seconds)  # the SYNC wait is the only one of exactly a second
 
     def init(self: Any, backend: Any, settings: Any, cache_duration: float = 1) -> None:
         holder_init(self, backend, settings, min(cache_duration, poll_s))
@@ -158,6 +165,38 @@ def rendezvous_poll(max_nodes: int) -> float:
     dr._delay = polled
     dr._BackendRendezvousStateHolder.__init__ = init
     return poll_s
+
+
+def quick_agent_paths(tail_interval_s: float = 0.02) -> None:
+    """Take two fixed costs out of every restart of a worker group (idempotent):
+    - the dynamic rendezvous names each of its logged events by ``inspect.stack()`` (``get_method_name``),
+      which resolves the source file of every frame against every imported module: ~0.2 s of a
+      restart's round in an agent that has imported torch (measured, benchmarks/recovery.py). A
+      frame's own code object names the same method;
+    - a failed worker's group is closed only once the threads teeing its logs have seen their stop
+      flag, and they look every ``interval_sec`` (0.1 s: up to 0.1 s of detection); they look every
+      ``tail_interval_s`` instead (a sleep and an empty read per rank and stream)."""
+    from torch.distributed.elastic.multiprocessing import tail_log
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    def method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:  # the stack is shallower than ``depth``: torch's own answer then
+            return "no_method_name"
+
+    if not hasattr(dr.get_method_name, "__wrapped__"):
+        method_name.__wrapped__ = dr.get_method_name  # type: ignore[attr-defined]
+        dr.get_method_name = method_name
+    init = getattr(tail_log.TailLog.__init__, "__wrapped__", tail_log.TailLog.__init__)
+
+    def tail_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) < 5:  # (name, log_files, dst, log_line_prefixes, interval_sec): not given
+            kwargs.setdefault("interval_sec", tail_interval_s)
+        init(self, *args, **kwargs)
+
+    tail_init.__wrapped__ = init  # type: ignore[attr-defined]
+    tail_log.TailLog.__init__ = tail_init
 
 
 # Warm start (launch/zygote.py): torch.compile, torch.use_deterministic_algorithms and others import
@@ -299,8 +338,6 @@ def set_deterministic_algorithms() -> None:
     """``torch.use_deterministic_algorithms(True)`` without its import of ``torch._inductor`` (only to
     set inductor's own flag; 2–3 s of every worker start, so of every recovery, on torch 2.13). The
     trainer does not compile; if something already imported inductor, the public call is used."""
-    import sys
-
     import torch
 
     if "torch._inductor.config" in sys.modules:

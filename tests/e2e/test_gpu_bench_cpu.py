@@ -75,3 +75,19 @@ def test_gpu_step_records_a_failed_section_and_runs_the_next(tmp_path, shm_root)
     assert "timed out after" in r["stalwart"]["error"], r["stalwart"]
     assert r["sections"]["baseline"] == "not requested" and "baseline" not in r
     assert "skipped" in r["torchtitan"] and r["ratios"] == {"stalwart_vs_plain": None, "stalwart_vs_torchtitan": None}
+
+
+def test_gpu_profile_runs_every_line_on_the_cpu(tmp_path):
+    """The step profile behind docs/gpu.md's rope and attention figures: its table is written, its
+    figures are positive, and the complex-multiply rotation it compares against is the same rotation."""
+    out = tmp_path / "profile.txt"
+    cmd = [sys.executable, "benchmarks/gpu_profile.py", "--smoke", "--json", f"--out={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1])
+    assert r["device"] == "cpu" and r["shape"] == "tiny" and positive(r["n_params"])
+    assert r["tokens_per_step"] == 2 * 2 * 32
+    assert all(positive(r["rope"][k]) for k in ("apply_rope_ms", "complex_ms")), r["rope"]
+    assert r["rope"]["max_abs_diff"] < 1e-5, "the complex rotation is apply_rope's (fp32 on the CPU)"
+    assert all(positive(v) for v in r["attention"].values()), r["attention"]
+    assert "aten::mm" in out.read_text() and "Self CPU time total" in out.read_text()

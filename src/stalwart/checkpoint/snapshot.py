@@ -15,7 +15,10 @@ dies): the writer takes the slot exclusively without waiting and, if the keeper 
 
 The copy runs on a background thread (CPU) or a side CUDA stream into pinned shm (GPU); the
 optimizer pre-step hook calls :meth:`SnapshotWriter.wait_copied`, so parameters are never mutated
-while being copied.
+while being copied. The background thread also issues the device-to-host copies (one
+``cudaMemcpyAsync`` per tensor, ~10 µs of host time each: ~6 ms per save of a 280M model with AdamW
+on an H200) after an event the save records on the training stream, so the save call itself only
+records that event.
 """
 
 from __future__ import annotations
@@ -196,7 +199,8 @@ class SnapshotWriter:
         self._future: Future[None] | None = None
         self._copied = threading.Event()
         self._copied.set()
-        self._cuda_event: Any = None
+        self._cuda_event: Any = None  # the device-to-host copies' end, on the side stream
+        self._stream: Any = None  # that side stream (created by the first save on the training device)
         # (signature, entries, size, any CUDA tensor): planned again only when the signature changes
         self._layout: tuple[Any, list[dict[str, Any]], int, bool] | None = None
         self.stats = {"snapshots": 0, "skipped": 0, "wait_s": 0.0, "copy_s": 0.0, "last_step": None}
@@ -231,9 +235,13 @@ class SnapshotWriter:
         self.slots[slot].ensure(size)
         self._copied.clear()
         self._cuda_event = None
-        if cuda:
-            self._issue_cuda_copies(slot, entries, captured)
-        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, cuda, time.time())
+        ready = None
+        if cuda:  # the step's updates, as queued on the training stream: the copies wait for them there
+            self.slots[slot].pin_for_cuda()  # once per slot (page-locking: tens of ms for GBs)
+            self._stream = self._stream or torch.cuda.Stream()
+            ready = torch.cuda.Event()
+            ready.record()
+        self._future = self._pool.submit(self._run, step, slot, entries, size, captured, persist, ready, time.time())
         return True
 
     def wait_copied(self) -> None:
@@ -294,21 +302,18 @@ class SnapshotWriter:
             return -1
         return self._generations[slot]
 
-    def _issue_cuda_copies(self, slot: int, entries: list[dict[str, Any]], captured: Captured) -> None:
-        s = self.slots[slot]
-        s.pin_for_cuda()
-        stream = getattr(self, "_stream", None) or torch.cuda.Stream()
-        self._stream = stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(stream):
+    def _issue_cuda_copies(self, slot: int, entries: list[dict[str, Any]], captured: Captured, ready: Any) -> None:
+        """On the background thread: the device tensors' copies on the side stream, after ``ready``."""
+        s, stream = self.slots[slot], self._stream
+        with torch.no_grad(), torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
             pairs = [
                 (dst, src) for e, dst in zip(entries, s.views(entries)) if (src := captured.sources[e["key"]]).is_cuda
             ]
-            copy_tensors(
-                [d for d, _ in pairs], [src for _, src in pairs], non_blocking=s.pinned
-            )  # one call, not one each
-            self._cuda_event = torch.cuda.Event()
-            self._cuda_event.record(stream)
+            copy_tensors([d for d, _ in pairs], [src for _, src in pairs], non_blocking=s.pinned)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._cuda_event = done  # before ``_copied`` is set: wait_copied then orders the training stream after it
 
     # -- background thread -----------------------------------------------------------------------
     def _run(
@@ -319,12 +324,14 @@ class SnapshotWriter:
         size: int,
         captured: Captured,
         persist: bool,
-        cuda: bool,
+        ready: Any,
         captured_at: float,
     ) -> None:
         s = self.slots[slot]
         t0 = time.perf_counter()
         try:
+            if ready is not None:
+                self._issue_cuda_copies(slot, entries, captured, ready)
             with torch.no_grad():
                 half = len(entries) // 2
                 for i, (e, dst) in enumerate(zip(entries, s.views(entries))):
@@ -334,7 +341,7 @@ class SnapshotWriter:
                     if not src.is_cuda:
                         dst.copy_(src)
             self._copied.set()
-            if cuda:
+            if ready is not None:
                 self._cuda_event.synchronize()
             self.stats["copy_s"] += time.perf_counter() - t0
             import io

@@ -43,6 +43,7 @@ from stalwart.launch.agent_journal import AgentJournal
 from stalwart.launch.client import MasterClient
 from stalwart.launch.decide import Decision, decide, restarts_left
 from stalwart.launch.detect import Incident
+from stalwart.launch.exit_watch import ExitWatch
 from stalwart.launch.hang import HangDetector, HangPolicy
 from stalwart.launch.heartbeat import ChaosInbox, Heartbeat, NodeStatus
 from stalwart.launch.preempt import Preemption
@@ -98,6 +99,7 @@ class StalwartAgent(LocalElasticAgent):
         self.run_dir = Path(run_dir)
         self.progress_dir = self.run_dir / "progress" / node_id
         self.reader = ProgressReader(self.progress_dir)
+        self.exits = ExitWatch()
         self.hang = HangDetector(hang_policy)
         self.returned = ReturnedRanks(exit_grace_s)  # finished ranks whose process would not end
         self.on_failure = on_failure
@@ -172,7 +174,8 @@ class StalwartAgent(LocalElasticAgent):
         self._initialize_workers(group)
         while True:
             assert group.state != WorkerState.INIT, "workers were not started"
-            time.sleep(group.spec.monitor_interval)
+            pcontext = _compat.worker_processes(self)  # a tick, or a worker's exit, whichever comes first
+            self.exits.wait(pcontext.pids().values() if pcontext else (), group.spec.monitor_interval)
             result, incident = self._detect(group)
             group.state = result.state
             if result.state == WorkerState.SUCCEEDED:
@@ -317,6 +320,7 @@ class StalwartAgent(LocalElasticAgent):
         super()._stop_workers(worker_group, *args, **kwargs)
 
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        self.exits.close()
         if self.throttle is not None:
             self.throttle.pause()
         super()._shutdown(*args, **kwargs)
