@@ -16,6 +16,7 @@ import uuid
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from stalwart import _compat
 from stalwart.errors import WorkersFailed
 
 
@@ -34,6 +35,8 @@ def spawn_local(nproc: int, worker_argv: list[str], env: dict[str, str] | None =
         max_restarts=0,
         monitor_interval=0.1,
     )
+    _compat.rendezvous_poll(1)  # one node: no skew before its round (torch's is 0-0.3 s), a 50 ms poll
+    _compat.quick_agent_paths()  # nor ~0.2 s naming the round's log events by inspecting the stack
     saved = dict(os.environ)
     os.environ.update(env or {})
     try:
