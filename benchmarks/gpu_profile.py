@@ -28,9 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_step import SHAPES
-from gpu_step_parts import BASE_MODEL
+from gpu_step_parts import plain_model, plain_step
 
-from stalwart.models import build_model, model_args
 from stalwart.models.llama import apply_rope, rope_tables
 
 
@@ -72,24 +71,13 @@ def timed_ms(fn: Callable[[], None], device: str, repeats: int) -> float:
 
 
 def profile_step(a: argparse.Namespace) -> tuple[str, int]:
-    """The profiler's table of one plain-loop step after ``--warmup`` steps; the model's size."""
-    torch.manual_seed(0)
-    args = model_args(BASE_MODEL, vocab_size=257, max_seq_len=a.seq_len, **SHAPES[a.shape])
-    model = build_model(BASE_MODEL, args).to(a.device)
-    model.init_weights(0)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=3e-4, fused=a.device == "cuda")
+    """The profiler's table of one step of gpu_step.py's plain loop (random tokens) after ``--warmup``
+    steps; the model's size."""
+    model, params, opt = plain_model(SHAPES[a.shape], 257, a.seq_len, a.device)
     batch = torch.randint(0, 257, (a.micro_batches, a.micro_batch, a.seq_len + 1), device=a.device)
 
     def step() -> None:
-        for mb in batch:
-            with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.device == "cuda"):
-                logits = model(mb[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten()) / len(batch)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        plain_step(model, params, opt, list(batch), a.device)
 
     for _ in range(a.warmup):
         step()

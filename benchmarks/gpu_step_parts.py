@@ -14,6 +14,7 @@ import sys
 import time
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -107,26 +108,48 @@ def records(out: Path, skip: int) -> list[dict]:
     return rows[skip:]
 
 
+def plain_model(shape: dict, vocab: int, seq_len: int, dev: str) -> tuple[Any, list, Any]:
+    """The baseline's model (``build_model``, seeded), its parameters and fused AdamW (on CUDA)."""
+    import torch
+
+    from stalwart.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(BASE_MODEL, model_args(BASE_MODEL, vocab_size=vocab, max_seq_len=seq_len, **shape)).to(dev)
+    model.init_weights(0)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
+    return model, params, opt
+
+
+def plain_step(model: Any, params: list, opt: Any, micro_batches: list, dev: str) -> None:
+    """One step of the bare loop: bf16 autocast on CUDA, the loss averaged over the micro-batches
+    (tokens and next tokens in one row each), grad clipping, the optimizer step."""
+    import torch
+    import torch.nn.functional as F
+
+    for mb in micro_batches:
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            logits = model(mb[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten()) / len(micro_batches)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def plain_loop(a: argparse.Namespace, data: Path) -> dict:
     """The baseline: the same model and batch in a bare loop (no DDP, no hooks, no checkpoints)."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
-
-    from stalwart.models import build_model, model_args
 
     dev, cuda = a.device, a.device == "cuda"
     if not cuda:
         torch.set_num_threads(1)  # as `stalwart train` gets here (train_cmd)
-    torch.manual_seed(0)
     index = json.loads((data / "index.json").read_text())
     tokens = np.concatenate([np.memmap(data / s["file"], dtype=index["dtype"], mode="r") for s in index["shards"]])
     vocab = json.loads((data / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    args = model_args(BASE_MODEL, vocab_size=vocab, max_seq_len=a.seq_len, **a.shape)
-    model = build_model(BASE_MODEL, args).to(dev)
-    model.init_weights(0)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    model, params, opt = plain_model(a.shape, vocab, a.seq_len, dev)
     n_micro = a.global_batch // a.micro_batch
     n_seq = (len(tokens) - 1) // a.seq_len
     if n_seq <= a.global_batch:
@@ -139,15 +162,7 @@ def plain_loop(a: argparse.Namespace, data: Path) -> dict:
             [tokens[(start + i) * a.seq_len : (start + i + 1) * a.seq_len + 1] for i in range(a.global_batch)]
         )
         batch = torch.from_numpy(rows.astype(np.int64)).to(dev, non_blocking=True)
-        for i in range(n_micro):
-            mb = batch[i * a.micro_batch : (i + 1) * a.micro_batch]
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
-                logits = model(mb[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten()) / n_micro
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        plain_step(model, params, opt, list(batch.split(a.micro_batch)[:n_micro]), dev)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)

@@ -56,10 +56,19 @@ def test_a_new_attempts_processes_replace_the_old_ones_and_a_missing_pid_does_no
         watch.close()
 
 
-def test_without_pidfds_it_is_the_plain_sleep() -> None:
+def test_without_pidfds_it_is_the_plain_sleep(monkeypatch) -> None:
+    """A kernel or sandbox that refuses pidfds (EPERM, ENOSYS): the plain sleep, from then on."""
+    import errno
+    import os
+
+    def refused(pid: int) -> int:
+        raise OSError(errno.EPERM, "pidfd_open refused")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
     watch, proc = ExitWatch(), sleeper(0.05)
-    watch.supported = False
     try:
-        assert timed_wait(watch, [proc.pid], 0.5) >= 0.45
+        assert timed_wait(watch, [proc.pid], 0.5) >= 0.45  # its exit does not end the wait
+        assert watch.supported is False and not watch._fds
+        assert timed_wait(watch, [proc.pid], 0.2) >= 0.15
     finally:
         proc.wait()

@@ -17,8 +17,8 @@ The copy runs on a background thread (CPU) or a side CUDA stream into pinned shm
 optimizer pre-step hook calls :meth:`SnapshotWriter.wait_copied`, so parameters are never mutated
 while being copied. The background thread also issues the device-to-host copies (one
 ``cudaMemcpyAsync`` per tensor, ~10 µs of host time each: ~6 ms per save of a 280M model with AdamW
-on an H200) after an event the save records on the training stream, so the save call itself only
-records that event.
+on an H200) after an event the save records on the training stream: the save call records the event
+instead of issuing the copies.
 """
 
 from __future__ import annotations
@@ -302,15 +302,13 @@ class SnapshotWriter:
             return -1
         return self._generations[slot]
 
-    def _issue_cuda_copies(self, slot: int, entries: list[dict[str, Any]], captured: Captured, ready: Any) -> None:
-        """On the background thread: the device tensors' copies on the side stream, after ``ready``."""
-        s, stream = self.slots[slot], self._stream
+    def _issue_cuda_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool, ready: Any) -> None:
+        """On the background thread: the device tensors' (destination, source) copies on the side
+        stream, after ``ready``."""
+        stream = self._stream
         with torch.no_grad(), torch.cuda.device(stream.device), torch.cuda.stream(stream):
             stream.wait_event(ready)
-            pairs = [
-                (dst, src) for e, dst in zip(entries, s.views(entries)) if (src := captured.sources[e["key"]]).is_cuda
-            ]
-            copy_tensors([d for d, _ in pairs], [src for _, src in pairs], non_blocking=s.pinned)
+            copy_tensors([d for d, _ in pairs], [src for _, src in pairs], non_blocking=pinned)
             done = torch.cuda.Event()
             done.record(stream)
         self._cuda_event = done  # before ``_copied`` is set: wait_copied then orders the training stream after it
@@ -330,14 +328,14 @@ class SnapshotWriter:
         s = self.slots[slot]
         t0 = time.perf_counter()
         try:
+            pairs = [(dst, captured.sources[e["key"]]) for e, dst in zip(entries, s.views(entries))]
             if ready is not None:
-                self._issue_cuda_copies(slot, entries, captured, ready)
+                self._issue_cuda_copies([(d, src) for d, src in pairs if src.is_cuda], s.pinned, ready)
             with torch.no_grad():
-                half = len(entries) // 2
-                for i, (e, dst) in enumerate(zip(entries, s.views(entries))):
+                half = len(pairs) // 2
+                for i, (dst, src) in enumerate(pairs):
                     if i == half and (fault := chaos.due("copy", step=step, rank=self.rank)):
                         fault.fire()
-                    src = captured.sources[e["key"]]
                     if not src.is_cuda:
                         dst.copy_(src)
             self._copied.set()

@@ -24,13 +24,10 @@ class ExitWatch:
     def wait(self, pids: Iterable[int], seconds: float) -> None:
         """Sleep up to ``seconds``; return as soon as one of ``pids`` not seen exiting before exits."""
         pids = set(pids)
-        if not self.supported:
-            time.sleep(seconds)
-            return
         for pid in [p for p in self._fds if p not in pids]:  # a former attempt's processes
             os.close(self._fds.pop(pid))
         self._exited &= pids
-        for pid in pids - self._fds.keys() - self._exited:
+        for pid in pids - self._fds.keys() - self._exited if self.supported else ():
             try:
                 self._fds[pid] = os.pidfd_open(pid)
             except ProcessLookupError:  # gone already (reaped): the next tick sees it
@@ -39,8 +36,7 @@ class ExitWatch:
             except OSError:  # no pidfds here (an old kernel, a sandbox): the plain sleep from now on
                 self.close()
                 self.supported = False
-                time.sleep(seconds)
-                return
+                break
         watched = {fd: pid for pid, fd in self._fds.items() if pid not in self._exited}
         if not watched:
             time.sleep(seconds)
