@@ -319,7 +319,11 @@ def test_a_straggler_is_evicted_when_a_spare_waits_and_the_spare_takes_its_place
     [evict] = [d for d in journal.decisions() if d["action"] == "evict"]
     assert evict["details"]["node_id"] == "node1" and evict["details"]["cause"] == "straggler", evict
     assert evict["details"]["spares"] == ["node2"] and evict["details"]["ratio"] > 2.5, journal.decisions()
-    flagged = [d for d in journal.decisions() if d["action"] == "straggler"]
+    # By its step times (a precheck's matmul timed on this busy 2-core host may flag either node: not
+    # what this test is about, and no spare waits then to take a node's place).
+    flagged = [
+        d for d in journal.decisions() if d["action"] == "straggler" and d["details"].get("source") != "precheck"
+    ]
     assert flagged and flagged[0]["details"]["node_id"] == "node1", flagged
     assert json.loads((tmp_path / "summary1.json").read_text())["evicted"].startswith("straggler")
     assert "left the job: straggler" in (tmp_path / "node1.log").read_text()

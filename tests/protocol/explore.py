@@ -84,6 +84,8 @@ def run(seed: int, variant: str = "new", skew: float = 0.0, keep_trace: bool = F
             world.now += TICK_S
         else:
             raise Violation(f"no end within {MAX_STEPS} steps (a wait without a bound)")
+        if not faults and world.given_up:
+            raise Violation(f"a schedule without faults gave a due step up: {world.given_up[0]}")
     except Violation as err:
         violation = str(err)
     if keep_trace:
@@ -103,9 +105,10 @@ _FAULTS = {
 
 
 def explore(
-    seeds: range, variant: str = "new", skew: float = 0.0, stop_at_first: bool = False
+    seeds: range, variant: str = "new", skew: float = 0.0, stop_at: str | None = None
 ) -> tuple[list[Outcome], Counter]:
-    """Run every seed; the violations, and how often each fault and outcome came up (coverage)."""
+    """Run every seed; the violations, and how often each fault and outcome came up (coverage).
+    ``stop_at``: stop at the first violation that says this (one rule may break several invariants)."""
     bad: list[Outcome] = []
     seen: Counter = Counter()
     for seed in seeds:
@@ -117,7 +120,7 @@ def explore(
             seen[f.split("(")[0]] += 1
         if out.violation:
             bad.append(out)
-            if stop_at_first:
+            if stop_at is not None and stop_at in out.violation:
                 break
     return bad, seen
 

@@ -42,6 +42,7 @@ class OldRules:
     dead_end_by_epoch: bool = False
     preempt_waits_own_newest: bool = False
     early_choice: bool = False
+    pin_on_sight: bool = True  # the keepers pin a step due for persistence when they see it (new design)
 
 
 NEW = OldRules()
@@ -54,6 +55,7 @@ VARIANTS: dict[str, OldRules] = {
     "dead_end_by_epoch": OldRules(cursor_moved_on=True, dead_end_by_epoch=True),
     "preempt_waits_own_newest": OldRules(preempt_waits_own_newest=True),
     "early_choice": OldRules(early_choice=True),
+    "no_pin_on_sight": OldRules(pin_on_sight=False),
 }
 
 

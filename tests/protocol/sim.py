@@ -41,7 +41,7 @@ class Node:
     keeper_up: bool = True
     incarnation: int = 0
     seq: int = 0
-    pins: dict[Key, int] = field(default_factory=dict)  # key → the newest plan that pinned it
+    pins: dict[Key, int] = field(default_factory=dict)  # key → the newest plan that pinned it (0: on sight)
     task: tuple[int, int, Key] | None = None  # (plan, attempt, key) whose shards it writes
     todo: list[int] = field(default_factory=list)  # ranks whose shards are still to write
     stopped: bool = False  # its workers of the current epoch are gone
@@ -81,6 +81,7 @@ class World(StorageAndChecks):
         self.saves: list[dict[str, Any]] = []  # per failure: the step to save, latest then, excused
         self.declared: tuple[int, float, int] | None = None  # old: rank 0's node's (newest, started, epoch)
         self.ended = False
+        self.given_up: list[str] = []  # the decider's GiveUp decisions
         self.trace: list[str] = []
         self.fault_log: list[str] = []
 
@@ -122,6 +123,8 @@ class World(StorageAndChecks):
                     self.declared = (max(held, default=-1), self.now + first.skew, self.epoch)
             elif isinstance(d, ev.Commit):
                 self.commits.append((d.plan, d.step))
+            elif isinstance(d, ev.GiveUp):
+                self.given_up.append(f"step {d.step}: {d.why}")
             elif isinstance(d, ev.Release):
                 for n in [d.node] if d.node else list(self.nodes):
                     self.send(n, d)
@@ -203,9 +206,12 @@ class World(StorageAndChecks):
         rank = self.ranks[r]
         rank.copying = None
         node = self.nodes[rank.node]
-        self.report(node)
         step = rank.trained
-        if (step % self.every == 0 or step == self.steps) and r == node.ranks[0]:
+        due = step % self.every == 0 or step == self.steps
+        if due and node.keeper_up and self.rules.pin_on_sight:  # held until the decider's word
+            node.pins.setdefault((step, self.epoch), 0)
+        self.report(node)
+        if due and r == node.ranks[0]:
             self.to_decider(ev.PersistDue(step, self.epoch))
             if self.rules.cursor_moved_on:  # the old keeper began persisting it on its own
                 node.cursor = (step, self.epoch, rank.taken[rank.slots.index((step, self.epoch))])

@@ -43,13 +43,14 @@ def test_new_decider_keeps_every_invariant() -> None:
         ("cursor_moved_on", "held by every rank"),  # 2b2d89f
         ("preempt_waits_own_newest", "ended only by a timer (killwait)"),  # cd40b7f
         ("early_choice", "held by every rank"),  # 300ad3b
+        ("no_pin_on_sight", "without faults gave a due step up"),  # the shadow's finding (docs/protocol.md)
     ],
 )
 def test_old_rule_is_found(variant: str, expected: str) -> None:
-    bad, _ = explore.explore(OLD_SEEDS, variant, stop_at_first=True)
+    bad, _ = explore.explore(OLD_SEEDS, variant, stop_at=expected)
     assert bad, f"the explorer missed the old rule {variant}"
-    assert expected in bad[0].violation, bad[0].violation
-    print(f"{variant}: {bad[0].violation} — {bad[0].replay()}")
+    assert expected in bad[-1].violation, [o.violation for o in bad[:3]]
+    print(f"{variant}: {bad[-1].violation} — {bad[-1].replay()}")
 
 
 def test_dead_end_by_wall_clock_breaks_with_skew_and_by_epoch_does_not() -> None:
@@ -67,7 +68,9 @@ def test_dead_end_by_wall_clock_breaks_with_skew_and_by_epoch_does_not() -> None
     assert "held by every rank" in out.violation or "never committed" in out.violation, out.violation
     print(f"clock skew 2 s: seeds {skewed[:5]}; {out.violation} — {out.replay()}")
     bad, _ = explore.explore(range(1000), "dead_end_by_epoch", 2.0)
-    assert not bad, _report(bad)
+    # The cursor rule under it gives steps up in schedules without faults (a cursor past a step answers
+    # "missing"), which the new design does not; the dead-end rule is judged by the save's invariants.
+    assert not [o for o in bad if "without faults" not in o.violation], _report(bad)
 
 
 def test_a_schedule_replays_identically() -> None:

@@ -110,6 +110,34 @@ def test_a_rank_that_moved_past_a_due_step_gives_it_up() -> None:
     assert give_up.step == 2 and "moved past" in give_up.why and d.idle()
 
 
+def pinned_holding(d: Decider, node: str, pins: list[tuple[int, int]], others: list[tuple[int, int]], seq: int) -> list:
+    report = held(*pins, ranks=tuple(NODES[node]), pinned=True) + held(*others, ranks=tuple(NODES[node]))
+    return d.handle(ev.Holding(node, 0, seq, report))
+
+
+def test_a_due_step_pinned_on_sight_is_planned_although_the_ranks_moved_on() -> None:
+    """Keepers pin a flagged step when they see it: the workers' newer snapshots, reported before the
+    PersistDue arrives, no longer make the step look moved past — and the pin is not released."""
+    d = Decider(NODES)
+    assert pinned_holding(d, "A", [(2, 0)], [(4, 0)], seq=1) == []
+    assert pinned_holding(d, "B", [(2, 0)], [(3, 0), (4, 0)], seq=1) == []  # kept: it may yet be planned
+    (plan,) = d.handle(ev.PersistDue(2, 0))
+    assert plan.key == (2, 0) and not of(ev.GiveUp, [plan])
+
+
+def test_pins_nobody_will_ask_for_are_released_once() -> None:
+    d = Decider(NODES)
+    pinned_holding(d, "A", [(2, 0)], [], seq=1)
+    d.handle(ev.PersistDue(2, 0))  # B has not reported: step 2 waits, A's pin stays
+    assert d.due == 2 and d.pins["A"] == [(2, 0)]
+    out = pinned_holding(d, "A", [(2, 0), (4, 0)], [], seq=2) + d.handle(ev.PersistDue(4, 0))
+    assert of(ev.Release, out) == [ev.Release("A", (2, 0), 0, 0)]  # superseded by step 4: its pin goes
+    assert d.handle(ev.PersistDue(4, 0)) == []  # said once, until a report shows it pinned again
+    out = d.handle(ev.EpochBegan(1, (("A", (0, 1)), ("B", (2, 3)))))  # (a failure's end, say)
+    assert out == [ev.Release("A", (4, 0), 0, 1)] and d.pins["A"] == []  # the earlier epoch's pin
+    assert pinned_holding(d, "B", [(4, 0)], [], seq=2) == [ev.Release("B", (4, 0), 0, 1)]
+
+
 def test_a_restarted_keeper_gets_a_new_attempt_and_its_old_word_counts_for_nothing() -> None:
     d = Decider(NODES)
     plan = persist_started(d)

@@ -13,7 +13,7 @@ import pytest
 
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider_link import DeciderLink
-from stalwart.checkpoint.decider_shadow import Shadow, holdings
+from stalwart.checkpoint.decider_shadow import Shadow, holdings, pin_on_sight
 
 from .test_master_ckpt import RANKS, Keeper, started_master
 
@@ -176,3 +176,65 @@ def test_a_plan_pinned_while_the_old_protocol_wrote_is_refused_when_it_gives_the
     finally:
         for shadow in shadows:
             shadow.link.close()
+
+
+def test_a_keeper_pins_a_due_step_on_sight_until_the_decider_releases_it(master, tmp_path):
+    """The workers move on for several steps before the decider's plan comes back: the step due for
+    persistence stays in memory, pinned (the writer takes the other slot), reported pinned, and is
+    unpinned by the decider's Release once the plan ended."""
+    import shutil
+    import uuid
+    from pathlib import Path
+
+    import torch
+
+    from stalwart.checkpoint.node_job import NodeJob
+    from stalwart.checkpoint.snapshot import SnapshotWriter
+    from stalwart.checkpoint.state import TrainingState
+
+    for node in RANKS:
+        Keeper(master, node).member()
+    root = Path("/dev/shm") / f"stalwart-test-{uuid.uuid4().hex[:8]}"
+    job = NodeJob(root)
+    state = TrainingState({"model": torch.nn.Linear(4, 4)}, 0, rng=False)
+    writers = {r: SnapshotWriter(job.paths, r, 4) for r in RANKS["n0"]}
+    pin = lambda key, ranks: pin_on_sight(job.paths, key, ranks)
+    committed: set[int] = set()
+    shadows = [
+        Shadow(DeciderLink(master.address, "token", n, every_s=0.02), lambda n=n: n == "n0", committed.__contains__, p)
+        for n, p in (("n0", pin), ("n1", None))
+    ]
+    decider = master.state.ckpt.state
+
+    def snapshot(step: int) -> None:
+        for w in writers.values():
+            w.start(step, state.capture(), persist=step % 4 == 0)
+            w.wait()
+
+    def held_steps() -> set[int]:
+        return set.intersection(*(set(v) for v in job.snapshot_steps(4, RANKS["n0"]).values()))
+
+    try:
+        snapshot(4)
+        shadows[0].observe(job.snapshot_steps(4, RANKS["n0"]), [4])
+        assert list(shadows[0].sight) == [(4, 0)]
+        for step in (5, 6, 7):  # faster than any round trip to the decider
+            snapshot(step)
+        assert held_steps() == {4, 7}, "the pinned slot is kept, the other one reused"
+        shadows[0].observe(job.snapshot_steps(4, RANKS["n0"]), [4])
+        until("n0's pin reported", lambda: decider()["pins"]["n0"] == [[4, 0]], shadows)
+        shadows[1].observe(steps_of("n1", 4, 7), [])
+        until("plan of step 4", lambda: (decider()["plan"] or {}).get("key") == [4, 0], shadows)
+        committed.add(4)
+        until("the commit of step 4, and n0's pin released", lambda: not shadows[0].sight, shadows)
+        assert decider()["latest"] == 4 and not any(
+            "moved past" in d.get("why", "") for _, d in master.state.ckpt.outbox
+        )
+        snapshot(8)
+        assert held_steps() == {7, 8}, "unpinned, the slot of step 4 is reused"
+    finally:
+        for shadow in shadows:
+            shadow.end(job_complete=False, last_persisted=4, given_up=set(), wait_s=0.1)
+        for w in writers.values():
+            w.close()
+        shutil.rmtree(root, ignore_errors=True)

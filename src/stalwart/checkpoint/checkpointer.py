@@ -8,13 +8,11 @@
         ckpt.save(step, state)             # memory snapshot, copied in the background
     ckpt.wait(persist=True); ckpt.close()
 
-``save`` takes a memory snapshot every ``memory_every`` steps and marks every
-``persist_every_steps``-th one (or ``persist=True``) for the keeper to write to storage; the keeper
-also persists the newest snapshot every ``persist_every_s`` seconds. The copy overlaps the next
-forward/backward; an optimizer pre-step hook waits for it, so no parameter changes mid-copy.
-
-The keeper is the node's: under ``stalwart run`` the agent runs it; otherwise the node's first local
-rank starts one (and another if it dies).
+``save`` takes a memory snapshot every ``memory_every`` steps and marks every ``persist_every_steps``-th
+one (or ``persist=True``) for the keeper to write to storage; the keeper also persists the newest one
+every ``persist_every_s`` seconds. The copy overlaps the next forward/backward; an optimizer pre-step
+hook waits for it, so no parameter changes mid-copy. The keeper is the node's: under ``stalwart run``
+the agent runs it; otherwise the node's first local rank starts one (and another if it dies).
 """
 
 from __future__ import annotations
@@ -340,9 +338,7 @@ class Checkpointer:
         try:
             return (self.storage.latest() or -1) >= step
         except Exception as err:  # any store's client error (botocore's are not OSErrors)
-            log.warning(
-                "could not read the latest committed step from %s: %s: %s", self.storage.url, type(err).__name__, err
-            )
+            log.warning("could not read the latest committed step from %s: %r", self.storage.url, err)
             return False
 
     def wait(self, persist: bool = False) -> None:

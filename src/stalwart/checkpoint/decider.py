@@ -1,13 +1,11 @@
 """The one checkpoint decider: which step is persisted, saved on failure or given up (docs/protocol.md).
 
-A pure, deterministic state machine — no I/O, no threads, no clocks. ``handle(event)`` takes one
-event (``decider_events``: keepers' reports, membership, failures, preemption, due steps) and returns
-the decisions it makes. It lives where the job's membership is known (the master; rank 0's keeper
-through the rendezvous store without one), so a lost node is an event, never a timeout: a persist in
-flight when a node is lost is given up at once. Every wait is for an event, and every state has an exit
-when membership changes. Epochs, not clocks: snapshots are keyed ``(step, epoch)``; a message about an
-earlier epoch or an old plan is ignored and the log says so. ``state()`` is JSON-able, ``from_state``
-brings it back (the master's journal, the rendezvous store).
+A pure, deterministic state machine — no I/O, threads or clocks: ``handle(event)`` (``decider_events``)
+returns the decisions it makes. It lives where the job's membership is known (the master; rank 0's
+keeper through the rendezvous store without one), so a lost node is an event, never a timeout. Every
+wait is for an event, and every state has an exit when membership changes. Epochs, not clocks:
+snapshots are keyed ``(step, epoch)``; a message about an earlier epoch or an old plan is ignored and
+the log says so. ``state()`` is JSON-able, ``from_state`` brings it back (the master's journal).
 """
 
 from __future__ import annotations
@@ -39,35 +37,23 @@ class Decider:
         self.ended = False
         self.log: list[str] = []
 
+    _PLAIN = ("epoch", "nodes", "max_attempts", "next_plan", "due", "latest", "lost", "settled", "ended")
+
     def state(self) -> dict[str, Any]:
         """Everything the decider knows, as JSON-able values (keys become "step:epoch" strings)."""
-        return {
-            "epoch": self.epoch,
-            "nodes": self.nodes,
-            "max_attempts": self.max_attempts,
-            "held": _dump(self.held),
-            "pins": {n: [list(k) for k in p] for n, p in self.pins.items()},
-            "seen": {n: list(s) for n, s in self.seen.items()},
-            "plan": _plain(self.plan),
-            "next_plan": self.next_plan,
-            "due": self.due,
-            "latest": self.latest,
-            "failure": _plain(self.failure),
-            "lost": self.lost,
-            "settled": self.settled,
-            "ended": self.ended,
-        }
+        pins = {n: [list(k) for k in p] for n, p in self.pins.items()}
+        seen = {n: list(s) for n, s in self.seen.items()}
+        out = {f: getattr(self, f) for f in self._PLAIN} | {"held": _dump(self.held), "pins": pins, "seen": seen}
+        return out | {"plan": _plain(self.plan), "failure": _plain(self.failure)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Decider:
         d = cls(state["nodes"], state["epoch"], state["max_attempts"])
-        d.held = _load(state["held"])
+        for f in cls._PLAIN:
+            setattr(d, f, list(state[f]) if f == "lost" else state[f])
+        d.held, d.plan, d.failure = _load(state["held"]), _unplain(state["plan"]), _unplain(state["failure"])
         d.pins = {n: [tuple(k) for k in p] for n, p in state["pins"].items()}
         d.seen = {n: (s[0], s[1]) for n, s in state["seen"].items()}
-        d.plan = _unplain(state["plan"])
-        d.next_plan, d.due, d.latest = state["next_plan"], state["due"], state["latest"]
-        d.failure = _unplain(state["failure"])
-        d.settled, d.ended, d.lost = state["settled"], state["ended"], list(state["lost"])
         return d
 
     def idle(self) -> bool:
@@ -90,7 +76,17 @@ class Decider:
             return out
         method = getattr(self, "_on_" + type(event).__name__)
         method(event, out)
+        if not self.ended:
+            self._release_unwanted(out)
         return out
+
+    def _release_unwanted(self, out: list[Decision]) -> None:
+        """Pins reported that nobody needs any more (a due step superseded or given up, an earlier
+        epoch's, a release lost with a keeper): one ``Release`` each, until a report shows it again."""
+        for node, keys in self.pins.items():
+            for key in [k for k in keys if not self._wanted(node, k)]:
+                keys.remove(key)
+                out.append(ev.Release(node, key, self.next_plan - 1, self.epoch))
 
     def _note(self, line: str) -> None:
         self.log.append(f"[epoch {self.epoch}] {line}")
@@ -117,13 +113,23 @@ class Decider:
             if e.held:
                 out.append(ev.Release(e.node, None, self.next_plan, self.epoch, free=True))
             return
-        wanted = tuple(self.plan["key"]) if self.plan and e.node in self.plan["nodes"] else None
-        for key in self.pins[e.node]:  # a pin nobody needs any more (its release was lost with a keeper)
-            if key != wanted:
-                out.append(ev.Release(e.node, key, self.next_plan - 1, self.epoch))
         if restarted and self.plan and e.node in self.plan["nodes"] and e.node not in self.plan["wrote"]:
             self._retry(f"node {e.node}'s keeper restarted", out)
         self._advance(out)
+
+    def _wanted(self, node: str, key: Key) -> bool:
+        """A pin the decider may still ask for: its plan's, or a step of this epoch that may yet be
+        planned — keepers pin a step flagged for persistence on sight, so that the workers moving on
+        before the ``Persist`` comes back cannot take it away (a save-on-failure chooses among all)."""
+        plan = self.plan
+        if plan is not None and tuple(plan["key"]) == key:
+            return node in plan["nodes"]
+        if key[1] != self.epoch or (self.latest is not None and key[0] <= self.latest):
+            return False
+        if self.failure is not None:
+            return not self.failure.get("done")
+        planned = plan["key"][0] if plan is not None and plan["key"][1] == self.epoch else -1
+        return key[0] > planned and key[0] >= (self.due if self.due is not None else -1)
 
     def _on_PersistDue(self, e: ev.PersistDue, out: list[Decision]) -> None:
         if self._late("persist due", e.epoch) or self.failure is not None or e.epoch <= self.settled:
@@ -260,7 +266,7 @@ class Decider:
             self.failure = {"epoch": self.epoch, "final": {}, "released": False, "preempted": False, "tried": []}
             if self.due is not None:
                 out.append(ev.GiveUp(None, self.due, "superseded by the save-on-failure", self.epoch))
-                self.due = None
+                self.due = None  # its pins on sight stay: the save chooses among the final holdings
         return True
 
     def _failure_ready(self) -> bool:
@@ -305,7 +311,7 @@ class Decider:
         if all(self._holds(r, key) for r in self.world):
             self.due = None
             self._start(key, failure=None, out=out)
-        elif (skip := self._moved_past(key)) is not None:
+        elif (skip := self._moved_past(key)) is not None:  # a keeper that did not see it (restarted)
             out.append(ev.GiveUp(None, key[0], f"rank {skip} moved past it without holding it", self.epoch))
             self.due = None
 
@@ -371,12 +377,9 @@ class Decider:
         plan, self.plan = self.plan, None
         out.append(ev.Release(None, tuple(plan["key"]), plan["id"], self.epoch))
         f = self._failure_of(plan)
-        if f is not None:
-            if not committed and not f["released"]:
-                self._advance(out)  # an older step, still before the restart
-                return
+        if f is not None and (committed or f["released"]):  # else: an older step, still before the restart
             if not f["released"]:
-                self._release_restart(tuple(plan["key"]) if committed else None, "the save ended", out)
+                self._release_restart(tuple(plan["key"]), "the save ended", out)
             self._close_failure()
         self._advance(out)
 
@@ -389,8 +392,7 @@ def _load(held: dict[str, dict[str, list[int]]]) -> dict[str, dict[Key, list[int
     return {n: {(int(k.split(":")[0]), int(k.split(":")[1])): list(r) for k, r in h.items()} for n, h in held.items()}
 
 
-def _plain(d: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A plan or failure as JSON-able values (a failure's final holdings keyed "step:epoch")."""
+def _plain(d: dict[str, Any] | None) -> dict[str, Any] | None:  # a failure's final holdings by "step:epoch"
     return d if d is None or "final" not in d else {**d, "final": _dump(d["final"])}
 
 

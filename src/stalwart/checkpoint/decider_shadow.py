@@ -13,6 +13,7 @@ protocol committed (the e2e tests check) before anything depends on it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,20 +22,31 @@ from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider_link import DeciderLink
 from stalwart.checkpoint.membership import LostNodes
 from stalwart.checkpoint.node_job import NodeJob
-from stalwart.checkpoint.shm import pid_alive
+from stalwart.checkpoint.shm import JobPaths, complete_slots, pid_alive, pin_slot
 from stalwart.checkpoint.snapshot import epoch_of
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
 CHECK_EVERY_S = 0.2  # how often a pending plan's step is looked up in storage
 HOLDING_EVERY_S = 1.0  # holdings that change no step due are reported at most this often
+SIGHT_KEEP_S = 5.0  # a pin on sight of a step the old protocol is done with waits this long for the decider
+SIGHT_MAX_S = 60.0  # ... and any pin on sight at most this long (a decider that never answers)
+Pin = Callable[[ev.Key, list[int]], list[int]]  # (key, ranks) → the fds holding their slots pinned
 
 
 class Shadow:
     """One keeper's reports. ``coordinator()``: this is rank 0's node; ``committed(step)``: storage
     holds that step committed."""
 
-    def __init__(self, link: DeciderLink, coordinator: Callable[[], bool], committed: Callable[[int], bool]) -> None:
+    def __init__(
+        self,
+        link: DeciderLink,
+        coordinator: Callable[[], bool],
+        committed: Callable[[int], bool],
+        pin: Pin | None = None,
+    ) -> None:
         self.link, self.node, self.is_coordinator, self._committed = link, link.node, coordinator, committed
+        self.pin = pin  # pins a step due for persistence on sight (``pin_on_sight``), None: reports only
+        self.sight: dict[ev.Key, tuple[list[int], float]] = {}  # key → (fds, since): pinned on sight
         self.seen_committed: set[int] = set()  # retention may remove a step later: its word stands
         self.incarnation = time.time_ns() // 1_000_000  # a restarted keeper on this node reports higher
         self.seq = 0
@@ -53,12 +65,17 @@ class Shadow:
 
     @classmethod
     def of(
-        cls, members: LostNodes | None, coordinator: Callable[[], bool], committed: Callable[[int], bool]
+        cls,
+        members: LostNodes | None,
+        coordinator: Callable[[], bool],
+        committed: Callable[[int], bool],
+        paths: JobPaths,
     ) -> Shadow | None:
         """Under ``stalwart run`` (the keeper knows the master: ``members``); else None."""
         if members is None:
             return None
-        return cls(DeciderLink(members.address, members.token, members.me), coordinator, committed)
+        link = DeciderLink(members.address, members.token, members.me)
+        return cls(link, coordinator, committed, lambda key, ranks: pin_on_sight(paths, key, ranks))
 
     def committed(self, step: int) -> bool:
         if step not in self.seen_committed and self._committed(step):
@@ -70,12 +87,16 @@ class Shadow:
         decider plans a due step from holdings, so they are sent at once when the steps flagged for
         persistence among them change (one comes, or goes: moved past), else at most every
         ``HOLDING_EVERY_S`` — not at every step of every node."""
-        held = self.current = holdings(steps)
         due = {
             (s, e)
-            for s, e, _, _ in held
+            for s, e, _, _ in holdings(steps)
             if any(s in by_step and by_step[s].get("persist") for by_step in steps.values())
         }
+        if due and self.pin is not None and not self.sight:  # one at a time: the slots stay usable
+            key = max(due)
+            if fds := self.pin(key, [r for r, by_step in steps.items() if key[0] in by_step]):
+                self.sight[key] = (fds, time.monotonic())
+        held = self.current = holdings(steps, set(self.sight))
         now = time.monotonic()
         if (held != self.held and (due != self.due_held or now - self.sent_at >= HOLDING_EVERY_S)) or self.link.missed:
             self.link.missed = False
@@ -93,6 +114,9 @@ class Shadow:
         """Read the decider's decisions and answer the plans from what the old protocol did."""
         for d in self.link.take():
             log.info("decider (shadow): %r", d)
+            if isinstance(d, ev.Release) and d.node in (None, self.node):
+                for key in [k for k in self.sight if d.key in (None, k)]:
+                    self._unpin(key)
             if isinstance(d, ev.Persist) and self.node in d.nodes:
                 self.plans[d.plan] = d
             elif isinstance(d, ev.Commit) and self.is_coordinator():
@@ -105,6 +129,10 @@ class Shadow:
             if isinstance(d, ev.Persist | ev.Commit):
                 self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
         now = time.monotonic()
+        for key, (_, since) in list(self.sight.items()):  # the decider is slow or gone: bounded
+            done = key[0] <= last_persisted or key[0] in given_up or final
+            if now - since > (SIGHT_KEEP_S if done else SIGHT_MAX_S):
+                self._unpin(key)
         if not (self.plans or self.commits) or now - self._checked < CHECK_EVERY_S:
             return
         self._checked = now
@@ -142,6 +170,10 @@ class Shadow:
         else:
             self._once("pinned", p, ev.Pinned(self.node, p.plan, True))  # the old protocol may be writing it
 
+    def _unpin(self, key: ev.Key) -> None:
+        for fd in self.sight.pop(key)[0]:
+            os.close(fd)
+
     def _once(self, what: str, p: ev.Persist, event: Any) -> None:
         mark = (what, p.plan, p.attempt if what == "wrote" else 0)
         if mark not in self.answered:
@@ -173,19 +205,36 @@ class Shadow:
             if not (self.plans or self.commits or self.awaiting or self.link.pending() or unheard):
                 break
             time.sleep(0.05)
+        for key in list(self.sight):
+            self._unpin(key)
         if job_complete and self.is_coordinator() and self.link.formed:
             self.link.send(ev.JobEnded())
             self.link.sync(max(0.5, deadline - time.monotonic()))
         self.link.close()
 
 
-def holdings(steps: dict[int, dict[int, dict[str, Any]]]) -> ev.Held:
+def holdings(steps: dict[int, dict[int, dict[str, Any]]], pinned: set[ev.Key] = frozenset()) -> ev.Held:
     """rank → {step: header} as the decider's ``Held``: (step, epoch, ranks, pinned) in a stable order."""
     keys: dict[ev.Key, list[int]] = {}
     for rank, by_step in steps.items():
         for step, header in by_step.items():
             keys.setdefault((step, epoch_of(header)), []).append(rank)
-    return tuple((s, e, tuple(sorted(r)), False) for (s, e), r in sorted(keys.items()))
+    return tuple((s, e, tuple(sorted(r)), (s, e) in pinned) for (s, e), r in sorted(keys.items()))
+
+
+def pin_on_sight(paths: JobPaths, key: ev.Key, ranks: list[int]) -> list[int]:
+    """Pin every one of ``ranks``' snapshots of ``key`` (the fds), or none when one is gone or busy: a
+    step due for persistence is held until the decider's word, however fast the workers move on."""
+    fds: list[int] = []
+    try:
+        for r in ranks:
+            info = next(i for i in complete_slots(paths, r) if (i.step, epoch_of(i.header)) == key)
+            fds.append(pin_slot(paths, info)[0])
+    except (StopIteration, OSError):  # overwritten meanwhile: the decider hears the holdings as they are
+        for fd in fds:
+            os.close(fd)
+        return []
+    return fds
 
 
 def _epoch(steps: dict[int, dict[int, dict[str, Any]]], step: int) -> int:

@@ -14,9 +14,8 @@ Two ways to run (``python -m stalwart.checkpoint JOB_DIR``, see :mod:`stalwart.c
   worker nor TorchElastic's process-group kill reaches it; a worker that finds it dead starts another,
   and it exits ``idle_s`` after the last worker detached.
 
-Persistence never blocks training: a snapshot that gets overwritten before the keeper pins it is
-skipped, and persist requests that arrive while a persist runs are coalesced into the newest one —
-both are logged with the steps concerned.
+Persistence never blocks training: a snapshot overwritten before the keeper pins it is skipped, and
+persist requests that arrive while a persist runs are coalesced into the newest one (both logged).
 """
 
 from __future__ import annotations
@@ -67,7 +66,9 @@ class Keeper:
         self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
-        self.shadow = Shadow.of(self.members, lambda: self.coordinator, lambda s: self.storage.manifest(s) is not None)
+        self.shadow = Shadow.of(
+            self.members, lambda: self.coordinator, lambda s: self.storage.manifest(s) is not None, self.paths
+        )
         self.last_persist_time = time.monotonic()
 
     def _reload_job(self) -> bool:
@@ -103,12 +104,8 @@ class Keeper:
     def event(self, kind: str, step: int | None, detail: str, level: int = logging.INFO) -> None:
         log.log(level, "%s%s: %s", kind, f" step {step}" if step is not None else "", detail)
         self.events = ([*self.events, {"time": time.time(), "kind": kind, "step": step, "detail": detail}])[-50:]
-        self.status.update(
-            events=self.events,
-            last_committed=self.last_persisted,
-            storage=self.health.status(),
-            leftovers=sorted(self.leftovers),
-        )
+        status = {"last_committed": self.last_persisted, "storage": self.health.status()}
+        self.status.update(events=self.events, leftovers=sorted(self.leftovers), **status)
         atomic_write(self.paths.keeper_status, json.dumps(self.status).encode())
         if self.status_copy is not None:
             atomic_write(self.status_copy, json.dumps({"storage": self.status["storage"]}).encode())

@@ -10,6 +10,7 @@ Stdlib only (psutil lazily): it is imported by the snapshot writer in every work
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import mmap
@@ -276,3 +277,19 @@ def complete_slots(paths: JobPaths, rank: int) -> list[SlotInfo]:
         if header and header.get("format") == FORMAT and header.get("rank") == rank:
             found.append(SlotInfo(rank, slot, header))
     return sorted(found, key=lambda s: s.generation, reverse=True)
+
+
+def pin_slot(paths: JobPaths, info: SlotInfo) -> tuple[int, dict[str, Any]]:
+    """Hold ``info``'s slot under a shared lock (the writer takes another slot while it is held): its
+    fd, which unpins when closed, and its header. BlockingIOError when the slot is being written or has
+    changed since ``info`` was read."""
+    fd = os.open(paths.slot(info.rank, info.slot, "bin"), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        header = read_json(paths.slot(info.rank, info.slot, "json"))
+        if not header or header.get("generation") != info.generation:
+            raise BlockingIOError(f"rank {info.rank} slot {info.slot} changed before it was pinned")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, header

@@ -23,7 +23,6 @@ instead of issuing the copies.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import mmap
@@ -49,7 +48,7 @@ from stalwart.checkpoint.shm import (
     SlotInfo,
     atomic_write,
     complete_slots,
-    read_json,
+    pin_slot,
 )
 from stalwart.checkpoint.slot_file import SlotFile, entry_tensor, shm_free_bytes
 from stalwart.checkpoint.state import Captured
@@ -63,17 +62,8 @@ class SnapshotView:
 
     def __init__(self, paths: JobPaths, info: SlotInfo) -> None:
         self.info = info
-        self._fd = os.open(paths.slot(info.rank, info.slot, "bin"), os.O_RDONLY)
         self._map: mmap.mmap | None = None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise
-        header = read_json(paths.slot(info.rank, info.slot, "json"))
-        if not header or header.get("generation") != info.generation:
-            self.close()
-            raise BlockingIOError(f"rank {info.rank} slot {info.slot} changed before it was pinned")
+        self._fd, header = pin_slot(paths, info)
         self._size = int(header["data_bytes"])
         obj_path = paths.slot(info.rank, info.slot, "obj")
         blob = obj_path.read_bytes()
