@@ -35,6 +35,7 @@ class Outcome:
     trace: list[str] = field(default_factory=list)
     saved: bool = False  # a save-on-failure committed
     restarted: int = 0
+    from_copies: bool = False  # shards written from a peer's copy (a lost node's ranks)
 
     def replay(self) -> str:
         skew = f" --skew {self.skew}" if self.skew else ""
@@ -90,7 +91,8 @@ def run(seed: int, variant: str = "new", skew: float = 0.0, keep_trace: bool = F
         violation = str(err)
     if keep_trace:
         trace.extend(world.decider.log)
-    return Outcome(seed, variant, skew, violation, step, faults, trace, world.saved_on_failure > 0, world.epoch)
+    saved, copied = world.saved_on_failure > 0, world.from_copies > 0
+    return Outcome(seed, variant, skew, violation, step, faults, trace, saved, world.epoch, copied)
 
 
 _FAULTS = {
@@ -116,6 +118,7 @@ def explore(
         seen["schedules"] += 1
         seen["restarted"] += out.restarted > 0
         seen["saved on failure"] += out.saved
+        seen["written from copies"] += out.from_copies
         for f in out.faults:
             seen[f.split("(")[0]] += 1
         if out.violation:

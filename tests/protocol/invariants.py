@@ -22,9 +22,10 @@ class StorageAndChecks:
     saves: list[dict[str, Any]]
     committed: list[int]
 
-    def excuse(self) -> None:
-        """A fault that may cost a save in flight (a node, a keeper, storage): its save is excused."""
-        self.excused = True
+    def excuse(self, current: bool = True) -> None:
+        """A fault that may cost a save in flight (a node, a keeper, storage): its save is excused
+        (``current``: also the save of the failure under way, whose step is not yet judged)."""
+        self.excused = self.excused or current
         for save in self.saves:
             if save["key"][0] not in self.committed:
                 save["excused"] = True
@@ -80,5 +81,6 @@ class StorageAndChecks:
             if not save["excused"] and step not in self.committed and (floor is None or floor < step):
                 raise Violation(f"save-on-failure never committed step {step}, held by every rank at the failure")
         left = [(r.rank, r.slots) for r in self.ranks.values() if any(r.slots) and self.nodes[r.node].up]
+        left += [(n.name, n.copies) for n in self.nodes.values() if n.up and any(any(c) for c in n.copies.values())]
         if left:
             raise Violation(f"snapshots left in memory after the job ended: {left}")

@@ -47,6 +47,8 @@ class Node:
     stopped: bool = False  # its workers of the current epoch are gone
     last_plan: tuple[int, int] = (0, 0)  # the newest (plan, attempt) it acted on
     cursor: tuple[int, int, float] | None = None  # old design: (step, epoch, taken) it began on its own
+    copies: dict[int, list[Key | None]] = field(default_factory=dict)  # another node's rank → 2 replica slots
+    pushed: dict[int, Key] = field(default_factory=dict)  # own rank → the newest key copied to the peer
 
 
 class World(StorageAndChecks):
@@ -82,6 +84,7 @@ class World(StorageAndChecks):
         self.declared: tuple[int, float, int] | None = None  # old: rank 0's node's (newest, started, epoch)
         self.ended = False
         self.given_up: list[str] = []  # the decider's GiveUp decisions
+        self.from_copies = 0  # shards written from peer copies
         self.trace: list[str] = []
         self.fault_log: list[str] = []
 
@@ -99,7 +102,24 @@ class World(StorageAndChecks):
             for i, key in enumerate(rank.slots):
                 if key is not None and rank.copying != i:
                     by_key.setdefault(key, []).append(r)
-        return tuple((k[0], k[1], tuple(rs), k in node.pins) for k, rs in sorted(by_key.items()))
+        for r, slots in node.copies.items():  # peer copies of other nodes' ranks
+            for key in {k for k in slots if k is not None}:
+                by_key.setdefault(key, []).append(r)
+        return tuple((k[0], k[1], tuple(sorted(rs)), k in node.pins) for k, rs in sorted(by_key.items()))
+
+    def has(self, node: Node, r: int, key: Key) -> bool:
+        """``node`` holds rank ``r``'s snapshot ``key``: its own, published, or a peer copy of it."""
+        if r in node.ranks:
+            rank = self.ranks[r]
+            return key in rank.slots and rank.copying != rank.slots.index(key)
+        return key in node.copies.get(r, ())
+
+    def peer(self, node: Node) -> Node | None:
+        """Where ``node``'s keeper copies its ranks' snapshots: the next node up, by name."""
+        names = sorted(n for n, x in self.nodes.items() if x.up)
+        if len(names) < 2 or node.name not in names:
+            return None
+        return self.nodes[names[(names.index(node.name) + 1) % len(names)]]
 
     def report(self, node: Node) -> None:
         node.seq += 1
@@ -149,6 +169,8 @@ class World(StorageAndChecks):
         for node in self.nodes.values():
             if node.keeper_up and node.todo:
                 acts.append(("write", self.write, (node.name,)))
+            if node.up and node.keeper_up and not self.failing and not self.ended:
+                acts.extend(("copy", self.copy, (node.name, r)) for r in self._to_copy(node))
             if self.failing and node.up and not node.stopped:
                 acts.append(("stop", self.stop_workers, (node.name,)))
             if not node.keeper_up and node.up:
@@ -223,6 +245,31 @@ class World(StorageAndChecks):
             rank.slots[rank.copying], rank.copying = None, None  # torn
 
     # keepers
+    def _to_copy(self, node: Node) -> list[int]:
+        """Own ranks whose newest published snapshot the peer (its keeper up) lacks. Copies stop when
+        the execution fails: a node's final holdings, sent when its workers are gone, stay final."""
+        peer = self.peer(node)
+        if peer is None or not peer.keeper_up:
+            return []
+        out = []
+        for r in node.ranks:
+            rank = self.ranks[r]
+            done = [k for i, k in enumerate(rank.slots) if k is not None and rank.copying != i]
+            if done and max(done) != node.pushed.get(r):
+                out.append(r)
+        return out
+
+    def copy(self, name: str, r: int) -> None:
+        node = self.nodes[name]
+        peer, rank = self.peer(node), self.ranks[r]
+        key = max(k for i, k in enumerate(rank.slots) if k is not None and rank.copying != i)
+        node.pushed[r] = key
+        slots = peer.copies.setdefault(r, [None, None])
+        free = [i for i, k in enumerate(slots) if k is None or k not in peer.pins]
+        if free:  # else both copies are pinned: this one is skipped
+            slots[min(free, key=lambda i: -1 if slots[i] is None else slots[i][0])] = key
+            self.report(peer)
+
     def deliver(self, i: int) -> None:
         dest, msg = self.net.pop(i)
         if dest == "decider":
@@ -238,6 +285,7 @@ class World(StorageAndChecks):
             if msg.free:
                 for r in node.ranks:
                     self.ranks[r].slots = [None, None]
+                node.copies = {}
             for key, plan in list(node.pins.items()):
                 if (msg.key is None or key == msg.key) and plan <= msg.upto:
                     del node.pins[key]
@@ -248,8 +296,8 @@ class World(StorageAndChecks):
             return  # a late or repeated plan: the keeper has moved on
         node.last_plan = (msg.plan, msg.attempt)
         key = msg.key
-        holds = all(key in self.ranks[r].slots and self.ranks[r].copying != self.ranks[r].slots.index(key)
-                    for r in node.ranks)  # fmt: skip
+        mine = dict(msg.writers).get(node.name, tuple(node.ranks))
+        holds = all(self.has(node, r, key) for r in mine)
         if holds and self._moved_on(node, key):
             holds = False
         if not holds:
@@ -257,7 +305,7 @@ class World(StorageAndChecks):
             return
         node.pins[key] = max(msg.plan, node.pins.get(key, 0))
         self.report(node)  # its pins too: one the decider no longer wants (a late plan) is released
-        node.task, node.todo = (msg.plan, msg.attempt, key), list(node.ranks)
+        node.task, node.todo = (msg.plan, msg.attempt, key), list(mine)
         self.to_decider(ev.Pinned(node.name, msg.plan, True))
 
     def _moved_on(self, node: Node, key: Key) -> bool:
@@ -277,6 +325,7 @@ class World(StorageAndChecks):
         plan, attempt, key = node.task
         r = node.todo.pop()
         self.shards.setdefault((key[0], plan), {})[r] = (key, True)
+        self.from_copies += r not in node.ranks  # a lost node's rank, written from a peer's copy
         if not node.todo:
             if node.cursor is not None and node.cursor[0] == key[0]:
                 node.cursor = None
@@ -318,21 +367,23 @@ class World(StorageAndChecks):
                 self.saves.append({"key": self.failure_truth, "floor": self.latest, "excused": False})
 
     def _common(self) -> Key | None:
-        counts: dict[Key, int] = {}
+        by_key: dict[Key, set[int]] = {}
         for node in self.nodes.values():
             if node.up:
                 for step, epoch, ranks, _ in self.holdings(node):
-                    counts[(step, epoch)] = counts.get((step, epoch), 0) + len(ranks)
-        full = [k for k, c in counts.items() if c == len(self.ranks)]
+                    by_key.setdefault((step, epoch), set()).update(ranks)
+        full = [k for k, rs in by_key.items() if len(rs) == len(self.ranks)]
         return max(full) if full else None
 
     def lose_node(self, name: str) -> None:
         node = self.nodes[name]
-        node.up, node.keeper_up, node.pins, node.todo = False, False, {}, []
+        node.up, node.keeper_up, node.pins, node.todo, node.copies = False, False, {}, [], {}
         for r in node.ranks:
             self.ranks[r].alive, self.ranks[r].slots, self.ranks[r].copying = False, [None, None], None
         self.failing = True
-        self.excuse()
+        # What survives (peer copies included) is judged when every node's workers are gone; once that
+        # was judged, the loss may cost the save in flight.
+        self.excuse(current=self.failure_truth is not None)
         self.net = [(d, m) for d, m in self.net if d != name and getattr(m, "node", None) != name]
         self.decide(ev.NodeLost(name, self.epoch))  # membership is the decider's own (the master)
         self.fault_log.append(f"node {name} lost at {self.now:.2f}")
@@ -375,8 +426,9 @@ class World(StorageAndChecks):
         """Memory when every rank holds the step the decider named (or, without one, the newest agreed),
         else storage's latest, else step 0."""
         key = self.may_restart.key if self.may_restart and self.may_restart.key else self._common()
-        if key is not None and all(key in r.slots for r in self.ranks.values()):
-            self.restored = key[0]
+        up = [n for n in self.nodes.values() if n.up]
+        if key is not None and all(any(self.has(n, r, key) for n in up) for r in self.ranks):
+            self.restored = key[0]  # from memory: a rank's own snapshot, or a peer's copy of it
         else:
             self.restored = self.latest or 0
         return self.restored

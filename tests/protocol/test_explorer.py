@@ -31,6 +31,7 @@ def test_new_decider_keeps_every_invariant() -> None:
     # The schedules reach what they must: restarts, saves on failure and every kind of fault.
     assert seen["schedules"] == SCHEDULES
     assert seen["restarted"] > SCHEDULES // 10 and seen["saved on failure"] > SCHEDULES // 50
+    assert seen["written from copies"] > SCHEDULES // 100, "a lost node's ranks saved from peer copies"
     for fault in explore._FAULTS:
         assert seen[fault] > 0, (fault, dict(seen))
 

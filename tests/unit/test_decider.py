@@ -6,6 +6,7 @@ import json
 
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider import Decider
+from stalwart.checkpoint.decider_state import from_state, to_state
 
 NODES = {"A": [0, 1], "B": [2, 3]}
 
@@ -102,6 +103,30 @@ def test_late_word_of_an_earlier_epoch_is_ignored() -> None:
     assert sum("ignored late" in line for line in d.log) == 3
 
 
+def test_a_lost_nodes_ranks_are_saved_from_the_copies_a_survivor_holds() -> None:
+    """Peer copies count as held: after node B is lost, A holds B's ranks' step 5 as copies and its own
+    step 5 and 6; the save-on-failure persists step 5, every rank written by A, and the restart may
+    proceed from memory once A pinned it."""
+    d = Decider(NODES)
+    d.handle(ev.NodeLost("B", 0))
+    final = ((5, 0, (0, 1, 2, 3), False), (6, 0, (0, 1), False))
+    (persist,) = of(ev.Persist, d.handle(ev.WorkersGone("A", 0, final)))
+    assert persist.key == (5, 0) and persist.failure
+    assert persist.nodes == ("A",) and persist.writers == (("A", (0, 1, 2, 3)),)
+    (go,) = of(ev.RestartMayProceed, d.handle(ev.Pinned("A", persist.plan, True)))
+    assert go.key == (5, 0)
+
+
+def test_a_peers_newer_copy_does_not_make_a_rank_look_moved_past() -> None:
+    """B's copy of rank 0 at step 3 reaches the decider before A's own report of step 2 (with its pin):
+    step 2 waits for A's word instead of being given up."""
+    d = Decider(NODES)
+    d.handle(ev.Holding("B", 0, 1, ((2, 0, (2, 3), True), (3, 0, (0, 1), False))))
+    assert not of(ev.GiveUp, d.handle(ev.PersistDue(2, 0))) and d.due == 2
+    (plan,) = of(ev.Persist, pinned_holding(d, "A", [(2, 0)], [(3, 0)], seq=1))
+    assert plan.key == (2, 0) and plan.writers == (("A", (0, 1)), ("B", (2, 3)))
+
+
 def test_a_rank_that_moved_past_a_due_step_gives_it_up() -> None:
     d = Decider(NODES)
     holding(d, "A", (2, 0), seq=1)
@@ -169,8 +194,8 @@ def test_the_state_survives_json_and_goes_on_the_same() -> None:
     a = Decider(NODES)
     plan = persist_started(a)
     a.handle(ev.WorkersGone("A", 0, held((2, 0), ranks=(0, 1))))
-    b = Decider.from_state(json.loads(json.dumps(a.state())))
-    assert b.state() == a.state()
+    b = from_state(json.loads(json.dumps(to_state(a))))
+    assert to_state(b) == to_state(a)
     for e in (ev.WorkersGone("B", 0, held((2, 0), ranks=(2, 3))), ev.Pinned("A", plan.plan, True)):
         assert a.handle(e) == b.handle(e)
-    assert a.state() == b.state()
+    assert to_state(a) == to_state(b)

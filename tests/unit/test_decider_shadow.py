@@ -41,6 +41,8 @@ def until(what: str, done, shadows, given_up=frozenset(), timeout_s: float = 10.
 def test_holdings_name_each_snapshot_by_step_and_epoch():
     steps = {0: {4: {"epoch": 1}, 5: {"epoch": 1}}, 1: {4: {"epoch": 1}}}
     assert holdings(steps) == ((4, 1, (0, 1), False), (5, 1, (0,), False))
+    copies = {0: {5: {"epoch": 1}}, 3: {4: {"epoch": 1}}}  # peer copies: rank 3's counts, rank 0's twice once
+    assert holdings(steps, {(5, 1)}, copies) == ((4, 1, (0, 1, 3), False), (5, 1, (0,), True))
 
 
 def test_the_decider_commits_the_step_storage_committed_and_gives_up_one_the_old_protocol_gave_up(master):
@@ -125,6 +127,9 @@ class OneNode:
     def snapshot_steps(self, world: int, ranks: list[int]) -> dict:
         return {r: self.steps[r] for r in ranks}
 
+    def copy_steps(self, world: int) -> dict:
+        return {2: {4: {"epoch": 0}}}  # a peer copy of another node's rank
+
 
 def test_a_nodes_final_holdings_go_to_the_decider_once_every_worker_is_gone(master):
     for node in RANKS:
@@ -140,7 +145,7 @@ def test_a_nodes_final_holdings_go_to_the_decider_once_every_worker_is_gone(mast
         shadow.workers_died(job, 4, owners, {workers[0].pid})
         assert shadow.link.sync(5)
         final = master.state.ckpt.state()["failure"]["final"]
-        assert final == {"n0": {"4:0": [0, 1], "6:0": [0, 1]}}, final
+        assert final == {"n0": {"4:0": [0, 1, 2], "6:0": [0, 1]}}, final
     finally:
         for w in workers:
             w.kill()

@@ -70,7 +70,7 @@ def persist_in_flight(master: Master) -> tuple[Keeper, Keeper, ev.Persist]:
     a.send(a.holding(1, (4, 0)))
     b.send(b.holding(1, (4, 0)))
     (persist,) = a.send(ev.PersistDue(4, 0))["decisions"]
-    assert persist == ev.Persist(1, (4, 0), 1, ("n0", "n1"), 0, False)
+    assert persist == ev.Persist(1, (4, 0), 1, ("n0", "n1"), 0, False, (("n0", (0, 1)), ("n1", (2, 3))))
     assert b.send()["decisions"] == [persist], "every keeper reads the same decisions"
     return a, b, persist
 
@@ -204,7 +204,7 @@ def test_the_exchange_needs_the_job_token(master):
         ev.WorkersGone("a", 1, ((3, 1, (0,), False),)),
         ev.Preempted(2),
         ev.JobEnded(),
-        ev.Persist(4, (3, 1), 2, ("a", "b"), 1, True),
+        ev.Persist(4, (3, 1), 2, ("a", "b"), 1, True, (("a", (0,)), ("b", (1, 2)))),
         ev.Commit(4, 3, 1),
         ev.GiveUp(None, 3, "why", 1),
         ev.Release(None, None, 4, 1, True),

@@ -5,7 +5,7 @@ returns the decisions it makes. It lives where the job's membership is known (th
 keeper through the rendezvous store without one), so a lost node is an event, never a timeout. Every
 wait is for an event, and every state has an exit when membership changes. Epochs, not clocks:
 snapshots are keyed ``(step, epoch)``; a message about an earlier epoch or an old plan is ignored and
-the log says so. ``state()`` is JSON-able, ``from_state`` brings it back (the master's journal).
+the log says so. Its state is JSON-able (``decider_state``: the master's journal).
 """
 
 from __future__ import annotations
@@ -37,37 +37,18 @@ class Decider:
         self.ended = False
         self.log: list[str] = []
 
-    _PLAIN = ("epoch", "nodes", "max_attempts", "next_plan", "due", "latest", "lost", "settled", "ended")
-
-    def state(self) -> dict[str, Any]:
-        """Everything the decider knows, as JSON-able values (keys become "step:epoch" strings)."""
-        pins = {n: [list(k) for k in p] for n, p in self.pins.items()}
-        seen = {n: list(s) for n, s in self.seen.items()}
-        out = {f: getattr(self, f) for f in self._PLAIN} | {"held": _dump(self.held), "pins": pins, "seen": seen}
-        return out | {"plan": _plain(self.plan), "failure": _plain(self.failure)}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Decider:
-        d = cls(state["nodes"], state["epoch"], state["max_attempts"])
-        for f in cls._PLAIN:
-            setattr(d, f, list(state[f]) if f == "lost" else state[f])
-        d.held, d.plan, d.failure = _load(state["held"]), _unplain(state["plan"]), _unplain(state["failure"])
-        d.pins = {n: [tuple(k) for k in p] for n, p in state["pins"].items()}
-        d.seen = {n: (s[0], s[1]) for n, s in state["seen"].items()}
-        return d
-
     def idle(self) -> bool:
         """Nothing in flight or pending: a job may end without losing a decided persist."""
         return self.plan is None and self.due is None and (self.failure is None or bool(self.failure.get("done")))
 
     def common(self, held: dict[str, dict[Key, list[int]]], below: Key | None = None) -> Key | None:
         """The newest key every rank of the world holds (older than ``below``), or None."""
-        counts: dict[Key, int] = {}
-        for h in held.values():
+        by_key: dict[Key, set[int]] = {}
+        for h in held.values():  # a rank may be held twice: by its node and as a peer's copy
             for key, ranks in h.items():
-                counts[key] = counts.get(key, 0) + len(ranks)
-        full = [k for k, c in counts.items() if c >= len(self.world) and (below is None or k < below)]
-        return max(full, key=lambda k: (k[0], k[1])) if full else None
+                by_key.setdefault(key, set()).update(ranks)
+        full = [k for k, rs in by_key.items() if rs.issuperset(self.world) and (below is None or k < below)]
+        return max(full) if full else None
 
     def handle(self, event: Event) -> list[Decision]:
         out: list[Decision] = []
@@ -285,7 +266,7 @@ class Decider:
             self._close_failure()
         else:
             f["tried"].append(list(key))
-            self._start(key, failure=f["epoch"], out=out)
+            self._start(key, f["final"], failure=f["epoch"], out=out)
 
     def _release_restart(self, key: Key | None, why: str, out: list[Decision]) -> None:
         self.failure["released"] = True
@@ -310,7 +291,7 @@ class Decider:
         key = (self.due, self.epoch)
         if all(self._holds(r, key) for r in self.world):
             self.due = None
-            self._start(key, failure=None, out=out)
+            self._start(key, self.held, failure=None, out=out)
         elif (skip := self._moved_past(key)) is not None:  # a keeper that did not see it (restarted)
             out.append(ev.GiveUp(None, key[0], f"rank {skip} moved past it without holding it", self.epoch))
             self.due = None
@@ -319,22 +300,27 @@ class Decider:
         return any(rank in h.get(key, ()) for h in self.held.values())
 
     def _moved_past(self, key: Key) -> int | None:
-        """A rank that holds a newer step of this epoch but not ``key``: it will never hold ``key``."""
-        for h in self.held.values():
+        """A rank whose own node holds a newer step of this epoch of it but no node ``key``: it never will.
+        (A peer's newer copy says nothing of the rank's own node, whose report may be on its way.)"""
+        for node, h in self.held.items():
             for k, ranks in h.items():
                 if k[1] == key[1] and k[0] > key[0]:
                     for r in ranks:
-                        if not self._holds(r, key):
+                        if r in self.nodes.get(node, ()) and not self._holds(r, key):
                             return r
         return None
 
-    def _start(self, key: Key, failure: int | None, out: list[Decision]) -> None:
-        nodes = tuple(sorted(self.nodes))
+    def _start(self, key: Key, held: dict[str, dict[Key, list[int]]], failure: int | None, out: list[Decision]) -> None:
+        writers: dict[str, list[int]] = {}
+        for r in self.world:  # its own node when that holds it, else the first holding a copy
+            holders = [n for n in sorted(held) if r in held[n].get(key, ()) and n not in self.lost]
+            writers.setdefault(next((n for n in holders if r in self.nodes.get(n, ())), holders[0]), []).append(r)
         self.plan = {
             "id": self.next_plan,
             "key": list(key),
             "attempt": 1,
-            "nodes": list(nodes),
+            "nodes": sorted(writers),
+            "writers": writers,
             "failure": failure,
             "pinned": [],
             "wrote": [],
@@ -342,7 +328,12 @@ class Decider:
         }
         self.next_plan += 1
         self._note(f"persist step {key[0]} of epoch {key[1]} (plan {self.plan['id']}, failure={failure})")
-        out.append(ev.Persist(self.plan["id"], key, 1, nodes, self.epoch, failure is not None))
+        out.append(self._persist(self.plan))
+
+    def _persist(self, plan: dict[str, Any]) -> ev.Persist:
+        writers = tuple((n, tuple(rs)) for n, rs in sorted(plan["writers"].items()))
+        key, nodes, failure = tuple(plan["key"]), tuple(plan["nodes"]), plan["failure"] is not None
+        return ev.Persist(plan["id"], key, plan["attempt"], nodes, self.epoch, failure, writers)
 
     def _current(self, plan_id: int, node: str | None) -> dict[str, Any] | None:
         if self.plan is None or self.plan["id"] != plan_id:
@@ -363,8 +354,7 @@ class Decider:
         plan["attempt"] += 1
         plan["wrote"] = []
         self._note(f"plan {plan['id']} attempt {plan['attempt']}: {why}")
-        key, nodes = tuple(plan["key"]), tuple(plan["nodes"])
-        out.append(ev.Persist(plan["id"], key, plan["attempt"], nodes, self.epoch, plan["failure"] is not None))
+        out.append(self._persist(plan))
 
     def _end_plan(self, why: str, out: list[Decision]) -> None:
         """Give the plan up; a failed save-on-failure tries the next older step every rank held."""
@@ -382,19 +372,3 @@ class Decider:
                 self._release_restart(tuple(plan["key"]), "the save ended", out)
             self._close_failure()
         self._advance(out)
-
-
-def _dump(held: dict[str, dict[Key, list[int]]]) -> dict[str, dict[str, list[int]]]:
-    return {n: {f"{k[0]}:{k[1]}": r for k, r in h.items()} for n, h in held.items()}
-
-
-def _load(held: dict[str, dict[str, list[int]]]) -> dict[str, dict[Key, list[int]]]:
-    return {n: {(int(k.split(":")[0]), int(k.split(":")[1])): list(r) for k, r in h.items()} for n, h in held.items()}
-
-
-def _plain(d: dict[str, Any] | None) -> dict[str, Any] | None:  # a failure's final holdings by "step:epoch"
-    return d if d is None or "final" not in d else {**d, "final": _dump(d["final"])}
-
-
-def _unplain(d: dict[str, Any] | None) -> dict[str, Any] | None:
-    return d if d is None or "final" not in d else {**d, "final": _load(d["final"])}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 Key = tuple[int, int]  # (step, epoch) of a snapshot
 Held = tuple[tuple[int, int, tuple[int, ...], bool], ...]  # (step, epoch, ranks holding it, pinned)
+# A node's ranks are its own and those of other nodes whose snapshots it holds as peer copies (replicas).
 
 
 # -- events -----------------------------------------------------------------------------------------
@@ -117,8 +118,9 @@ Event = Event | JobEnded | Timeout
 # -- decisions --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Persist:
-    """Every node in ``nodes``: pin your ranks' snapshots ``key``, say so, write your shards of it for
-    ``attempt`` and say so. ``failure``: this is the save-on-failure of execution ``key[1]``'s end."""
+    """Every node in ``nodes``: pin the snapshots ``key`` of the ranks ``writers`` gives you (your own,
+    and a lost node's whose copies you hold), say so, write their shards for ``attempt`` and say so.
+    ``failure``: this is the save-on-failure of execution ``key[1]``'s end."""
 
     plan: int
     key: Key
@@ -126,6 +128,7 @@ class Persist:
     nodes: tuple[str, ...]
     epoch: int
     failure: bool = False
+    writers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # node → the ranks it writes
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ HOLDING_EVERY_S = 1.0  # holdings that change no step due are reported at most t
 SIGHT_KEEP_S = 5.0  # a pin on sight of a step the old protocol is done with waits this long for the decider
 SIGHT_MAX_S = 60.0  # ... and any pin on sight at most this long (a decider that never answers)
 Pin = Callable[[ev.Key, list[int]], list[int]]  # (key, ranks) → the fds holding their slots pinned
+Steps = dict[int, dict[int, dict[str, Any]]]  # rank → {step: snapshot header}
 
 
 class Shadow:
@@ -82,7 +83,7 @@ class Shadow:
             self.seen_committed.add(step)
         return step in self.seen_committed
 
-    def observe(self, steps: dict[int, dict[int, dict[str, Any]]], flagged: list[int]) -> None:
+    def observe(self, steps: Steps, flagged: list[int], copies: Steps | None = None) -> None:
         """The node's snapshots (rank → {step: header}) and the steps due: report what changed. The
         decider plans a due step from holdings, so they are sent at once when the steps flagged for
         persistence among them change (one comes, or goes: moved past), else at most every
@@ -96,7 +97,7 @@ class Shadow:
             key = max(due)
             if fds := self.pin(key, [r for r, by_step in steps.items() if key[0] in by_step]):
                 self.sight[key] = (fds, time.monotonic())
-        held = self.current = holdings(steps, set(self.sight))
+        held = self.current = holdings(steps, set(self.sight), copies)
         now = time.monotonic()
         if (held != self.held and (due != self.due_held or now - self.sent_at >= HOLDING_EVERY_S)) or self.link.missed:
             self.link.missed = False
@@ -191,7 +192,8 @@ class Shadow:
         if epoch in self.gone or not any(p in died for p in pids) or any(pid_alive(p) for p in pids):
             return
         self.gone.add(epoch)
-        self.link.send(ev.WorkersGone(self.node, epoch, holdings(job.snapshot_steps(world, list(owners)))))
+        final = holdings(job.snapshot_steps(world, list(owners)), copies=job.copy_steps(world))
+        self.link.send(ev.WorkersGone(self.node, epoch, final))
 
     def end(self, job_complete: bool, last_persisted: int, given_up: set[int], wait_s: float = 2.0) -> None:
         """The keeper exits, the old protocol done: a bounded last exchange of answers (a plan whose step
@@ -213,12 +215,14 @@ class Shadow:
         self.link.close()
 
 
-def holdings(steps: dict[int, dict[int, dict[str, Any]]], pinned: set[ev.Key] = frozenset()) -> ev.Held:
-    """rank → {step: header} as the decider's ``Held``: (step, epoch, ranks, pinned) in a stable order."""
-    keys: dict[ev.Key, list[int]] = {}
-    for rank, by_step in steps.items():
-        for step, header in by_step.items():
-            keys.setdefault((step, epoch_of(header)), []).append(rank)
+def holdings(steps: Steps, pinned: set[ev.Key] = frozenset(), copies: Steps | None = None) -> ev.Held:
+    """rank → {step: header} as the decider's ``Held``: (step, epoch, ranks, pinned) in a stable order;
+    ``copies``: the peer copies held of other nodes' ranks, which the decider counts as held too."""
+    keys: dict[ev.Key, set[int]] = {}
+    for by_rank in (steps, copies or {}):
+        for rank, by_step in by_rank.items():
+            for step, header in by_step.items():
+                keys.setdefault((step, epoch_of(header)), set()).add(rank)
     return tuple((s, e, tuple(sorted(r)), (s, e) in pinned) for (s, e), r in sorted(keys.items()))
 
 

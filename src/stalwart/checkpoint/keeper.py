@@ -240,7 +240,7 @@ class Keeper:
         self.given_up = {s: t for s, t in self.given_up.items() if t is None or taken.get(s, t) == t}
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
         if self.shadow is not None and len(ranks) < world:  # the decider hears jobs that span nodes
-            self.shadow.observe(steps, flagged)
+            self.shadow.observe(steps, flagged, self.node.copy_steps(world))
             self.shadow.answer(self.last_persisted, set(self.given_up))
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
         target = max(flagged, default=-1)

@@ -30,6 +30,7 @@ from stalwart import runtime
 from stalwart.checkpoint import multinode, stage
 from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.persist import write_checkpoint
+from stalwart.checkpoint.replicas import replica_roots
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, job_dir_for, read_json, secure_job_dir
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
@@ -125,6 +126,17 @@ class NodeJob:
             for s in complete_slots(self.paths, r):
                 if s.header.get("world_size") == world:
                     out[r].setdefault(s.step, s.header)
+        return out
+
+    def copy_steps(self, world: int) -> dict[int, dict[int, dict[str, Any]]]:
+        """rank → {step: header} of the peer copies (replicas) this node holds of other nodes' ranks."""
+        out: dict[int, dict[int, dict[str, Any]]] = {}
+        for root in replica_roots(self.root):
+            paths = JobPaths(root)
+            for r in paths.ranks():
+                for s in complete_slots(paths, r):
+                    if s.header.get("world_size") == world:
+                        out.setdefault(r, {}).setdefault(s.step, s.header)
         return out
 
     def epoch(self) -> int:

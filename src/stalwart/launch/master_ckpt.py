@@ -22,6 +22,7 @@ from typing import Any
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint import decider_wire as wire
 from stalwart.checkpoint.decider import Decider
+from stalwart.checkpoint.decider_state import from_state, to_state
 from stalwart.launch.api_error import ApiError
 from stalwart.launch.journal import Journal
 
@@ -37,7 +38,7 @@ class CheckpointDesk:
         self.journal = journal
         self._lock = threading.Lock()
         saved = journal.get(JOURNAL_KEY) or {}
-        self.decider = Decider.from_state(saved["decider"]) if saved.get("decider") else None
+        self.decider = from_state(saved["decider"]) if saved.get("decider") else None
         self.outbox: list[list[Any]] = saved.get("outbox", [])  # [number, decision as JSON]
         self.next: int = saved.get("next", 1)
         self.forming: dict[str, Any] = saved.get("forming", _forming())
@@ -97,7 +98,7 @@ class CheckpointDesk:
 
     def state(self) -> dict[str, Any] | None:
         with self._lock:
-            return self.decider.state() if self.decider else None
+            return to_state(self.decider) if self.decider else None
 
     def _decode(self, node: str, data: Any) -> Any:
         if isinstance(data, dict) and data.get("kind") == "Member":
@@ -166,7 +167,7 @@ class CheckpointDesk:
         self.journal.set(
             JOURNAL_KEY,
             {
-                "decider": self.decider.state() if self.decider else None,
+                "decider": to_state(self.decider) if self.decider else None,
                 "outbox": self.outbox,
                 "next": self.next,
                 "forming": self.forming,
