@@ -235,6 +235,8 @@ def test_a_keeper_pins_a_due_step_on_sight_until_the_decider_releases_it(master,
         assert decider()["latest"] == 4 and not any(
             "moved past" in d.get("why", "") for _, d in master.state.ckpt.outbox
         )
+        shadows[0].observe(job.snapshot_steps(4, RANKS["n0"]), [4])
+        assert not shadows[0].sight, "a released step is not pinned again while it is still in memory"
         snapshot(8)
         assert held_steps() == {7, 8}, "unpinned, the slot of step 4 is reused"
     finally:

@@ -48,6 +48,7 @@ class Shadow:
         self.link, self.node, self.is_coordinator, self._committed = link, link.node, coordinator, committed
         self.pin = pin  # pins a step due for persistence on sight (``pin_on_sight``), None: reports only
         self.sight: dict[ev.Key, tuple[list[int], float]] = {}  # key → (fds, since): pinned on sight
+        self.sighted: set[ev.Key] = set()  # keys pinned on sight (or tried), still held
         self.seen_committed: set[int] = set()  # retention may remove a step later: its word stands
         self.incarnation = time.time_ns() // 1_000_000  # a restarted keeper on this node reports higher
         self.seq = 0
@@ -93,11 +94,14 @@ class Shadow:
             for s, e, _, _ in holdings(steps)
             if any(s in by_step and by_step[s].get("persist") for by_step in steps.values())
         }
-        if due and self.pin is not None and not self.sight:  # one at a time: the slots stay usable
-            key = max(due)
+        fresh = due - self.sighted  # a step pinned once is not pinned again after its release
+        if fresh and self.pin is not None and not self.sight:  # one at a time: the slots stay usable
+            key = max(fresh)
+            self.sighted.add(key)
             if fds := self.pin(key, [r for r, by_step in steps.items() if key[0] in by_step]):
                 self.sight[key] = (fds, time.monotonic())
         held = self.current = holdings(steps, set(self.sight), copies)
+        self.sighted &= {(s, e) for s, e, _, _ in held}
         now = time.monotonic()
         if (held != self.held and (due != self.due_held or now - self.sent_at >= HOLDING_EVERY_S)) or self.link.missed:
             self.link.missed = False
