@@ -42,6 +42,7 @@ class Node:
     incarnation: int = 0
     seq: int = 0
     pins: dict[Key, int] = field(default_factory=dict)  # key → the newest plan that pinned it (0: on sight)
+    sight: Key | None = None  # the one step pinned on sight, until its release
     task: tuple[int, int, Key] | None = None  # (plan, attempt, key) whose shards it writes
     todo: list[int] = field(default_factory=list)  # ranks whose shards are still to write
     stopped: bool = False  # its workers of the current epoch are gone
@@ -83,7 +84,8 @@ class World(StorageAndChecks):
         self.saves: list[dict[str, Any]] = []  # per failure: the step to save, latest then, excused
         self.declared: tuple[int, float, int] | None = None  # old: rank 0's node's (newest, started, epoch)
         self.ended = False
-        self.given_up: list[str] = []  # the decider's GiveUp decisions
+        self.given_up: list[tuple[int, str]] = []  # the decider's GiveUp decisions
+        self.busy: set[int] = set()  # due steps a node could not pin on sight (it held another)
         self.from_copies = 0  # shards written from peer copies
         self.trace: list[str] = []
         self.fault_log: list[str] = []
@@ -144,7 +146,7 @@ class World(StorageAndChecks):
             elif isinstance(d, ev.Commit):
                 self.commits.append((d.plan, d.step))
             elif isinstance(d, ev.GiveUp):
-                self.given_up.append(f"step {d.step}: {d.why}")
+                self.given_up.append((d.step, d.why))
             elif isinstance(d, ev.Release):
                 for n in [d.node] if d.node else list(self.nodes):
                     self.send(n, d)
@@ -229,9 +231,13 @@ class World(StorageAndChecks):
         rank.copying = None
         node = self.nodes[rank.node]
         step = rank.trained
-        due = step % self.every == 0 or step == self.steps
+        due, key = step % self.every == 0 or step == self.steps, (step, self.epoch)
         if due and node.keeper_up and self.rules.pin_on_sight:  # held until the decider's word
-            node.pins.setdefault((step, self.epoch), 0)
+            if node.sight in (None, key):  # one at a time, as the keepers do
+                node.pins.setdefault(key, 0)
+                node.sight = key
+            else:
+                self.busy.add(step)  # its node still holds another on sight: it may be given up
         self.report(node)
         if due and r == node.ranks[0]:
             self.to_decider(ev.PersistDue(step, self.epoch))
@@ -289,6 +295,8 @@ class World(StorageAndChecks):
             for key, plan in list(node.pins.items()):
                 if (msg.key is None or key == msg.key) and plan <= msg.upto:
                     del node.pins[key]
+            if node.sight not in node.pins:
+                node.sight = None
             if node.task is not None and node.task[2] not in node.pins:
                 node.task, node.todo = None, []  # an unpinned snapshot is no longer written
             return
@@ -384,7 +392,7 @@ class World(StorageAndChecks):
         # What survives (peer copies included) is judged when every node's workers are gone; once that
         # was judged, the loss may cost the save in flight.
         self.excuse(current=self.failure_truth is not None)
-        self.net = [(d, m) for d, m in self.net if d != name and getattr(m, "node", None) != name]
+        self.net = [(d, m) for d, m in self.net if d != name]  # its own word may still arrive
         self.decide(ev.NodeLost(name, self.epoch))  # membership is the decider's own (the master)
         self.fault_log.append(f"node {name} lost at {self.now:.2f}")
 

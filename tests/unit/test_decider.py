@@ -50,7 +50,7 @@ def test_duplicates_and_old_plans_are_ignored_and_logged() -> None:
     assert d.handle(ev.Wrote("A", plan.plan + 7, 1, True)) == []
     assert holding(d, "B", (2, 0), seq=1) == []  # an old report
     assert any("late message about plan" in line for line in d.log)
-    assert any("stale or unknown report" in line for line in d.log)
+    assert any("ignored a stale, unknown or lost node's report" in line for line in d.log)
 
 
 def test_a_node_lost_mid_persist_gives_it_up_at_once() -> None:
@@ -125,6 +125,37 @@ def test_a_peers_newer_copy_does_not_make_a_rank_look_moved_past() -> None:
     assert not of(ev.GiveUp, d.handle(ev.PersistDue(2, 0))) and d.due == 2
     (plan,) = of(ev.Persist, pinned_holding(d, "A", [(2, 0)], [(3, 0)], seq=1))
     assert plan.key == (2, 0) and plan.writers == (("A", (0, 1)), ("B", (2, 3)))
+
+
+def test_a_grown_or_shrunk_job_is_planned_over_its_new_ranks() -> None:
+    d = Decider(NODES)
+    d.handle(ev.EpochBegan(1, (("A", (0, 1)), ("B", (2, 3)), ("C", (4, 5)))))  # grown
+    holding(d, "A", (4, 1), seq=1), holding(d, "B", (4, 1), seq=1)
+    assert d.handle(ev.PersistDue(4, 1)) == [], "C's ranks are part of the world now"
+    (plan,) = of(ev.Persist, d.handle(ev.Holding("C", 0, 1, held((4, 1), ranks=(4, 5)))))
+    assert plan.nodes == ("A", "B", "C") and plan.writers[-1] == ("C", (4, 5))
+    d.handle(ev.EpochBegan(2, (("A", (0, 1)),)))  # shrunk to one node (the plan went with B and C)
+    (plan,) = of(ev.Persist, holding(d, "A", (6, 2), seq=2) + d.handle(ev.PersistDue(6, 2)))
+    assert plan.key == (6, 2) and plan.writers == (("A", (0, 1)),)
+
+
+def test_a_lost_nodes_late_word_is_ignored() -> None:
+    """B's final holdings were on their way when B was lost: its memory went with it, they count for
+    nothing (counted, the save would pick a step only B held and find no node to write it)."""
+    d = Decider(NODES)
+    d.handle(ev.NodeLost("B", 0))
+    assert d.handle(ev.WorkersGone("B", 0, held((7, 0), ranks=(0, 1, 2, 3)))) == []
+    assert holding(d, "B", (7, 0), seq=1) == [] and d.held["B"] == {}
+    (go,) = of(ev.RestartMayProceed, d.handle(ev.WorkersGone("A", 0, held((7, 0), ranks=(0, 1)))))
+    assert go.key is None
+
+
+def test_a_due_step_given_up_unplanned_releases_its_pins() -> None:
+    d = Decider(NODES)
+    pinned_holding(d, "A", [(2, 0)], [], seq=1)
+    d.handle(ev.PersistDue(2, 0))
+    out = d.handle(ev.Holding("B", 0, 1, held((3, 0), (4, 0), ranks=(2, 3))))  # B's keeper never saw 2
+    assert of(ev.GiveUp, out) and ev.Release("A", (2, 0), 0, 0) in out and d.pins["A"] == []
 
 
 def test_a_rank_that_moved_past_a_due_step_gives_it_up() -> None:

@@ -211,16 +211,19 @@ def test_a_keeper_pins_a_due_step_on_sight_until_the_decider_releases_it(master,
     ]
     decider = master.state.ckpt.state
 
-    def snapshot(step: int) -> None:
-        for w in writers.values():
-            w.start(step, state.capture(), persist=step % 4 == 0)
-            w.wait()
+    def snapshot(step: int, ranks=RANKS["n0"]) -> None:
+        for r in ranks:
+            writers[r].start(step, state.capture(), persist=step % 4 == 0)
+            writers[r].wait()
 
     def held_steps() -> set[int]:
         return set.intersection(*(set(v) for v in job.snapshot_steps(4, RANKS["n0"]).values()))
 
     try:
-        snapshot(4)
+        snapshot(4, [0])
+        shadows[0].observe(job.snapshot_steps(4, RANKS["n0"]), [])
+        assert not shadows[0].sight, "pinned once every rank of the node holds it, not before"
+        snapshot(4, [1])
         shadows[0].observe(job.snapshot_steps(4, RANKS["n0"]), [4])
         assert list(shadows[0].sight) == [(4, 0)]
         for step in (5, 6, 7):  # faster than any round trip to the decider

@@ -30,6 +30,7 @@ class Decider:
         self.plan: dict[str, Any] | None = None  # the one persist in flight
         self.next_plan = 1
         self.due: int | None = None  # newest step due in this epoch, not yet planned
+        self.passed = -1  # newest step due in this epoch dropped unplanned (moved past, coalesced)
         self.latest: int | None = None  # the newest committed step
         self.failure: dict[str, Any] | None = None  # the failed execution's save, until restart may proceed
         self.lost: list[str] = []  # nodes lost in this epoch (membership)
@@ -83,8 +84,8 @@ class Decider:
 
     def _on_Holding(self, e: ev.Holding, out: list[Decision]) -> None:
         mark = (e.incarnation, e.seq)
-        if e.node not in self.nodes or mark <= self.seen.get(e.node, (-1, -1)):
-            self._note(f"ignored a stale or unknown report of node {e.node} {mark}")
+        if e.node not in self.nodes or e.node in self.lost or mark <= self.seen.get(e.node, (-1, -1)):
+            self._note(f"ignored a stale, unknown or lost node's report: {e.node} {mark}")
             return
         restarted = e.node in self.seen and e.incarnation > self.seen[e.node][0]
         self.seen[e.node] = mark
@@ -110,7 +111,7 @@ class Decider:
         if self.failure is not None:
             return not self.failure.get("done")
         planned = plan["key"][0] if plan is not None and plan["key"][1] == self.epoch else -1
-        return key[0] > planned and key[0] >= (self.due if self.due is not None else -1)
+        return key[0] > max(planned, self.passed) and key[0] >= (self.due if self.due is not None else -1)
 
     def _on_PersistDue(self, e: ev.PersistDue, out: list[Decision]) -> None:
         if self._late("persist due", e.epoch) or self.failure is not None or e.epoch <= self.settled:
@@ -119,6 +120,7 @@ class Decider:
         if (self.latest is None or e.step > self.latest) and e.step > max(self.due or -1, planned or -1):
             if self.due is not None:
                 self._note(f"coalesced: step {self.due} superseded by step {e.step}")
+                self.passed = self.due
             self.due = e.step
         self._advance(out)
 
@@ -174,8 +176,8 @@ class Decider:
         self._finish(out)
 
     def _on_WorkersGone(self, e: ev.WorkersGone, out: list[Decision]) -> None:
-        if self._late(f"workers-gone of node {e.node}", e.epoch) or e.node not in self.nodes:
-            return
+        if self._late(f"workers-gone of node {e.node}", e.epoch) or e.node not in self.nodes or e.node in self.lost:
+            return  # (a lost node's word still on its way: its memory is gone)
         if not self._open_failure(e.epoch, out):
             return
         self.failure["final"][e.node] = {(s, ep): list(r) for s, ep, r, _ in e.held}
@@ -214,8 +216,9 @@ class Decider:
                 self._end_plan(f"epoch {e.epoch} began before the save was pinned", out)
             if not self.failure.get("preempted"):
                 self.failure = None  # a released save goes on in the background, as a plain plan
-        self.epoch, self.due, self.lost = e.epoch, None, []
+        self.epoch, self.due, self.passed, self.lost = e.epoch, None, -1, []
         self.nodes = {n: sorted(r) for n, r in e.nodes}
+        self.world = sorted(r for rs in self.nodes.values() for r in rs)  # a grown or shrunk job
         for n in self.nodes:
             self.held.setdefault(n, {})
             self.pins.setdefault(n, [])
@@ -294,7 +297,7 @@ class Decider:
             self._start(key, self.held, failure=None, out=out)
         elif (skip := self._moved_past(key)) is not None:  # a keeper that did not see it (restarted)
             out.append(ev.GiveUp(None, key[0], f"rank {skip} moved past it without holding it", self.epoch))
-            self.due = None
+            self.due, self.passed = None, key[0]
 
     def _holds(self, rank: int, key: Key) -> bool:
         return any(rank in h.get(key, ()) for h in self.held.values())
@@ -366,6 +369,9 @@ class Decider:
     def _finish(self, out: list[Decision], committed: bool = True) -> None:
         plan, self.plan = self.plan, None
         out.append(ev.Release(None, tuple(plan["key"]), plan["id"], self.epoch))
+        for keys in self.pins.values():  # released: not again per node
+            if tuple(plan["key"]) in keys:
+                keys.remove(tuple(plan["key"]))
         f = self._failure_of(plan)
         if f is not None and (committed or f["released"]):  # else: an older step, still before the restart
             if not f["released"]:

@@ -28,8 +28,8 @@ from stalwart.checkpoint.snapshot import epoch_of
 log = logging.getLogger("stalwart.checkpoint.keeper")
 CHECK_EVERY_S = 0.2  # how often a pending plan's step is looked up in storage
 HOLDING_EVERY_S = 1.0  # holdings that change no step due are reported at most this often
-SIGHT_KEEP_S = 5.0  # a pin on sight of a step the old protocol is done with waits this long for the decider
-SIGHT_MAX_S = 60.0  # ... and any pin on sight at most this long (a decider that never answers)
+SIGHT_KEEP_S = 1.0  # a pin on sight of a step the old protocol is done with waits this long for the decider
+SIGHT_MAX_S = 10.0  # ... and any pin on sight at most this long (a decider that never answers)
 Pin = Callable[[ev.Key, list[int]], list[int]]  # (key, ranks) → the fds holding their slots pinned
 Steps = dict[int, dict[int, dict[str, Any]]]  # rank → {step: snapshot header}
 
@@ -55,6 +55,7 @@ class Shadow:
         self.held: ev.Held | None = None  # as last reported
         self.current: ev.Held = ()  # as last seen
         self.due_held: set[ev.Key] = set()  # the keys flagged for persistence among them
+        self.pins_held: set[ev.Key] = set()  # ... and those pinned on sight
         self.sent_at = -float("inf")
         self.due_sent: set[ev.Key] = set()
         self.plans: dict[int, ev.Persist] = {}  # plans naming this node, not yet answered in full
@@ -94,18 +95,23 @@ class Shadow:
             for s, e, _, _ in holdings(steps)
             if any(s in by_step and by_step[s].get("persist") for by_step in steps.values())
         }
-        fresh = due - self.sighted  # a step pinned once is not pinned again after its release
+        # Once every rank of the node published it (the node's pin says so for all of them), and only
+        # once: a step released is not pinned again while it is still in memory.
+        every = {(s, e) for s, e, ranks, _ in holdings(steps) if len(ranks) == len(steps)}
+        fresh = (due & every) - self.sighted
         if fresh and self.pin is not None and not self.sight:  # one at a time: the slots stay usable
             key = max(fresh)
             self.sighted.add(key)
-            if fds := self.pin(key, [r for r, by_step in steps.items() if key[0] in by_step]):
+            if fds := self.pin(key, list(steps)):
                 self.sight[key] = (fds, time.monotonic())
         held = self.current = holdings(steps, set(self.sight), copies)
         self.sighted &= {(s, e) for s, e, _, _ in held}
         now = time.monotonic()
-        if (held != self.held and (due != self.due_held or now - self.sent_at >= HOLDING_EVERY_S)) or self.link.missed:
+        news = due != self.due_held or set(self.sight) != self.pins_held  # a step due or a pin: at once
+        if (held != self.held and (news or now - self.sent_at >= HOLDING_EVERY_S)) or self.link.missed:
             self.link.missed = False
             self.held, self.due_held, self.sent_at, self.seq = held, due, now, self.seq + 1
+            self.pins_held = set(self.sight)
             self.link.send(ev.Holding(self.node, self.incarnation, self.seq, held))
         self.link.eager = bool(self.plans or self.commits or self.awaiting or due)
         if self.is_coordinator():

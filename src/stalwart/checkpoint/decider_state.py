@@ -8,7 +8,7 @@ from typing import Any
 from stalwart.checkpoint.decider import Decider
 from stalwart.checkpoint.decider_events import Key
 
-_PLAIN = ("epoch", "nodes", "max_attempts", "next_plan", "due", "latest", "lost", "settled", "ended")
+_PLAIN = ("epoch", "nodes", "max_attempts", "next_plan", "due", "passed", "latest", "lost", "settled", "ended")
 
 
 def to_state(d: Decider) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def to_state(d: Decider) -> dict[str, Any]:
 
 def from_state(state: dict[str, Any]) -> Decider:
     d = Decider(state["nodes"], state["epoch"], state["max_attempts"])
-    for f in _PLAIN:
+    for f in (f for f in _PLAIN if f in state):  # a journal of an earlier version lacks the newer ones
         setattr(d, f, list(state[f]) if f == "lost" else state[f])
     d.held, d.plan, d.failure = _load(state["held"]), _unplain(state["plan"]), _unplain(state["failure"])
     d.pins = {n: [tuple(k) for k in p] for n, p in state["pins"].items()}
