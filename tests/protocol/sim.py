@@ -347,7 +347,7 @@ class World(StorageAndChecks):
 
     def kill_keeper(self, name: str, mid_write: bool) -> None:
         node = self.nodes[name]
-        node.keeper_up = False
+        node.keeper_up, node.pins, node.sight = False, {}, None  # its flocks die with it
         self.excuse()
         if mid_write:
             plan, _, key = node.task
