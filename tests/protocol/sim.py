@@ -52,6 +52,11 @@ class Node:
     pushed: dict[int, Key] = field(default_factory=dict)  # own rank → the newest key copied to the peer
 
 
+def published(rank: Rank) -> list[Key]:
+    """The rank's complete snapshots (not the slot being copied into)."""
+    return [k for i, k in enumerate(rank.slots) if k is not None and rank.copying != i]
+
+
 class World(StorageAndChecks):
     def __init__(self, n_nodes: int, per_node: int, steps: int, every: int, restarts: int, rules: OldRules = NEW,
                  skew: float = 0.0) -> None:  # fmt: skip
@@ -100,10 +105,8 @@ class World(StorageAndChecks):
     def holdings(self, node: Node) -> ev.Held:
         by_key: dict[Key, list[int]] = {}
         for r in node.ranks:
-            rank = self.ranks[r]
-            for i, key in enumerate(rank.slots):
-                if key is not None and rank.copying != i:
-                    by_key.setdefault(key, []).append(r)
+            for key in published(self.ranks[r]):
+                by_key.setdefault(key, []).append(r)
         for r, slots in node.copies.items():  # peer copies of other nodes' ranks
             for key in {k for k in slots if k is not None}:
                 by_key.setdefault(key, []).append(r)
@@ -111,10 +114,7 @@ class World(StorageAndChecks):
 
     def has(self, node: Node, r: int, key: Key) -> bool:
         """``node`` holds rank ``r``'s snapshot ``key``: its own, published, or a peer copy of it."""
-        if r in node.ranks:
-            rank = self.ranks[r]
-            return key in rank.slots and rank.copying != rank.slots.index(key)
-        return key in node.copies.get(r, ())
+        return key in (published(self.ranks[r]) if r in node.ranks else node.copies.get(r, ()))
 
     def peer(self, node: Node) -> Node | None:
         """Where ``node``'s keeper copies its ranks' snapshots: the next node up, by name."""
@@ -259,8 +259,7 @@ class World(StorageAndChecks):
             return []
         out = []
         for r in node.ranks:
-            rank = self.ranks[r]
-            done = [k for i, k in enumerate(rank.slots) if k is not None and rank.copying != i]
+            done = published(self.ranks[r])
             if done and max(done) != node.pushed.get(r):
                 out.append(r)
         return out
@@ -268,7 +267,7 @@ class World(StorageAndChecks):
     def copy(self, name: str, r: int) -> None:
         node = self.nodes[name]
         peer, rank = self.peer(node), self.ranks[r]
-        key = max(k for i, k in enumerate(rank.slots) if k is not None and rank.copying != i)
+        key = max(published(rank))
         node.pushed[r] = key
         slots = peer.copies.setdefault(r, [None, None])
         free = [i for i, k in enumerate(slots) if k is None or k not in peer.pins]

@@ -90,15 +90,11 @@ class Shadow:
         decider plans a due step from holdings, so they are sent at once when the steps flagged for
         persistence among them change (one comes, or goes: moved past), else at most every
         ``HOLDING_EVERY_S`` — not at every step of every node."""
-        due = {
-            (s, e)
-            for s, e, _, _ in holdings(steps)
-            if any(s in by_step and by_step[s].get("persist") for by_step in steps.values())
-        }
+        own = holdings(steps)
+        due = {(s, e) for s, e, _, _ in own if any(by_step.get(s, {}).get("persist") for by_step in steps.values())}
         # Once every rank of the node published it (the node's pin says so for all of them), and only
         # once: a step released is not pinned again while it is still in memory.
-        every = {(s, e) for s, e, ranks, _ in holdings(steps) if len(ranks) == len(steps)}
-        fresh = (due & every) - self.sighted
+        fresh = {(s, e) for s, e, ranks, _ in own if (s, e) in due and len(ranks) == len(steps)} - self.sighted
         if fresh and self.pin is not None and not self.sight:  # one at a time: the slots stay usable
             key = max(fresh)
             self.sighted.add(key)

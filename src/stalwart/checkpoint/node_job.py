@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,23 +120,16 @@ class NodeJob:
 
     def snapshot_steps(self, world: int, ranks: list[int] | None = None) -> dict[int, dict[int, dict[str, Any]]]:
         """rank → {step: header} of complete snapshots taken at this world size (this node's ranks)."""
-        out: dict[int, dict[int, dict[str, Any]]] = {}
-        for r in ranks if ranks is not None else range(world):
-            out[r] = {}
-            for s in complete_slots(self.paths, r):
-                if s.header.get("world_size") == world:
-                    out[r].setdefault(s.step, s.header)
-        return out
+        return _steps_at(self.paths, ranks if ranks is not None else range(world), world)
 
     def copy_steps(self, world: int) -> dict[int, dict[int, dict[str, Any]]]:
         """rank → {step: header} of the peer copies (replicas) this node holds of other nodes' ranks."""
         out: dict[int, dict[int, dict[str, Any]]] = {}
         for root in replica_roots(self.root):
             paths = JobPaths(root)
-            for r in paths.ranks():
-                for s in complete_slots(paths, r):
-                    if s.header.get("world_size") == world:
-                        out.setdefault(r, {}).setdefault(s.step, s.header)
+            for r, steps in _steps_at(paths, paths.ranks(), world).items():
+                if steps:
+                    out[r] = {**steps, **out.get(r, {})}  # two sources of one rank (a regroup): the first
         return out
 
     def epoch(self) -> int:
@@ -363,6 +356,14 @@ class NodeJob:
                 f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}",
             )
         return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
+
+
+def _steps_at(paths: JobPaths, ranks: Iterable[int], world: int) -> dict[int, dict[int, dict[str, Any]]]:
+    """rank → {step: header} of the complete slots under ``paths`` taken at ``world`` ranks."""
+    return {
+        r: {s.step: s.header for s in reversed(complete_slots(paths, r)) if s.header.get("world_size") == world}
+        for r in ranks
+    }
 
 
 def save_on_failure(
