@@ -44,6 +44,7 @@ class Node:
     pins: dict[Key, int] = field(default_factory=dict)  # key → the newest plan that pinned it (0: on sight)
     sight: Key | None = None  # the one step pinned on sight, until its release
     task: tuple[int, int, Key] | None = None  # (plan, attempt, key) whose shards it writes
+    mine: list[int] = field(default_factory=list)  # the task's ranks (writers), written on its Write
     todo: list[int] = field(default_factory=list)  # ranks whose shards are still to write
     stopped: bool = False  # its workers of the current epoch are gone
     last_plan: tuple[int, int] = (0, 0)  # the newest (plan, attempt) it acted on
@@ -76,6 +77,7 @@ class World(StorageAndChecks):
         self.timers: list[tuple[float, str]] = []
         self.commits: list[tuple[int, int]] = []  # (plan, step) the committer is told to commit
         self.plans: dict[int, Key] = {}
+        self.plan_nodes: dict[int, tuple[str, ...]] = {}
         self.failure_plans: set[int] = set()
         self.saved_on_failure = 0
         self.shards: dict[tuple[int, int], dict[int, tuple[Key, bool]]] = {}  # (step, plan) → rank → shard
@@ -134,7 +136,7 @@ class World(StorageAndChecks):
     def decide(self, event: Any) -> None:
         for d in self.decider.handle(event):
             if isinstance(d, ev.Persist):
-                self.plans[d.plan] = d.key
+                self.plans[d.plan], self.plan_nodes[d.plan] = d.key, d.nodes
                 if d.failure:
                     self.failure_plans.add(d.plan)
                 for n in d.nodes:
@@ -143,6 +145,9 @@ class World(StorageAndChecks):
                     first = self.nodes[self.ranks[0].node]
                     held = [k[0] for r in first.ranks for k in self.ranks[r].slots if k]
                     self.declared = (max(held, default=-1), self.now + first.skew, self.epoch)
+            elif isinstance(d, ev.Write):
+                for n in self.plan_nodes.get(d.plan, ()):
+                    self.send(n, d)
             elif isinstance(d, ev.Commit):
                 self.commits.append((d.plan, d.step))
             elif isinstance(d, ev.GiveUp):
@@ -299,6 +304,10 @@ class World(StorageAndChecks):
             if node.task is not None and node.task[2] not in node.pins:
                 node.task, node.todo = None, []  # an unpinned snapshot is no longer written
             return
+        if isinstance(msg, ev.Write):  # every node pinned: each plans the same layout, writes its share
+            if node.task is not None and node.task[:2] == (msg.plan, msg.attempt) and msg.key in node.pins:
+                node.todo = list(node.mine)
+            return
         if (msg.plan, msg.attempt) <= node.last_plan:
             return  # a late or repeated plan: the keeper has moved on
         node.last_plan = (msg.plan, msg.attempt)
@@ -312,8 +321,8 @@ class World(StorageAndChecks):
             return
         node.pins[key] = max(msg.plan, node.pins.get(key, 0))
         self.report(node)  # its pins too: one the decider no longer wants (a late plan) is released
-        node.task, node.todo = (msg.plan, msg.attempt, key), list(mine)
-        self.to_decider(ev.Pinned(node.name, msg.plan, True))
+        node.task, node.mine, node.todo = (msg.plan, msg.attempt, key), list(mine), []
+        self.to_decider(ev.Pinned(node.name, msg.plan, True, attempt=msg.attempt))
 
     def _moved_on(self, node: Node, key: Key) -> bool:
         """Old design: a cursor past ``key`` answers "missing", unless the cursor's snapshot is a dead end."""

@@ -73,7 +73,8 @@ def test_save_on_failure_pins_the_newest_step_every_rank_holds_then_commits_in_t
     (plan,) = of(ev.Persist, out)
     assert plan.key == (3, 0) and plan.failure
     assert d.handle(ev.Pinned("A", plan.plan, True)) == []
-    (go,) = d.handle(ev.Pinned("B", plan.plan, True))
+    write, go = d.handle(ev.Pinned("B", plan.plan, True))
+    assert write == ev.Write(plan.plan, (3, 0), 1, 0), "every node pinned: each writes its share"
     assert go == ev.RestartMayProceed(0, (3, 0), "every node holds it pinned")
     d.handle(ev.EpochBegan(1, (("A", (0, 1)), ("B", (2, 3)))))
     d.handle(ev.Wrote("A", plan.plan, 1, True))
@@ -230,3 +231,15 @@ def test_the_state_survives_json_and_goes_on_the_same() -> None:
     for e in (ev.WorkersGone("B", 0, held((2, 0), ranks=(2, 3))), ev.Pinned("A", plan.plan, True)):
         assert a.handle(e) == b.handle(e)
     assert to_state(a) == to_state(b)
+
+
+def test_the_write_comes_once_every_node_pinned_the_attempt_and_a_pin_of_an_earlier_one_does_not_count() -> None:
+    d = Decider(NODES)
+    plan = persist_started(d)
+    assert d.handle(ev.Pinned("A", plan.plan, True)) == [], "B has not pinned: no write yet"
+    holding(d, "A", (2, 0), seq=1, inc=2)  # A's keeper restarted: its pins died with it
+    late = d.handle(ev.Pinned("B", plan.plan, True, attempt=1))  # B's pin of attempt 1, on its way meanwhile
+    assert not of(ev.Write, late), "a pin of the earlier attempt does not make the retry's write"
+    assert not of(ev.Write, d.handle(ev.Pinned("A", plan.plan, True, attempt=2)))
+    assert of(ev.Write, d.handle(ev.Pinned("B", plan.plan, True, attempt=2))) == [ev.Write(plan.plan, (2, 0), 2, 0)]
+    assert d.handle(ev.Pinned("B", plan.plan, True, attempt=2)) == [], "one write per attempt"

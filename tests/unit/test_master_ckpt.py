@@ -78,8 +78,8 @@ def persist_in_flight(master: Master) -> tuple[Keeper, Keeper, ev.Persist]:
 def test_a_persist_is_planned_written_and_committed_through_the_master(master):
     a, b, plan = persist_in_flight(master)
     a.send(ev.Pinned("n0", plan.plan, True), ev.Wrote("n0", plan.plan, 1, True))
-    (commit,) = b.send(ev.Pinned("n1", plan.plan, True), ev.Wrote("n1", plan.plan, 1, True))["decisions"]
-    assert commit == ev.Commit(plan.plan, 4, 0)
+    write, commit = b.send(ev.Pinned("n1", plan.plan, True), ev.Wrote("n1", plan.plan, 1, True))["decisions"]
+    assert write == ev.Write(plan.plan, (4, 0), 1, 0) and commit == ev.Commit(plan.plan, 4, 0)
     (release,) = a.send(ev.Committed(plan.plan, True))["decisions"][-1:]
     assert release == ev.Release(None, (4, 0), plan.plan, 0)
     assert master.state.ckpt.state()["latest"] == 4
@@ -105,10 +105,10 @@ def test_the_decider_and_its_decisions_survive_a_master_restart(master, tmp_path
     again = Master(tmp_path / "journal.sqlite", "token").start()
     try:
         b.client.address = again.address
-        (commit,) = b.send(ev.Pinned("n1", plan.plan, True), ev.Wrote("n1", plan.plan, 1, True))["decisions"]
+        _, commit = b.send(ev.Pinned("n1", plan.plan, True), ev.Wrote("n1", plan.plan, 1, True))["decisions"]
         assert commit == ev.Commit(plan.plan, 4, 0), "n0's word from before the restart still counts"
         late = Keeper(again, "n0")  # a keeper that never read: every decision is still there, in order
-        assert [type(d) for d in late.send()["decisions"]] == [ev.Persist, ev.Commit]
+        assert [type(d) for d in late.send()["decisions"]] == [ev.Persist, ev.Write, ev.Commit]
     finally:
         again.stop()
 

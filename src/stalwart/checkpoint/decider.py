@@ -128,17 +128,25 @@ class Decider:
         plan = self._current(e.plan, e.node)
         if plan is None:
             return
-        if not e.ok:
+        if not e.ok:  # whatever the attempt: a snapshot once gone never comes back
             self._end_plan(f"node {e.node} does not hold {tuple(plan['key'])}: {e.reason}", out)
             self._advance(out)
             return
+        if e.attempt != plan["attempt"]:
+            self._note(f"ignored node {e.node}'s pin of attempt {e.attempt} of plan {e.plan} (now {plan['attempt']})")
+            return
         self._pinned(plan, e.node, out)
 
-    def _pinned(self, plan: dict[str, Any], node: str, out: list[Decision]) -> None:
+    def _pinned(self, plan: dict[str, Any], node: str, out: list[Decision], wrote: bool = False) -> None:
         if node not in plan["pinned"]:
             plan["pinned"].append(node)
+        if len(plan["pinned"]) < len(plan["nodes"]):
+            return
+        if not wrote and plan.get("write_sent") != plan["attempt"]:  # every entry table is beside the step
+            plan["write_sent"] = plan["attempt"]
+            out.append(ev.Write(plan["id"], tuple(plan["key"]), plan["attempt"], self.epoch))
         f = self._failure_of(plan)
-        if f is not None and len(plan["pinned"]) == len(plan["nodes"]) and not f["released"]:
+        if f is not None and not f["released"]:
             self._release_restart(tuple(plan["key"]), "every node holds it pinned", out)
 
     def _failure_of(self, plan: dict[str, Any]) -> dict[str, Any] | None:
@@ -156,7 +164,7 @@ class Decider:
         if not e.ok:
             self._retry(f"node {e.node} failed writing: {e.reason}", out)
             return
-        self._pinned(plan, e.node, out)  # its Pinned may still be on its way
+        self._pinned(plan, e.node, out, wrote=True)  # its Pinned may still be on its way
         if e.node not in plan["wrote"]:
             plan["wrote"].append(e.node)
         if len(plan["wrote"]) == len(plan["nodes"]) and not plan["committing"]:
@@ -355,7 +363,7 @@ class Decider:
             self._advance(out)
             return
         plan["attempt"] += 1
-        plan["wrote"] = []
+        plan["wrote"], plan["pinned"] = [], []  # a restarted keeper's pins died with it: pinned anew
         self._note(f"plan {plan['id']} attempt {plan['attempt']}: {why}")
         out.append(self._persist(plan))
 

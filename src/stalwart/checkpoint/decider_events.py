@@ -36,12 +36,15 @@ class PersistDue:
 
 @dataclass(frozen=True)
 class Pinned:
-    """The node pinned its ranks' snapshots for plan ``plan`` (``ok``), or does not hold them."""
+    """The node pinned its ranks' snapshots for ``attempt`` of plan ``plan`` (``ok``), or does not hold
+    them. A pin of an earlier attempt does not count: the retry's ``Write`` must come after the node
+    took up the retry (a restarted keeper pins anew)."""
 
     node: str
     plan: int
     ok: bool
     reason: str = ""
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,18 @@ class Persist:
 
 
 @dataclass(frozen=True)
+class Write:
+    """Every node of plan ``plan`` pinned ``key``: write your ranks' shards for ``attempt``. Each node
+    put its ranks' entry tables beside the step before its ``Pinned``, so every node now plans the
+    same global layout from all of them and writes its share (``decider_act``)."""
+
+    plan: int
+    key: Key
+    attempt: int
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Commit:
     """Every rank's shards of ``plan`` are written: .metadata → manifest → latest, for ``step``."""
 
@@ -181,4 +196,4 @@ class StartTimer:
     seconds: float
 
 
-Decision = Persist | Commit | GiveUp | Release | RestartMayProceed | StartTimer
+Decision = Persist | Write | Commit | GiveUp | Release | RestartMayProceed | StartTimer

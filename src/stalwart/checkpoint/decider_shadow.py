@@ -165,7 +165,7 @@ class Shadow:
     def _answer_plan(self, p: ev.Persist, last_persisted: int, given_up: set[int], final: bool) -> None:
         step = p.key[0]
         if self.committed(step):
-            self._once("pinned", p, ev.Pinned(self.node, p.plan, True))
+            self._once("pinned", p, ev.Pinned(self.node, p.plan, True, attempt=p.attempt))
             self._once("wrote", p, ev.Wrote(self.node, p.plan, p.attempt, True))
             del self.plans[p.plan]
             if self.is_coordinator():
@@ -175,14 +175,15 @@ class Shadow:
             self._once("refused", p, ev.Pinned(self.node, p.plan, False, why))  # even after a pin said ok
             del self.plans[p.plan]
         else:
-            self._once("pinned", p, ev.Pinned(self.node, p.plan, True))  # the old protocol may be writing it
+            # the old protocol may be writing it
+            self._once("pinned", p, ev.Pinned(self.node, p.plan, True, attempt=p.attempt))
 
     def _unpin(self, key: ev.Key) -> None:
         for fd in self.sight.pop(key)[0]:
             os.close(fd)
 
     def _once(self, what: str, p: ev.Persist, event: Any) -> None:
-        mark = (what, p.plan, p.attempt if what == "wrote" else 0)
+        mark = (what, p.plan, p.attempt if what in ("wrote", "pinned") else 0)
         if mark not in self.answered:
             self.answered.add(mark)
             self.link.send(event)

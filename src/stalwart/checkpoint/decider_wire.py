@@ -24,7 +24,7 @@ FROM_KEEPERS: tuple[type, ...] = (
     ev.Preempted,
     ev.JobEnded,
 )
-DECISIONS: tuple[type, ...] = (ev.Persist, ev.Commit, ev.GiveUp, ev.Release, ev.RestartMayProceed)
+DECISIONS: tuple[type, ...] = (ev.Persist, ev.Write, ev.Commit, ev.GiveUp, ev.Release, ev.RestartMayProceed)
 
 
 def _int(v: Any) -> int:
