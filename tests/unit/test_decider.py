@@ -243,3 +243,22 @@ def test_the_write_comes_once_every_node_pinned_the_attempt_and_a_pin_of_an_earl
     assert not of(ev.Write, d.handle(ev.Pinned("A", plan.plan, True, attempt=2)))
     assert of(ev.Write, d.handle(ev.Pinned("B", plan.plan, True, attempt=2))) == [ev.Write(plan.plan, (2, 0), 2, 0)]
     assert d.handle(ev.Pinned("B", plan.plan, True, attempt=2)) == [], "one write per attempt"
+
+
+def test_a_rollback_makes_the_redone_steps_persist_again_and_ends_a_plan_of_the_abandoned_future() -> None:
+    d = Decider(NODES)
+    plan = persist_started(d, step=8)
+    for node in NODES:
+        d.handle(ev.Pinned(node, plan.plan, True))
+        d.handle(ev.Wrote(node, plan.plan, 1, True))
+    d.handle(ev.Committed(plan.plan, True))
+    holding(d, "A", (10, 0), seq=2)
+    (later,) = of(ev.Persist, d.handle(ev.PersistDue(10, 0)) + holding(d, "B", (10, 0), seq=2))
+    assert d.latest == 8 and d.plan is not None
+    out = d.handle(ev.RolledBack(0, 4))  # a loss spike: back to step 4, steps 8 and 10 abandoned
+    assert of(ev.GiveUp, out) == [ev.GiveUp(later.plan, 10, "a rollback abandoned its step", 0)]
+    assert d.latest == 4 and d.handle(ev.RolledBack(0, 4)) == [], "every node reports it: once is enough"
+    (redone,) = of(
+        ev.Persist, d.handle(ev.PersistDue(6, 0)) + holding(d, "A", (6, 0), seq=9) + holding(d, "B", (6, 0), seq=9)
+    )
+    assert redone.key == (6, 0), "step 6 is below the abandoned step 8 and is persisted again"

@@ -22,8 +22,8 @@ from tests.unit.test_ckpt_multinode import WORLD, snapshot
 NODES = {"A": [0], "B": [1]}
 
 
-@pytest.fixture
-def nodes():
+def two_node_dirs():
+    """Two node-local job directories in /dev/shm: rank r's snapshots live on node r."""
     roots = [Path("/dev/shm") / f"stalwart-pw-{uuid.uuid4().hex[:8]}" for _ in range(WORLD)]
     paths = [JobPaths(r) for r in roots]
     for rank, p in enumerate(paths):
@@ -32,6 +32,11 @@ def nodes():
     yield paths
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes():
+    yield from two_node_dirs()
 
 
 def view(paths: JobPaths, rank: int, step: int) -> SnapshotView:
@@ -128,3 +133,22 @@ def test_a_table_missing_from_storage_fails_the_write_with_its_name(nodes, tmp_p
             plan_write.write_share(storage, 1, 5, 1, WORLD, {0: v})
     finally:
         v.close()
+
+
+def test_a_given_up_plan_leaves_nothing_and_takes_nothing_of_another_plan_of_the_step(nodes, tmp_path):
+    snapshot(nodes[0], 0, [4])
+    snapshot(nodes[1], 1, [4])
+    storage = Storage(str(tmp_path / "ckpt"))
+    views = {r: view(nodes[r], r, 4) for r in range(WORLD)}
+    try:
+        plan_write.put_tables(storage, 4, 1, views)
+        plan_write.write_share(storage, 4, 1, 1, WORLD, {0: views[0]})  # rank 1's node was lost meanwhile
+        plan_write.put_tables(storage, 4, 2, views)  # the save-on-failure's plan of the same step
+    finally:
+        for v in views.values():
+            v.close()
+    step_dir = tmp_path / "ckpt" / "step-00000004"
+    assert list(step_dir.glob("__p1a1_0_*.distcp")) and (step_dir / "p1").is_dir()
+    plan_write.remove_plan(storage, 4, 1)
+    assert sorted(p.name for p in step_dir.iterdir()) == ["p2"], "plan 1's shards and tables went, plan 2's stay"
+    assert sorted(p.name for p in (step_dir / "p2").iterdir()) == ["table.rank0.json", "table.rank1.json"]

@@ -236,6 +236,17 @@ class Decider:
             self._lost_in_plan(next(n for n in self.plan["nodes"] if n not in self.nodes), out)
         self._note(f"epoch {e.epoch} began with nodes {sorted(self.nodes)}")
 
+    def _on_RolledBack(self, e: ev.RolledBack, out: list[Decision]) -> None:
+        if self._late("rollback", e.epoch) or self.latest is None or self.latest <= e.latest:
+            return  # (every node's keeper reports the same rollback)
+        self._note(f"rolled back: committed steps after {e.latest} deleted, redone steps persist again")
+        self.latest, self.passed = (e.latest if e.latest >= 0 else None), -1
+        for h in self.held.values():  # the abandoned future's snapshots: the keepers report anew
+            for key in [k for k in h if k[0] > e.latest and k[1] == self.epoch]:
+                del h[key]
+        if self.plan is not None and self.plan["key"][0] > e.latest and not self.plan["committing"]:
+            self._end_plan("a rollback abandoned its step", out)
+
     def _on_JobEnded(self, e: ev.JobEnded, out: list[Decision]) -> None:
         self.ended = True
         if self.plan is not None:

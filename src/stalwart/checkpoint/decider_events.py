@@ -102,6 +102,15 @@ class EpochBegan:
 
 
 @dataclass(frozen=True)
+class RolledBack:
+    """A training-health rollback during ``epoch`` deleted the committed steps after ``latest`` (-1:
+    none is left): the redone steps, under the same numbers, are persisted again."""
+
+    epoch: int
+    latest: int
+
+
+@dataclass(frozen=True)
 class JobEnded:
     """The job is over (finished, failed for good, or preempted)."""
 
@@ -115,7 +124,7 @@ class Timeout:
 
 
 Event = Holding | PersistDue | Pinned | Wrote | Committed | WorkersGone | NodeLost | Preempted | EpochBegan
-Event = Event | JobEnded | Timeout
+Event = Event | RolledBack | JobEnded | Timeout
 
 
 # -- decisions --------------------------------------------------------------------------------------

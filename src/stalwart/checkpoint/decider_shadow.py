@@ -178,6 +178,14 @@ class Shadow:
             # the old protocol may be writing it
             self._once("pinned", p, ev.Pinned(self.node, p.plan, True, attempt=p.attempt))
 
+    def rolled_back(self, epoch: int, latest: int) -> None:
+        """Storage moved back to ``latest``: the redone steps (same numbers) are new to the decider."""
+        self.seen_committed = {s for s in self.seen_committed if s <= latest}
+        self.due_sent = {k for k in self.due_sent if k[0] <= latest}
+        self.sighted = {k for k in self.sighted if k[0] <= latest}
+        self.settled = {s for s in self.settled if s <= latest}
+        self.link.send(ev.RolledBack(epoch, latest))
+
     def _unpin(self, key: ev.Key) -> None:
         for fd in self.sight.pop(key)[0]:
             os.close(fd)

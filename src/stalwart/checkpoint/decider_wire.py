@@ -22,6 +22,7 @@ FROM_KEEPERS: tuple[type, ...] = (
     ev.Committed,
     ev.WorkersGone,
     ev.Preempted,
+    ev.RolledBack,
     ev.JobEnded,
 )
 DECISIONS: tuple[type, ...] = (ev.Persist, ev.Write, ev.Commit, ev.GiveUp, ev.Release, ev.RestartMayProceed)

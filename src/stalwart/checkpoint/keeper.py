@@ -1,21 +1,16 @@
 """The keeper: one process per node and job that outlives the workers.
 
-It watches the shared-memory snapshots, persists them to storage per policy (DCP format, see
-:mod:`stalwart.checkpoint.persist`), saves on failure when a worker dies, and removes the snapshots
-when the job completes. It learns the storage and policy from ``job.json``, which the workers write
-(:class:`~stalwart.checkpoint.node_job.NodeJob` owns that protocol).
-
-Two ways to run (``python -m stalwart.checkpoint JOB_DIR``, see :mod:`stalwart.checkpoint.keeper_process`):
-
-- under ``stalwart run`` the agent starts it with ``--parent AGENT_PID`` before the workers: it serves
-  the directory whatever job the workers run in it, and on SIGTERM or when the agent is gone it
-  finishes what is due (pending persists, save-on-failure), tidies and exits within ``--grace-s``;
-- without an agent the node's first local rank starts it in its own session, so neither a SIGKILL of a
-  worker nor TorchElastic's process-group kill reaches it; a worker that finds it dead starts another,
-  and it exits ``idle_s`` after the last worker detached.
-
-Persistence never blocks training: a snapshot overwritten before the keeper pins it is skipped, and
-persist requests that arrive while a persist runs are coalesced into the newest one (both logged).
+It watches the shared-memory snapshots, persists them to storage per policy (DCP format,
+:mod:`.persist`; across nodes as the job master's decider says, :mod:`.decider_actor`, or over the
+`.stage/` protocol without a master, :mod:`.multinode`), saves on failure when a worker dies, and
+removes the snapshots when the job completes. It learns the storage and policy from ``job.json``,
+which the workers write (:class:`~stalwart.checkpoint.node_job.NodeJob` owns that protocol). Under
+``stalwart run`` the agent starts it (``--parent AGENT_PID``) before the workers, and on SIGTERM or
+when the agent is gone it finishes what is due and exits within ``--grace-s``; without an agent the
+node's first local rank starts it in its own session (a SIGKILL of a worker or TorchElastic's
+process-group kill does not reach it), and it exits ``idle_s`` after the last worker detached
+(:mod:`.keeper_process`). Persistence never blocks training: a snapshot overwritten before the
+keeper pins it is skipped, and steps due while a persist runs coalesce into the newest (both logged).
 """
 
 from __future__ import annotations
@@ -30,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from stalwart import chaos
 from stalwart.checkpoint import stage
-from stalwart.checkpoint.decider_shadow import Shadow
+from stalwart.checkpoint.decider_actor import Actor, Outcome, reporter
+from stalwart.checkpoint.keeper_tidy import remove_leftovers, tidy_storage
 from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import remove_torn, retention
@@ -66,7 +62,7 @@ class Keeper:
         self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
-        self.shadow = Shadow.of(
+        self.shadow = reporter(
             self.members, lambda: self.coordinator, lambda s: self.storage.manifest(s) is not None, self.paths
         )
         self.last_persist_time = time.monotonic()
@@ -128,6 +124,8 @@ class Keeper:
         # The abandoned steps' events carry the redone steps' numbers: a waiter would read them as its own.
         self.events = [e for e in self.events if e.get("step") is None or e["step"] <= self.last_persisted]
         self.status["rollback"] = note["id"]
+        if self.shadow is not None and self.shadow.link.formed:
+            self.shadow.rolled_back(self.node.epoch(), self.last_persisted)
         self.event("rollback", note.get("step"), f"storage moved back to step {latest}: redone steps persist again")
 
     def policy(self, key: str, default: Any = 0) -> Any:
@@ -152,7 +150,8 @@ class Keeper:
             f"keeper pid {os.getpid()} for {self.paths.root} → {self.storage.url} "
             f"(latest committed: {self.last_persisted if self.last_persisted >= 0 else 'none'})",
         )
-        self._tidy_storage()
+        if self.coordinator:  # the coordinator may be committing a step the others' keepers write
+            tidy_storage(self.node, self.storage, self.event, self.health)
         idle_since: float | None = None
         while True:
             if not self.paths.root.is_dir():
@@ -211,6 +210,9 @@ class Keeper:
             if pid in self.handled_pids or pid_alive(pid):
                 continue
             self.handled_pids.add(pid)
+            if isinstance(self.shadow, Actor) and len(owners) < world:  # the decider saves on failure
+                self.event("worker-died", None, f"rank {r} (pid {pid}) died; the decider saves", logging.WARNING)
+                continue
             self.event("worker-died", None, f"rank {r} (pid {pid}) died; saving on failure", logging.WARNING)
             try:
                 options = self.job.get("storage_options")
@@ -230,8 +232,6 @@ class Keeper:
     def _maybe_persist(self, world: int, ranks: list[int], force: bool = False) -> None:
         """Persist what the policy says is due. While storage fails, attempts back off and each retry
         takes the newest step in memory (``force``: one attempt now, the final pass)."""
-        if not (force or self.health.may_try()):
-            return
         steps = self.node.snapshot_steps(world, ranks)
         common = agreed(steps)
         taken = {s: captured_at(steps[ranks[0]][s]) for s in common}
@@ -240,8 +240,17 @@ class Keeper:
         self.given_up = {s: t for s, t in self.given_up.items() if t is None or taken.get(s, t) == t}
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
         if self.shadow is not None and len(ranks) < world:  # the decider hears jobs that span nodes
+            acting = isinstance(self.shadow, Actor)
+            every_s = float(self.policy("persist_every_s"))
+            if acting and self.coordinator and (due := self.shadow.due_by_time(common, every_s, self.last_persisted)):
+                flagged = sorted({*flagged, due})
             self.shadow.observe(steps, flagged, self.node.copy_steps(world))
+            if acting:
+                self._acted(self.shadow.act(self.storage, world), taken)
+                return
             self.shadow.answer(self.last_persisted, set(self.given_up))
+        if not (force or self.health.may_try()):
+            return
         every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
         target = max(flagged, default=-1)
         if self.health.streak and self.coordinator and (self.policy("persist_every_steps") or every_s):
@@ -294,7 +303,7 @@ class Keeper:
             self.event("failed", target, f"persist failed ({cause}): {err!r}", logging.DEBUG)
             return
         self.health.committed(target)
-        self._remove_leftovers()
+        remove_leftovers(self.storage, self.leftovers, self.event)
         if manifest.get("already"):
             self.last_persisted = target
             self.event("already-committed", target, f"committed step {manifest.get('step')} covers it")
@@ -311,6 +320,20 @@ class Keeper:
             f"({mib / max(manifest['commit_s'], 1e-9):.0f} MiB/s) → "
             f"{self.storage.path(step_name(target))}",
         )
+
+    def _acted(self, outcomes: list[Outcome], taken: dict[int, float]) -> None:
+        """What the decider's plans came to on this node (``decider_actor``)."""
+        for kind, step, what in outcomes:
+            if kind == "given-up":
+                self.given_up[step] = taken.get(step)
+                self.event("skipped", step, f"{what}; the next due step will be persisted", logging.WARNING)
+            elif kind == "failed":
+                self.event("failed", step, f"persist failed ({self.health.failed('persist', step, what)}): {what!r}")
+            elif step > self.last_persisted:
+                self.health.committed(step)
+                self._retention(step)
+                self.last_persisted = step
+                self.event("committed", step, f"{what['bytes'] / 2**20:.1f} MiB → {self.storage.path(step_name(step))}")
 
     def _requested(self, world: int, ranks: list[int], common: set[int]) -> int:
         """A step the coordinator asked for (save-on-failure, time-based) that we still hold, else -1;
@@ -345,28 +368,6 @@ class Keeper:
             return
         if removed:
             log.info("retention removed step(s) %s", removed)
-
-    def _remove_leftovers(self) -> None:
-        """Storage works again: remove the failed attempts that could not be removed when they failed."""
-        for step in sorted(self.leftovers):
-            if remove_torn(self.storage, step):
-                self.leftovers.discard(step)
-                self.event("removed-torn", step, "a failed attempt, removed now that storage works again")
-
-    def _tidy_storage(self) -> None:
-        """Torn step directories (a persist that died) are never resumed from; remove them."""
-        if not self.coordinator:
-            return  # the coordinator may be committing one right now
-        try:
-            with self.node.persist_lock():
-                latest = self.storage.latest()
-                for s in self.storage.remove_uncommitted():
-                    why = f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})"
-                    self.event("removed-torn", s, why, logging.WARNING)
-                if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
-                    stage.clear_stage(self.storage, below=latest + 1)
-        except Exception as err:  # unreachable storage: the first persist will report it too
-            self.health.failed("tidy", None, err)
 
     def _finish(self, world: int, why: str, complete: bool = False) -> bool:
         """Stop serving, removing the snapshots if storage has everything they hold (otherwise keep them

@@ -103,8 +103,26 @@ def commit_plan(storage: Storage, step: int, plan: int, attempt: int, world: int
         sums.update(done["sums"])
     snapshot_time = max(float(t["time"]) for t in tables)
     manifest = commit(storage, step, metadata, results, sums, world, source, snapshot_time, t0)
+    _remove(storage, step_name(step), f"p{plan}")
+    return manifest
+
+
+def remove_plan(storage: Storage, step: int, plan: int) -> None:
+    """A plan given up: its tables, results and shards go — nothing of another plan of the same step (a
+    save-on-failure may persist the step a lost node's plan could not). A write of it still under way
+    may leave a file; the next keeper start removes an uncommitted step's directory."""
+    _remove(storage, step_name(step), f"p{plan}")
     try:
-        storage.fs.rm(storage.path(step_name(step), f"p{plan}"), recursive=True)
+        names = storage.fs.ls(storage.path(step_name(step)), detail=False)
+    except FileNotFoundError:
+        return
+    for path in names:
+        if path.rstrip("/").rsplit("/", 1)[-1].startswith(f"__p{plan}a"):
+            _remove(storage, step_name(step), path.rstrip("/").rsplit("/", 1)[-1])
+
+
+def _remove(storage: Storage, *parts: str) -> None:
+    try:
+        storage.fs.rm(storage.path(*parts), recursive=True)
     except FileNotFoundError:
         pass
-    return manifest

@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from stalwart.checkpoint.decider_link import acting
 from stalwart.launch.detect import Incident
 
 if TYPE_CHECKING:  # DCP is ~660 modules: `stalwart run --help` does not import it
@@ -43,6 +44,8 @@ class FailureSave:
             # Memory-only (no keeper on any node; multi-node waits would time out): nothing to persist,
             # the restarted workers restore from memory.
             return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
+        if job.spans_nodes() and self.members is not None and acting():
+            return self._decider_saves(commit=incident is None)
         if incident is None:
             return job.save_on_failure(quiet=True, members=self.members)
         if not job.spans_nodes():
@@ -54,6 +57,16 @@ class FailureSave:
         # Not the keeper across nodes: one busy persisting when the worker died looks only after the
         # restarted worker has replaced its owner record, and misses the death.
         return self._until_pinned()
+
+    def _decider_saves(self, commit: bool) -> dict[str, Any]:
+        """The keepers act on the decider: its ``RestartMayProceed`` says when the restart may go on (and,
+        for a new world that restores from storage, the commit it waits for)."""
+        from stalwart.checkpoint.decider_actor import await_restart
+        from stalwart.checkpoint.storage import Storage
+
+        spec = self.job.job()
+        storage = Storage(spec["storage"], spec.get("storage_options"))
+        return await_restart(self.members, self.job.epoch(), lambda: storage, commit, PIN_WAIT_S)
 
     def _until_pinned(self) -> dict[str, Any]:
         planned: list[int] = []

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
+from stalwart.checkpoint.decider_link import acting
+
 if TYPE_CHECKING:
     from stalwart.checkpoint.node_job import NodeJob
     from stalwart.launch.client import MasterClient
@@ -196,7 +198,7 @@ def persist_on_preempt(
     t0 = time.time()
     try:
         rank0 = 0 in job.node_ranks(job.world() or 1) if job.paths.job.exists() else True
-        saved = save(None) if rank0 else wait_committed(job)
+        saved = save(None) if rank0 or acting() else wait_committed(job)  # acting: every node hears the decider
     except Exception as exc:  # the exit must still happen, and say why nothing was persisted
         log.exception("persist on preemption failed")
         saved = {"persisted": False, "detail": f"{type(exc).__name__}: {exc}"}

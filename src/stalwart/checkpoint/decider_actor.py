@@ -1,0 +1,245 @@
+"""The keeper acting on the decider (docs/protocol.md, plan step 3): ``STALWART_CKPT_DECIDER=act``.
+
+Under ``stalwart run`` across nodes the shadow (:mod:`.decider_shadow`) only reports and compares; the
+actor does what the decider says, and the ``.stage/`` protocol is not used at all:
+
+    Persist(plan, key, attempt, writers)  pin the snapshots of the ranks ``writers`` gives this node
+                                          (its own, or a lost node's from its peer copies), put their
+                                          entry tables beside the step (``plan_write``), Pinned
+    Write(plan, attempt)                  every node pinned: write this node's share, Wrote
+    Commit(plan, step)                    the node writing rank 0: .metadata → manifest → latest, Committed
+    Release / GiveUp                      unpin; the keeper hears what was committed or given up
+
+Its reports (holdings, steps due, pins on sight, workers gone, the job's end) are the shadow's. The
+keeper loop calls :meth:`Actor.act` each tick; a plan's writes run in that loop, as the old protocol's
+did. A failure's save is the same plan with ``failure`` set; the agent waits for the decider's
+``RestartMayProceed`` (:func:`await_restart`) instead of running the save itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint import plan_write
+from stalwart.checkpoint.decider_link import DeciderLink, acting
+from stalwart.checkpoint.decider_shadow import SIGHT_MAX_S, Shadow, pin_on_sight
+from stalwart.checkpoint.membership import LostNodes
+from stalwart.checkpoint.replicas import replica_roots
+from stalwart.checkpoint.shm import JobPaths, complete_slots
+from stalwart.checkpoint.snapshot import SnapshotView, epoch_of
+from stalwart.checkpoint.storage import Storage
+
+log = logging.getLogger("stalwart.checkpoint.keeper")
+Outcome = tuple[str, int, Any]  # ("committed", step, manifest) | ("given-up", step, why) | ("failed", step, err)
+
+
+class Actor(Shadow):
+    """One keeper's side of the decider's plans (``paths``: the node's job directory)."""
+
+    def __init__(self, link: DeciderLink, paths: JobPaths, coordinator: Callable[[], bool], pin: Any = None) -> None:
+        super().__init__(link, coordinator, lambda _: False, pin)
+        self.paths = paths
+        self.acted: tuple[int, int] = (0, 0)  # the newest (plan, attempt) taken up
+        self.plan: ev.Persist | None = None  # the plan this node holds pinned, until its end
+        self.views: dict[int, SnapshotView] = {}
+        self.write: ev.Write | None = None
+        self.commits: dict[int, ev.Commit] = {}
+
+        self.told: set[int] = set()  # steps whose commit the keeper was told of
+        self.timed_at = time.monotonic()  # the last step due by time (``persist_every_s``)
+
+    @classmethod
+    def of_members(cls, members: LostNodes, paths: JobPaths, coordinator: Callable[[], bool]) -> Actor:
+        link = DeciderLink(members.address, members.token, members.me)
+        return cls(link, paths, coordinator, lambda key, ranks: pin_on_sight(paths, key, ranks))
+
+    def due_by_time(self, common: set[int], every_s: float, last: int) -> int | None:
+        """Rank 0's node under ``persist_every_s``: the newest step its ranks hold, once that long passed
+        since the last one (the decider plans it when every rank holds it; one that the other nodes'
+        workers moved past meanwhile is given up, and the next interval tries again)."""
+        now, newest = time.monotonic(), max(common, default=-1)
+        if every_s <= 0 or now - self.timed_at < every_s or newest <= last:
+            return None
+        self.timed_at = now
+        return newest
+
+    def rolled_back(self, epoch: int, latest: int) -> None:
+        self.told = {s for s in self.told if s <= latest}
+        super().rolled_back(epoch, latest)
+
+    def busy(self) -> bool:
+        return self.plan is not None or bool(self.commits)
+
+    def act(self, storage: Storage, world: int, source: str = "keeper") -> list[Outcome]:
+        """Read the decisions and do this node's part of them; what ended, for the keeper to record."""
+        out: list[Outcome] = []
+        for d in self.link.take():
+            log.info("decider: %r", d)
+            if isinstance(d, ev.Persist | ev.Commit | ev.GiveUp):
+                self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
+            if isinstance(d, ev.Release) and d.node in (None, self.node):
+                for key in [k for k in self.sight if d.key in (None, k)]:
+                    self._unpin(key)
+                if self.plan is not None and d.key in (None, self.plan.key) and d.upto >= self.plan.plan:
+                    step = self.plan.key[0]
+                    self._drop()
+                    if step not in self.told and (manifest := storage.manifest(step)) is not None:
+                        out.append(("committed", step, manifest))
+            elif isinstance(d, ev.Persist) and self.node in d.nodes and (d.plan, d.attempt) > self.acted:
+                self._take(d, storage)
+            elif isinstance(d, ev.Write) and self.plan is not None and (d.plan, d.attempt) == self.acted:
+                self.write = d
+            elif isinstance(d, ev.Commit) and self.plan is not None and d.plan == self.plan.plan and self._commits():
+                self.commits[d.plan] = d
+            elif isinstance(d, ev.GiveUp):
+                if self.plan is not None and d.plan == self.plan.plan:
+                    if self._commits():  # the node writing rank 0 tidies what the plan left
+                        self._tidy(storage, d.step, d.plan)
+                    self._drop()
+                self.commits.pop(d.plan or -1, None)
+                out.append(("given-up", d.step, d.why))
+        self.link.eager = self.link.eager or self.busy()
+        now = time.monotonic()
+        for key, (_, since) in list(self.sight.items()):  # a decider that never answers: bounded
+            if now - since > SIGHT_MAX_S and (self.plan is None or key != self.plan.key):
+                self._unpin(key)
+        if self.write is not None:
+            self._write(storage, world)
+        for plan, c in list(self.commits.items()):
+            del self.commits[plan]
+            label = "save-on-failure" if self.plan is not None and self.plan.failure else source
+            try:
+                manifest = plan_write.commit_plan(storage, c.step, plan, self.acted[1], world, label)
+            except Exception as err:  # the decider retries (a new attempt) or gives up
+                self.link.send(ev.Committed(plan, False, repr(err)))
+                out.append(("failed", c.step, err))
+                continue
+            self.link.send(ev.Committed(plan, True))
+            out.append(("committed", c.step, manifest))
+        self.told.update(step for kind, step, _ in out if kind == "committed")
+        self._prune()
+        self.told = {s for s in self.told if s in self.settled}
+        return out
+
+    def _commits(self) -> bool:
+        """The node writing rank 0 commits (a lost rank 0's node: the survivor writing its copy)."""
+        return self.plan is not None and 0 in dict(self.plan.writers).get(self.node, ())
+
+    def _take(self, p: ev.Persist, storage: Storage) -> None:
+        self.acted, self.write = (p.plan, p.attempt), None
+        if self.plan is not None and self.plan.plan != p.plan:
+            self._drop()  # a newer plan: the decider ended the last one
+        ranks = dict(p.writers).get(self.node, ())
+        try:
+            if self.plan is None:
+                self.views = {r: open_view(self.paths, r, p.key) for r in ranks}
+            self.plan = p
+            plan_write.put_tables(storage, p.key[0], p.plan, self.views)
+        except Exception as err:  # gone, busy too long, or storage: the decider tries an older step
+            self._drop()
+            self.link.send(ev.Pinned(self.node, p.plan, False, f"{type(err).__name__}: {err}", p.attempt))
+            return
+        self.link.send(ev.Pinned(self.node, p.plan, True, attempt=p.attempt))
+
+    def _write(self, storage: Storage, world: int) -> None:
+        w, self.write = self.write, None
+        try:
+            plan_write.write_share(storage, w.key[0], w.plan, w.attempt, world, self.views)
+        except Exception as err:
+            log.warning("plan %d attempt %d: writing step %d failed: %r", w.plan, w.attempt, w.key[0], err)
+            self.link.send(ev.Wrote(self.node, w.plan, w.attempt, False, repr(err)))
+            return
+        self.link.send(ev.Wrote(self.node, w.plan, w.attempt, True))
+
+    @staticmethod
+    def _tidy(storage: Storage, step: int, plan: int) -> None:
+        try:
+            plan_write.remove_plan(storage, step, plan)
+        except Exception as err:  # storage down: the next keeper start removes the uncommitted step
+            log.warning("could not remove given-up plan %d of step %d: %r", plan, step, err)
+
+    def _drop(self) -> None:
+        for v in self.views.values():
+            v.close()
+        self.views, self.plan, self.write = {}, None, None
+
+    def answer(self, last_persisted: int, given_up: set[int], final: bool = False) -> None:
+        """The shadow's last exchange at the keeper's exit: nothing is taken up any more, only heard."""
+        for d in self.link.take():
+            log.info("decider (keeper exiting): %r", d)
+            if isinstance(d, ev.Persist | ev.Commit | ev.GiveUp):
+                self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
+
+    def end(self, job_complete: bool, last_persisted: int, given_up: set[int], wait_s: float = 2.0) -> None:
+        """The keeper exits: its plan's pins go with it (the decider gives the plan up when the node goes)."""
+        self._drop()
+        self.commits.clear()
+        super().end(job_complete, last_persisted, given_up, wait_s)
+
+
+def reporter(
+    members: LostNodes | None, coordinator: Callable[[], bool], committed: Callable[[int], bool], paths: JobPaths
+) -> Shadow | None:
+    """The keeper's line to the decider under ``stalwart run``: an actor (``STALWART_CKPT_DECIDER=act``)
+    or a shadow; None without a master."""
+    if members is None or not acting():
+        return Shadow.of(members, coordinator, committed, paths)
+    return Actor.of_members(members, paths, coordinator)
+
+
+def open_view(paths: JobPaths, rank: int, key: ev.Key, settle_s: float = 1.0) -> SnapshotView:
+    """``rank``'s snapshot ``key`` opened pinned: this node's own, or a peer copy it holds. A slot being
+    published is retried briefly (the writer releases it just after its header)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        for root in [paths, *(JobPaths(p) for p in replica_roots(paths.root))]:
+            info = next((i for i in complete_slots(root, rank) if (i.step, epoch_of(i.header)) == key), None)
+            if info is None:
+                continue
+            try:
+                return SnapshotView(root, info)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+                break
+        else:
+            raise LookupError(f"rank {rank} no longer holds step {key[0]} of epoch {key[1]} on this node")
+
+
+def await_restart(
+    members: LostNodes, epoch: int, storage: Callable[[], Storage | None], commit: bool, timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """The agent's side of a failure under ``act``: wait for the decider's ``RestartMayProceed`` of the
+    execution ``epoch`` (every node holds the save's step pinned, or nothing can be saved) and, with
+    ``commit`` (a new world restores from storage, or a preemption ends the job), for its commit."""
+    link = DeciderLink(members.address, members.token, members.me)
+    link.after, link.eager = 0, True  # every decision the master keeps: the word may have come already
+    deadline = time.monotonic() + timeout_s
+    try:
+        link.send()
+        word: ev.RestartMayProceed | None = None
+        while word is None and time.monotonic() < deadline:
+            said = [d for d in link.take() if isinstance(d, ev.RestartMayProceed) and d.failed_epoch == epoch]
+            word = said[0] if said else None
+            time.sleep(0.02)
+    finally:
+        link.close()
+    if word is None:
+        return {"persisted": None, "detail": f"no word from the decider within {timeout_s:g} s: restarting"}
+    if word.key is None:
+        return {"persisted": False, "detail": f"the decider saves nothing: {word.why}"}
+    step = word.key[0]
+    if not commit:
+        return {"persisted": None, "step": step, "detail": f"every node holds step {step} pinned ({word.why})"}
+    while time.monotonic() < deadline:
+        if (store := storage()) is not None:
+            store.refresh()
+            if (store.latest() or -1) >= step:
+                return {"persisted": True, "step": step, "detail": f"the decider's save committed step {step}"}
+        time.sleep(0.05)
+    return {"persisted": False, "step": step, "detail": f"step {step} not committed within {timeout_s:g} s"}

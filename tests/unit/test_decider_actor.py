@@ -1,0 +1,139 @@
+"""Keepers acting on the decider (checkpoint/decider_actor.py, docs/protocol.md plan step 3): two nodes'
+real snapshots, a real job master hosting the decider over HTTP, real storage — no `.stage/` file."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from stalwart.checkpoint import NodeJob, Storage
+from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint.decider_actor import Actor, await_restart
+from stalwart.checkpoint.decider_link import DeciderLink
+from stalwart.checkpoint.decider_shadow import holdings
+from stalwart.checkpoint.membership import LostNodes
+from stalwart.launch.client import MasterClient
+from stalwart.launch.master import Master
+from tests.unit.test_ckpt_multinode import WORLD, snapshot
+from tests.unit.test_plan_write import two_node_dirs
+
+NODES = {"n0": [0], "n1": [1]}
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = Master(tmp_path / "journal.sqlite", "token").start()
+    for node, ranks in NODES.items():
+        client = MasterClient(m.address, "token", retry_for_s=0)
+        client.join(node, "host", 1)
+        client.call(
+            "POST",
+            "/v1/ckpt",
+            {"node": node, "events": [{"kind": "Member", "epoch": 0, "ranks": ranks, "world": WORLD}]},
+        )
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def nodes():
+    yield from two_node_dirs()
+
+
+def actors(master, paths) -> list[Actor]:
+    return [
+        Actor(DeciderLink(master.address, "token", node, every_s=0.02), paths[r], lambda r=r: r == 0)
+        for r, node in enumerate(NODES)
+    ]
+
+
+def tick(acts: list[Actor], paths, storage: Storage, outcomes: dict[str, list]) -> None:
+    for actor, p in zip(acts, paths):
+        steps = NodeJob(p.root).snapshot_steps(WORLD, NODES[actor.node])
+        flagged = [s for s in next(iter(steps.values())) if all(h[s].get("persist") for h in steps.values())]
+        actor.observe(steps, flagged)
+        outcomes.setdefault(actor.node, []).extend(actor.act(storage, WORLD))
+
+
+def until(what: str, done, acts, paths, storage, outcomes, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tick(acts, paths, storage, outcomes)
+        if done():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no {what} within {timeout_s} s: {outcomes}")
+
+
+def test_the_keepers_persist_a_due_step_as_the_decider_says_and_both_hear_the_commit(master, nodes, tmp_path):
+    model = snapshot(nodes[0], 0, [3])
+    snapshot(nodes[1], 1, [3])
+    storage = Storage(str(tmp_path / "ckpt"))
+    acts, outcomes = actors(master, nodes), {}
+    try:
+        until(
+            "both nodes hearing the commit",
+            lambda: all(any(o[:2] == ("committed", 3) for o in outcomes.get(n, ())) for n in NODES),
+            acts,
+            nodes,
+            storage,
+            outcomes,
+        )
+    finally:
+        for a in acts:
+            a.end(False, -1, set(), wait_s=0.5)
+    assert storage.latest() == 3 and storage.verify(3) == [] and storage.manifest(3)["source"] == "keeper"
+    assert master.state.ckpt.state()["latest"] == 3
+    assert not (tmp_path / "ckpt" / ".stage").exists(), "no coordination file in storage"
+    target = {f"model.{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(target, checkpoint_id=storage.checkpoint_id(3), no_dist=True)
+    assert all(torch.equal(target[f"model.{k}"], v) for k, v in model.state_dict().items())
+    assert all(not a.views and a.plan is None for a in acts), "the plan's pins went with its release"
+
+
+def test_a_failure_is_saved_as_the_decider_says_and_the_agent_hears_when_the_restart_may_proceed(
+    master, nodes, tmp_path
+):
+    snapshot(nodes[0], 0, [2, 3])
+    snapshot(nodes[1], 1, [2])  # rank 1 died copying step 3: only step 2 is held by every rank
+    storage = Storage(str(tmp_path / "ckpt"))
+    acts, outcomes, heard = actors(master, nodes), {}, {}
+    members = LostNodes(master.address, "token", "n1")
+    agent = threading.Thread(target=lambda: heard.update(await_restart(members, 0, lambda: storage, True, 20.0)))
+    agent.start()
+    try:
+        for a, p in zip(acts, nodes):
+            final = holdings(NodeJob(p.root).snapshot_steps(WORLD, NODES[a.node]))
+            a.link.send(ev.WorkersGone(a.node, 0, final))
+        until(
+            "the save's commit", lambda: storage.latest() == 2 and not agent.is_alive(), acts, nodes, storage, outcomes
+        )
+    finally:
+        agent.join(20)
+        for a in acts:
+            a.end(False, -1, set(), wait_s=0.5)
+    assert heard == {"persisted": True, "step": 2, "detail": "the decider's save committed step 2"}
+    assert storage.manifest(2)["source"] == "save-on-failure" and storage.verify(2) == []
+
+
+def test_a_node_lost_during_the_persist_ends_it_and_the_survivor_unpins(master, nodes, tmp_path):
+    snapshot(nodes[0], 0, [3])
+    snapshot(nodes[1], 1, [3])
+    storage = Storage(str(tmp_path / "ckpt"))
+    n0, n1 = actors(master, nodes)
+    outcomes: dict[str, list] = {}
+    try:
+        n1.observe(NodeJob(nodes[1].root).snapshot_steps(WORLD, [1]), [3])  # it reports, then never acts
+        until("n0 pinned for the plan", lambda: n0.plan is not None, [n0], nodes[:1], storage, outcomes)
+        master.state.presence_lost("n1")  # n1 never answered: its agent died
+        until("the plan given up", lambda: n0.plan is None, [n0], nodes[:1], storage, outcomes)
+    finally:
+        n0.end(False, -1, set(), wait_s=0.5)
+        n1.link.close()
+    assert ("given-up", 3, "node n1 lost during the persist") in outcomes["n0"]
+    assert storage.latest() is None and not n0.views
+    assert not (tmp_path / "ckpt" / "step-00000003" / "p1").exists(), "the plan's tables went with it"
