@@ -152,6 +152,9 @@ def test_a_parked_node_rejoins_when_the_others_slow_down(tmp_path):
     # with best 2: too few steps at 3 nodes after it)
     scale, acted, rows = run_job(tmp_path, slow_the_others)
     assert [(d["action"], d["details"]["node_id"]) for d in acted] == [("park", "node2"), ("unpark", "node2")]
-    assert acted[1]["details"]["best"] == 3 and (scale["current"], scale["best"]) == (3, 3), scale
+    # The unpark's own view said 3 nodes are best, and the job stayed at 3 (no second park: no flapping).
+    # The final view is not asserted: re-measured on a 2-core host, three nodes' processes share two
+    # cores with the suite's other worker and may measure slower than two did (seen once in CI).
+    assert acted[1]["details"]["best"] == 3 and scale["current"] == 3, scale
     assert worlds(rows) == [3, 2, 3], "trained at 3 nodes, at 2, and at 3 again"
     assert "node node2 unparked: rejoining the job" in (tmp_path / "node2.log").read_text()

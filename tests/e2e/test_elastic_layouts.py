@@ -84,9 +84,12 @@ def test_losing_a_node_shrinks_tp2_dp2_to_tp2_and_training_continues_on_the_curv
         summary = json.loads((tmp_path / "out" / "summary.json").read_text())
         assert summary["world_size"] == WORKERS and summary["steps"] == STEPS
         assert {k: v for k, v in summary["layout"]["degrees"].items() if v > 1} == {"tp": 2}
-        ck = summary["checkpoint"]  # the last start: two ranks, from the four ranks' snapshots in memory
-        assert ck["restored_from"] == "memory" and ck["restore_step"] > committed, ck
-        assert f"at {2 * WORKERS} ranks, resharded to {WORKERS}" in ck["restore_detail"], ck
+        # The last start: two ranks, from the four ranks' state the decider saved on the loss — node0's
+        # own snapshots and its peer copies of node1's ranks, written from memory to storage — resharded.
+        ck = summary["checkpoint"]
+        assert ck["restored_from"] == "storage" and ck["restore_step"] > committed, ck
+        saved = storage.manifest(ck["restore_step"])
+        assert saved["world_size"] == 2 * WORKERS and saved["source"] == "save-on-failure", saved
         # The global batch is unchanged (grad accumulation doubled): every sample of the order once.
         assert summary["samples_consumed"] == STEPS * BATCH and summary["global_batch"] == BATCH
         # Steps redone after the restart are logged again; the later record wins, and every step is there.

@@ -31,8 +31,8 @@ class StorageAndChecks:
                 save["excused"] = True
 
     # storage
-    def commit(self, fails: bool) -> None:
-        plan, step = self.commits.pop(0)
+    def commit(self, name: str, fails: bool) -> None:
+        plan, step = self.nodes[name].commits.pop(0)
         if fails:
             self.excuse()
             self.to_decider(ev.Committed(plan, False, "storage failed"))

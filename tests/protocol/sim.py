@@ -46,6 +46,7 @@ class Node:
     task: tuple[int, int, Key] | None = None  # (plan, attempt, key) whose shards it writes
     mine: list[int] = field(default_factory=list)  # the task's ranks (writers), written on its Write
     todo: list[int] = field(default_factory=list)  # ranks whose shards are still to write
+    commits: list[tuple[int, int]] = field(default_factory=list)  # (plan, step) it commits (writes rank 0)
     stopped: bool = False  # its workers of the current epoch are gone
     last_plan: tuple[int, int] = (0, 0)  # the newest (plan, attempt) it acted on
     cursor: tuple[int, int, float] | None = None  # old design: (step, epoch, taken) it began on its own
@@ -75,9 +76,9 @@ class World(StorageAndChecks):
         self.decider: Decider = OldDecider(nodes, rules) if rules != NEW else Decider(nodes)
         self.net: list[tuple[str, Any]] = []  # (destination: node, "decider" or "agents", message)
         self.timers: list[tuple[float, str]] = []
-        self.commits: list[tuple[int, int]] = []  # (plan, step) the committer is told to commit
         self.plans: dict[int, Key] = {}
         self.plan_nodes: dict[int, tuple[str, ...]] = {}
+        self.plan_writers: dict[int, dict[str, tuple[int, ...]]] = {}
         self.failure_plans: set[int] = set()
         self.saved_on_failure = 0
         self.shards: dict[tuple[int, int], dict[int, tuple[Key, bool]]] = {}  # (step, plan) → rank → shard
@@ -137,6 +138,7 @@ class World(StorageAndChecks):
         for d in self.decider.handle(event):
             if isinstance(d, ev.Persist):
                 self.plans[d.plan], self.plan_nodes[d.plan] = d.key, d.nodes
+                self.plan_writers[d.plan] = dict(d.writers)
                 if d.failure:
                     self.failure_plans.add(d.plan)
                 for n in d.nodes:
@@ -148,8 +150,8 @@ class World(StorageAndChecks):
             elif isinstance(d, ev.Write):
                 for n in self.plan_nodes.get(d.plan, ()):
                     self.send(n, d)
-            elif isinstance(d, ev.Commit):
-                self.commits.append((d.plan, d.step))
+            elif isinstance(d, ev.Commit):  # the node writing rank 0 commits
+                self.send(next(n for n, rs in self.plan_writers[d.plan].items() if 0 in rs), d)
             elif isinstance(d, ev.GiveUp):
                 self.given_up.append((d.step, d.why))
             elif isinstance(d, ev.Release):
@@ -182,8 +184,9 @@ class World(StorageAndChecks):
                 acts.append(("stop", self.stop_workers, (node.name,)))
             if not node.keeper_up and node.up:
                 acts.append(("keeper-start", self.keeper_start, (node.name,)))
-        if self.commits:
-            acts.append(("commit", self.commit, (False,)))
+        for node in self.nodes.values():
+            if node.keeper_up and node.commits:
+                acts.append(("commit", self.commit, (node.name, False)))
         if not self.ended:
             if self._may_rendezvous():
                 acts.append(("rendezvous", self.rendezvous, ()))
@@ -207,8 +210,9 @@ class World(StorageAndChecks):
                 acts.append(("storage-fails", self.storage_fails, (node.name,)))
         if self.net:
             acts.append(("duplicate", self.duplicate, (len(self.net) - 1,)))
-        if self.commits:
-            acts.append(("commit-fails", self.commit, (True,)))
+        for node in self.nodes.values():
+            if node.keeper_up and node.commits:
+                acts.append(("commit-fails", self.commit, (node.name, True)))
         if not self.preempted:
             acts.append(("preempt", self.preempt, ()))
         return acts
@@ -304,6 +308,9 @@ class World(StorageAndChecks):
             if node.task is not None and node.task[2] not in node.pins:
                 node.task, node.todo = None, []  # an unpinned snapshot is no longer written
             return
+        if isinstance(msg, ev.Commit):
+            node.commits.append((msg.plan, msg.step))
+            return
         if isinstance(msg, ev.Write):  # every node pinned: each plans the same layout, writes its share
             if node.task is not None and node.task[:2] == (msg.plan, msg.attempt) and msg.key in node.pins:
                 node.todo = list(node.mine)
@@ -356,6 +363,7 @@ class World(StorageAndChecks):
     def kill_keeper(self, name: str, mid_write: bool) -> None:
         node = self.nodes[name]
         node.keeper_up, node.pins, node.sight = False, {}, None  # its flocks die with it
+        node.commits = []  # a commit it was told to make: the decider hears of the restart
         self.excuse()
         if mid_write:
             plan, _, key = node.task
@@ -394,6 +402,7 @@ class World(StorageAndChecks):
     def lose_node(self, name: str) -> None:
         node = self.nodes[name]
         node.up, node.keeper_up, node.pins, node.todo, node.copies = False, False, {}, [], {}
+        node.commits = []  # its commit in flight goes with it
         for r in node.ranks:
             self.ranks[r].alive, self.ranks[r].slots, self.ranks[r].copying = False, [None, None], None
         self.failing = True

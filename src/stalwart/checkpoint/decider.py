@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from stalwart.checkpoint import decider_events as ev
-from stalwart.checkpoint.decider_events import Decision, Event, Key
+from stalwart.checkpoint.decider_events import Decision, Event, Key, committer
 
 MAX_ATTEMPTS = 3  # a plan's writes or commit retried this often (storage failing, a keeper restarted)
 
@@ -95,9 +95,18 @@ class Decider:
             if e.held:
                 out.append(ev.Release(e.node, None, self.next_plan, self.epoch, free=True))
             return
-        if restarted and self.plan and e.node in self.plan["nodes"] and e.node not in self.plan["wrote"]:
+        if restarted and self._lost_with_keeper(e.node):
             self._retry(f"node {e.node}'s keeper restarted", out)
         self._advance(out)
+
+    def _lost_with_keeper(self, node: str) -> bool:
+        """A keeper of the plan restarted: its pins died with it (and the commit, were it the committer)."""
+        p = self.plan
+        return p is not None and node in p["nodes"] and (node not in p["wrote"] or node == self._committing())
+
+    def _committing(self) -> str | None:
+        """The node committing the plan now, if it is."""
+        return committer(self.plan["writers"]) if self.plan is not None and self.plan["committing"] else None
 
     def _wanted(self, node: str, key: Key) -> bool:
         """A pin the decider may still ask for: its plan's, or a step of this epoch that may yet be
@@ -204,9 +213,9 @@ class Decider:
         self._advance(out)
 
     def _lost_in_plan(self, node: str, out: list[Decision]) -> None:
-        """A participant is gone: its shards will never come. Given up at once (no timeout)."""
-        if self.plan["committing"]:
-            return  # every shard is written; the commit is the coordinator's alone
+        """A participant is gone: its shards will never come, or its commit. Given up at once (no timeout)."""
+        if self.plan["committing"] and node != self._committing():
+            return  # every shard is written; the commit is the committer's alone
         self._end_plan(f"node {node} lost during the persist", out)
 
     def _on_Preempted(self, e: ev.Preempted, out: list[Decision]) -> None:
@@ -374,7 +383,7 @@ class Decider:
             self._advance(out)
             return
         plan["attempt"] += 1
-        plan["wrote"], plan["pinned"] = [], []  # a restarted keeper's pins died with it: pinned anew
+        plan["wrote"], plan["pinned"], plan["committing"] = [], [], False  # a restarted keeper's pins died with it
         self._note(f"plan {plan['id']} attempt {plan['attempt']}: {why}")
         out.append(self._persist(plan))
 

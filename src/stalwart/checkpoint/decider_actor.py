@@ -127,7 +127,7 @@ class Actor(Shadow):
 
     def _commits(self) -> bool:
         """The node writing rank 0 commits (a lost rank 0's node: the survivor writing its copy)."""
-        return self.plan is not None and 0 in dict(self.plan.writers).get(self.node, ())
+        return self.plan is not None and ev.committer(dict(self.plan.writers)) == self.node
 
     def _take(self, p: ev.Persist, storage: Storage) -> None:
         self.acted, self.write = (p.plan, p.attempt), None
@@ -212,13 +212,20 @@ def open_view(paths: JobPaths, rank: int, key: ev.Key, settle_s: float = 1.0) ->
 
 
 def await_restart(
-    members: LostNodes, epoch: int, storage: Callable[[], Storage | None], commit: bool, timeout_s: float = 60.0
+    members: LostNodes,
+    epoch: int,
+    storage: Callable[[], Storage | None],
+    commit: bool,
+    timeout_s: float = 60.0,
+    after: int | None = None,
 ) -> dict[str, Any]:
     """The agent's side of a failure under ``act``: wait for the decider's ``RestartMayProceed`` of the
     execution ``epoch`` (every node holds the save's step pinned, or nothing can be saved) and, with
-    ``commit`` (a new world restores from storage, or a preemption ends the job), for its commit."""
+    ``commit`` (a new world restores from storage, or a preemption ends the job), for its commit.
+    ``after``: the decisions' mark at the agent's start (``decisions_mark``): the word may have come
+    before this call, and one of an earlier launch (its epochs counted from 0 too) came before it."""
     link = DeciderLink(members.address, members.token, members.me)
-    link.after, link.eager = 0, True  # every decision the master keeps: the word may have come already
+    link.after, link.eager = (after if after is not None else 0), True
     deadline = time.monotonic() + timeout_s
     try:
         link.send()

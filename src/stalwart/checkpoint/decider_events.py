@@ -8,6 +8,7 @@ snapshot of the failed execution" is an integer comparison on any clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 Key = tuple[int, int]  # (step, epoch) of a snapshot
 Held = tuple[tuple[int, int, tuple[int, ...], bool], ...]  # (step, epoch, ranks holding it, pinned)
@@ -153,6 +154,11 @@ class Write:
     key: Key
     attempt: int
     epoch: int
+
+
+def committer(writers: dict[str, Any]) -> str:
+    """The node that commits a plan: the one writing rank 0 (its own node, or a survivor's copy)."""
+    return next(n for n, ranks in sorted(writers.items()) if 0 in ranks)
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ import threading
 import time
 from typing import Any
 
+from stalwart import runtime
 from stalwart.checkpoint import decider_wire as wire
 from stalwart.runtime.master_call import call_master
 
 log = logging.getLogger("stalwart.checkpoint")
-ACT_ENV = "STALWART_CKPT_DECIDER"  # "shadow": the `.stage/` protocol persists, the decider only hears
 MAX_QUEUED = 10_000  # a master gone for long: the oldest reports go
 MAX_BATCH = 200  # events per call (the master refuses bodies over 1 MiB; a Holding is ~200 B)
 
@@ -30,7 +30,19 @@ def acting() -> bool:
     """The keepers act on the decider (and the agents wait for its word on a failure): the default under
     ``stalwart run``; ``STALWART_CKPT_DECIDER=shadow`` brings back the `.stage/` protocol, the decider
     only hearing the keepers' reports (a way back while the decider beds in)."""
-    return os.environ.get(ACT_ENV, "act") != "shadow"
+    return os.environ.get(runtime.ENV_CKPT_DECIDER, "act") != "shadow"
+
+
+def decisions_mark(address: str, token: str, node: str) -> int | None:
+    """The number of the master's newest decision now, for a later read of every decision after it
+    (an agent's, at its start: an earlier launch's decisions, kept in a shared journal, are before it);
+    None when the master does not answer."""
+    try:
+        body = {"node": node, "events": [], "after": None}
+        return int(call_master(address.rstrip("/"), token, "POST", "/v1/ckpt", body, 2.0, retry_for_s=0)["next"]) - 1
+    except Exception as err:  # any failure of the call: the read then takes every decision kept
+        log.warning("decider link: no mark of the master's decisions (%s)", err)
+        return None
 
 
 class DeciderLink:

@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from stalwart.checkpoint.decider_link import acting
+from stalwart.checkpoint.decider_link import acting, decisions_mark
 from stalwart.launch.detect import Incident
 
 if TYPE_CHECKING:  # DCP is ~660 modules: `stalwart run --help` does not import it
@@ -32,6 +32,9 @@ class FailureSave:
 
     def __init__(self, job: NodeJob, members: LostNodes | None = None) -> None:
         self.job, self.members = job, members  # the master's lost nodes: a save never waits on one
+        # The keepers act on the decider: its decisions from now on (not an earlier launch's) say when a
+        # restart may proceed.
+        self.mark = decisions_mark(members.address, members.token, members.me) if members and acting() else None
         self._background: list[threading.Thread] = []
 
     def __call__(self, incident: Incident | None) -> dict[str, Any]:
@@ -66,7 +69,7 @@ class FailureSave:
 
         spec = self.job.job()
         storage = Storage(spec["storage"], spec.get("storage_options"))
-        return await_restart(self.members, self.job.epoch(), lambda: storage, commit, PIN_WAIT_S)
+        return await_restart(self.members, self.job.epoch(), lambda: storage, commit, PIN_WAIT_S, self.mark)
 
     def _until_pinned(self) -> dict[str, Any]:
         planned: list[int] = []

@@ -46,6 +46,8 @@ ENV_REPLICA_SYNC = "STALWART_REPLICA_SYNC"
 REPLICA_OVERLAP = "overlap"
 ENV_FAILURE_DOMAIN = "STALWART_FAILURE_DOMAIN"  # the user's: --replica-domain's default
 ENV_SNAPSHOT_SLOTS = "STALWART_SNAPSHOT_SLOTS"
+# The user's, read by keepers and agents: "shadow" brings back the `.stage/` persist across nodes.
+ENV_CKPT_DECIDER = "STALWART_CKPT_DECIDER"
 # How long a worker whose script returned may take to end (threads, exit handlers) before it is ended.
 ENV_EXIT_GRACE = "STALWART_EXIT_GRACE_S"
 # The execution the workers belong to (the rendezvous round: the same integer on every node of one
