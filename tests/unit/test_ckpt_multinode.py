@@ -28,8 +28,7 @@ from stalwart.runtime import ENV_JOB_TOKEN, ENV_MASTER, ENV_NODE_ID
 WORLD = 2
 
 
-@pytest.fixture
-def nodes():
+def two_node_dirs():
     """Two node-local job directories; rank r's snapshots live on node r."""
     roots = [Path("/dev/shm") / f"stalwart-mn-{uuid.uuid4().hex[:8]}" for _ in range(WORLD)]
     paths = [JobPaths(r) for r in roots]
@@ -39,6 +38,11 @@ def nodes():
     yield paths
     for r in roots:
         shutil.rmtree(r, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes():
+    yield from two_node_dirs()
 
 
 def snapshot(paths: JobPaths, rank: int, steps: list[int], epoch: int = 0) -> nn.Module:

@@ -18,8 +18,7 @@ from stalwart.checkpoint.decider_shadow import holdings
 from stalwart.checkpoint.membership import LostNodes
 from stalwart.launch.client import MasterClient
 from stalwart.launch.master import Master
-from tests.unit.test_ckpt_multinode import WORLD, snapshot
-from tests.unit.test_plan_write import two_node_dirs
+from tests.unit.test_ckpt_multinode import WORLD, snapshot, two_node_dirs
 
 NODES = {"n0": [0], "n1": [1]}
 

@@ -3,10 +3,6 @@ real snapshots, a real decider, real storage; each node plans the layout itself.
 
 from __future__ import annotations
 
-import shutil
-import uuid
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -15,23 +11,11 @@ from stalwart.checkpoint import Storage, plan_write
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider import Decider
 from stalwart.checkpoint.persist import write_checkpoint
-from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots
+from stalwart.checkpoint.shm import JobPaths, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView
-from tests.unit.test_ckpt_multinode import WORLD, snapshot
+from tests.unit.test_ckpt_multinode import WORLD, snapshot, two_node_dirs
 
 NODES = {"A": [0], "B": [1]}
-
-
-def two_node_dirs():
-    """Two node-local job directories in /dev/shm: rank r's snapshots live on node r."""
-    roots = [Path("/dev/shm") / f"stalwart-pw-{uuid.uuid4().hex[:8]}" for _ in range(WORLD)]
-    paths = [JobPaths(r) for r in roots]
-    for rank, p in enumerate(paths):
-        p.root.mkdir(parents=True)
-        atomic_write(p.job, f'{{"storage": "unused", "world_size": {WORLD}, "ranks": [{rank}]}}'.encode())
-    yield paths
-    for r in roots:
-        shutil.rmtree(r, ignore_errors=True)
 
 
 @pytest.fixture
