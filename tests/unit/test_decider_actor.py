@@ -3,6 +3,7 @@ real snapshots, a real job master hosting the decider over HTTP, real storage â€
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -136,3 +137,18 @@ def test_a_node_lost_during_the_persist_ends_it_and_the_survivor_unpins(master, 
     assert ("given-up", 3, "node n1 lost during the persist") in outcomes["n0"]
     assert storage.latest() is None and not n0.views
     assert not (tmp_path / "ckpt" / "step-00000003" / "p1").exists(), "the plan's tables went with it"
+
+
+def test_a_plan_the_node_cannot_pin_in_full_is_refused_and_leaves_no_pin(nodes, tmp_path):
+    snapshot(nodes[0], 0, [3])  # node n0 holds rank 0, but no copy of rank 1 the plan gives it
+    storage = Storage(str(tmp_path / "ckpt"))
+    actor = Actor(DeciderLink("http://127.0.0.1:9", "token", "n0"), nodes[0], lambda: True)
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        actor._take(ev.Persist(1, (3, 0), 1, ("n0",), 0, True, (("n0", (0, 1)),)), storage)
+        (refusal,) = [e for _, e in actor.link._queue]
+    finally:
+        actor.link.close()
+    assert refusal["kind"] == "Pinned" and not refusal["ok"] and "rank 1 no longer holds step 3" in refusal["reason"]
+    assert actor.plan is None and not actor.views
+    assert len(os.listdir("/proc/self/fd")) == fds, "rank 0's slot, opened first, was unpinned again"

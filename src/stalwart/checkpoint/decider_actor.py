@@ -48,7 +48,6 @@ class Actor(Shadow):
         self.views: dict[int, SnapshotView] = {}
         self.write: ev.Write | None = None
         self.commits: dict[int, ev.Commit] = {}
-
         self.told: set[int] = set()  # steps whose commit the keeper was told of
         self.timed_at = time.monotonic()  # the last step due by time (``persist_every_s``)
 
@@ -136,7 +135,8 @@ class Actor(Shadow):
         ranks = dict(p.writers).get(self.node, ())
         try:
             if self.plan is None:
-                self.views = {r: open_view(self.paths, r, p.key) for r in ranks}
+                for r in ranks:  # one by one: those opened before a failure are closed by _drop
+                    self.views[r] = open_view(self.paths, r, p.key)
             self.plan = p
             plan_write.put_tables(storage, p.key[0], p.plan, self.views)
         except Exception as err:  # gone, busy too long, or storage: the decider tries an older step
