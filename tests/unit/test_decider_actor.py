@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stalwart.checkpoint import NodeJob, Storage
+from stalwart.checkpoint import NodeJob, Storage, plan_write
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider_actor import Actor, await_restart
 from stalwart.checkpoint.decider_link import DeciderLink
@@ -152,3 +152,28 @@ def test_a_plan_the_node_cannot_pin_in_full_is_refused_and_leaves_no_pin(nodes, 
     assert refusal["kind"] == "Pinned" and not refusal["ok"] and "rank 1 no longer holds step 3" in refusal["reason"]
     assert actor.plan is None and not actor.views
     assert len(os.listdir("/proc/self/fd")) == fds, "rank 0's slot, opened first, was unpinned again"
+
+
+def test_a_failed_write_is_told_to_the_keeper_and_retried_as_a_new_attempt(master, nodes, tmp_path, monkeypatch):
+    snapshot(nodes[0], 0, [3])
+    snapshot(nodes[1], 1, [3])
+    storage = Storage(str(tmp_path / "ckpt"))
+    real, failed = plan_write.write_share, []
+
+    def full_disk_once(store, step, plan, attempt, world, views):
+        if 1 in views and not failed:
+            failed.append(attempt)
+            raise OSError(28, "No space left on device")
+        return real(store, step, plan, attempt, world, views)
+
+    monkeypatch.setattr(plan_write, "write_share", full_disk_once)
+    acts, outcomes = actors(master, nodes), {}
+    try:
+        until("the commit", lambda: storage.latest() == 3, acts, nodes, storage, outcomes)
+    finally:
+        for a in acts:
+            a.end(False, -1, set(), wait_s=0.5)
+    (bad,) = [o for o in outcomes["n1"] if o[0] == "failed"]  # the keeper's storage health counts it
+    assert bad[1] == 3 and isinstance(bad[2], OSError) and failed == [1]
+    named = {n for n in storage.manifest(3)["files"] if n.endswith(".distcp")}
+    assert named and all(n.startswith("__p1a2_") for n in named), named

@@ -106,8 +106,8 @@ class Actor(Shadow):
         for key, (_, since) in list(self.sight.items()):  # a decider that never answers: bounded
             if now - since > SIGHT_MAX_S and (self.plan is None or key != self.plan.key):
                 self._unpin(key)
-        if self.write is not None:
-            self._write(storage, world)
+        if self.write is not None and (failed := self._write(storage, world)) is not None:
+            out.append(failed)  # the keeper's storage health counts it (the workers' at-risk bound)
         for plan, c in list(self.commits.items()):
             del self.commits[plan]
             label = "save-on-failure" if self.plan is not None and self.plan.failure else source
@@ -145,15 +145,15 @@ class Actor(Shadow):
             return
         self.link.send(ev.Pinned(self.node, p.plan, True, attempt=p.attempt))
 
-    def _write(self, storage: Storage, world: int) -> None:
+    def _write(self, storage: Storage, world: int) -> Outcome | None:
         w, self.write = self.write, None
         try:
             plan_write.write_share(storage, w.key[0], w.plan, w.attempt, world, self.views)
-        except Exception as err:
-            log.warning("plan %d attempt %d: writing step %d failed: %r", w.plan, w.attempt, w.key[0], err)
+        except Exception as err:  # the decider retries (a new attempt) or gives up
             self.link.send(ev.Wrote(self.node, w.plan, w.attempt, False, repr(err)))
-            return
+            return ("failed", w.key[0], err)
         self.link.send(ev.Wrote(self.node, w.plan, w.attempt, True))
+        return None
 
     @staticmethod
     def _tidy(storage: Storage, step: int, plan: int) -> None:
