@@ -68,7 +68,9 @@ def test_killed_rank_restores_from_memory_with_bitwise_final_state(tmp_path, ref
     assert [(a["source"], a["start"]) for a in job["attempts"]] == [("fresh", 0), ("memory", KILL - KILL % EVERY)]
     # Deterministic on the CPU (gloo, seeded data order, dropout RNG restored): bitwise the fault-free end.
     assert job["result"] == ref["result"]
+    # Redone: the steps after the restored one that rank 0 had logged before the fault — step 7, unless
+    # the agent stopped rank 0 between rank 1's death and rank 0's log of step 7 (seen once in CI).
     redone = redone_steps(job["steps"])
-    assert redone == list(range(KILL - KILL % EVERY + 1, KILL + 1)) and len(redone) <= EVERY
+    assert set(redone) <= set(range(KILL - KILL % EVERY + 1, KILL + 1)) and len(redone) <= EVERY, redone
     assert sorted({s["step"] for s in job["steps"]}) == list(range(1, STEPS + 1))
     assert job["latest"] == f"step-{STEPS:08d}"
