@@ -48,7 +48,6 @@ class Actor(Shadow):
         self.views: dict[int, SnapshotView] = {}
         self.write: ev.Write | None = None
         self.commits: dict[int, ev.Commit] = {}
-        self.told: set[int] = set()  # steps whose commit the keeper was told of
         self.timed_at = time.monotonic()  # the last step due by time (``persist_every_s``)
 
     @classmethod
@@ -66,10 +65,6 @@ class Actor(Shadow):
         self.timed_at = now
         return newest
 
-    def rolled_back(self, epoch: int, latest: int) -> None:
-        self.told = {s for s in self.told if s <= latest}
-        super().rolled_back(epoch, latest)
-
     def busy(self) -> bool:
         return self.plan is not None or bool(self.commits)
 
@@ -79,14 +74,14 @@ class Actor(Shadow):
         for d in self.link.take():
             log.info("decider: %r", d)
             if isinstance(d, ev.Persist | ev.Commit | ev.GiveUp):
-                self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
+                self._settle(d)
             if isinstance(d, ev.Release) and d.node in (None, self.node):
                 for key in [k for k in self.sight if d.key in (None, k)]:
                     self._unpin(key)
                 if self.plan is not None and d.key in (None, self.plan.key) and d.upto >= self.plan.plan:
                     step = self.plan.key[0]
                     self._drop()
-                    if step not in self.told and (manifest := storage.manifest(step)) is not None:
+                    if (manifest := storage.manifest(step)) is not None:  # (the keeper takes a step once)
                         out.append(("committed", step, manifest))
             elif isinstance(d, ev.Persist) and self.node in d.nodes and (d.plan, d.attempt) > self.acted:
                 self._take(d, storage)
@@ -119,9 +114,7 @@ class Actor(Shadow):
                 continue
             self.link.send(ev.Committed(plan, True))
             out.append(("committed", c.step, manifest))
-        self.told.update(step for kind, step, _ in out if kind == "committed")
         self._prune()
-        self.told = {s for s in self.told if s in self.settled}
         return out
 
     def _commits(self) -> bool:
@@ -172,7 +165,7 @@ class Actor(Shadow):
         for d in self.link.take():
             log.info("decider (keeper exiting): %r", d)
             if isinstance(d, ev.Persist | ev.Commit | ev.GiveUp):
-                self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
+                self._settle(d)
 
     def end(self, job_complete: bool, last_persisted: int, given_up: set[int], wait_s: float = 2.0) -> None:
         """The keeper exits: its plan's pins go with it (the decider gives the plan up when the node goes)."""

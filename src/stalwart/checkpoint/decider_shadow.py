@@ -134,7 +134,7 @@ class Shadow:
                 self.commits.pop(d.plan, None)
                 self.awaiting.discard(d.plan)
             if isinstance(d, ev.Persist | ev.Commit):
-                self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
+                self._settle(d)
         now = time.monotonic()
         for key, (_, since) in list(self.sight.items()):  # the decider is slow or gone: bounded
             done = key[0] <= last_persisted or key[0] in given_up or final
@@ -177,6 +177,10 @@ class Shadow:
         else:
             # the old protocol may be writing it
             self._once("pinned", p, ev.Pinned(self.node, p.plan, True, attempt=p.attempt))
+
+    def _settle(self, d: ev.Persist | ev.Commit | ev.GiveUp) -> None:
+        """The decider planned, committed or gave up a step: its due step is heard."""
+        self.settled.add(d.key[0] if isinstance(d, ev.Persist) else d.step)
 
     def rolled_back(self, epoch: int, latest: int) -> None:
         """Storage moved back to ``latest``: the redone steps (same numbers) are new to the decider."""
