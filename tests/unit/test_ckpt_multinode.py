@@ -23,7 +23,7 @@ from stalwart.checkpoint.shm import JobPaths, atomic_write
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.launch import preempt
-from stalwart.runtime import ENV_JOB_TOKEN, ENV_MASTER, ENV_NODE_ID
+from stalwart.runtime import ENV_JOB_TOKEN, ENV_MASTER, ENV_NODE_ID, ENV_SHARED_MASTER
 
 WORLD = 2
 
@@ -174,7 +174,7 @@ def master(tmp_path):
 
 
 def members_of(master, me: str) -> LostNodes:
-    env = {ENV_MASTER: master.address, ENV_JOB_TOKEN: "token", ENV_NODE_ID: me}
+    env = {ENV_MASTER: master.address, ENV_JOB_TOKEN: "token", ENV_NODE_ID: me, ENV_SHARED_MASTER: "1"}
     members = LostNodes.from_env(env)
     assert members is not None and members.me == me
     return members
@@ -287,7 +287,9 @@ def test_a_participant_stops_waiting_for_a_coordinator_the_master_holds_lost(nod
 def test_without_a_master_nothing_is_known_lost():
     assert LostNodes.from_env({ENV_NODE_ID: "n0"}) is None
     assert LostNodes.from_env({ENV_MASTER: "http://127.0.0.1:9", ENV_JOB_TOKEN: "t"}) is None  # no node id
-    unreachable = LostNodes.from_env({ENV_MASTER: "http://127.0.0.1:9", ENV_JOB_TOKEN: "t", ENV_NODE_ID: "n0"})
+    env = {ENV_MASTER: "http://127.0.0.1:9", ENV_JOB_TOKEN: "t", ENV_NODE_ID: "n0"}
+    assert LostNodes.from_env(env) is None, "a master of one node's own: the decider is rank 0's keeper's"
+    unreachable = LostNodes.from_env({**env, ENV_SHARED_MASTER: "1"})
     assert unreachable is not None and not unreachable.lost("n1"), "a master that does not answer loses nobody"
 
 

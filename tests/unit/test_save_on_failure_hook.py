@@ -17,12 +17,19 @@ import pytest
 from stalwart.checkpoint import NodeJob, Storage, multinode, stage
 from stalwart.checkpoint.shm import atomic_write, complete_slots
 from stalwart.launch.failure_save import FailureSave
+from stalwart.runtime import ENV_CKPT_DECIDER
 from tests.unit import test_ckpt_multinode
 from tests.unit.test_ckpt_multinode import WORLD, snapshot
 
 nodes = test_ckpt_multinode.nodes  # the fixture: two node-local job directories
 
 POLICY = {"persist_every_steps": 4}
+
+
+@pytest.fixture(autouse=True)
+def stage_protocol(monkeypatch):
+    """The `.stage/` protocol's hook: it runs only under ``STALWART_CKPT_DECIDER=shadow`` now."""
+    monkeypatch.setenv(ENV_CKPT_DECIDER, "shadow")
 
 
 @pytest.fixture
@@ -43,6 +50,16 @@ def test_spans_nodes_when_job_json_lists_only_some_ranks(job, tmp_path):
     assert not job.spans_nodes()
     _write(job, storage, 2, [0])
     assert job.spans_nodes()
+
+
+def test_without_a_shared_master_the_restart_leaves_the_save_to_the_keepers(job, tmp_path, monkeypatch):
+    """The decider is rank 0's keeper's (``desk_host``): the keepers save while the workers restart."""
+    monkeypatch.delenv(ENV_CKPT_DECIDER)
+    _write(job, Storage(str(tmp_path / "ck")), 2, [0])
+    t0 = time.monotonic()
+    result = FailureSave(job)(object())
+    assert result["persisted"] is None and "keepers save on failure" in result["detail"], result
+    assert time.monotonic() - t0 < 1.0 and not (tmp_path / "ck" / ".stage").exists()
 
 
 @pytest.mark.parametrize(("world", "waits"), [(1, False), (2, True)])

@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.checkpoint import shm, stage
+from stalwart.checkpoint.decider_link import acting
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob
@@ -39,7 +40,7 @@ from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
-from stalwart.runtime import ENV_REPLICA_SYNC, REPLICA_OVERLAP, worker_env
+from stalwart.runtime import ENV_REPLICA_SYNC, ENV_SHARED_MASTER, REPLICA_OVERLAP, worker_env
 
 log = logging.getLogger("stalwart.checkpoint")
 
@@ -185,6 +186,9 @@ class Checkpointer:
             # Now, not at the first save: it needs ~1 s to import torch, and the first persist-due steps
             # of a fast job would otherwise pass before it looks. After a restart it is usually still alive.
             self.keeper.ensure()
+            spans_nodes = self.world > len(self.node_ranks)
+            if spans_nodes and self.persisting and os.environ.get(ENV_SHARED_MASTER) != "1" and acting():
+                self.keeper.await_decider()  # the decider is rank 0's keeper's (desk_host)
 
     # -- public API ----------------------------------------------------------------------------
     def _forget_earlier_launch(self) -> None:

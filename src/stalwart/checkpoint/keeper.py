@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart import chaos
+from stalwart import chaos, runtime
 from stalwart.checkpoint import stage
 from stalwart.checkpoint.decider_actor import Actor, Outcome, reporter
+from stalwart.checkpoint.decider_link import acting
+from stalwart.checkpoint.desk_host import DeskHost
 from stalwart.checkpoint.keeper_tidy import remove_leftovers, tidy_storage
 from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.node_job import NodeJob, agreed
@@ -60,6 +62,8 @@ class Keeper:
         self.request_checked = 0.0
         self.leftovers: set[int] = set()  # failed attempts whose removal failed too: removed later
         self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
+        # No master every node shares (plain torchrun): rank 0's keeper hosts the decider.
+        self.desk = DeskHost(self.paths, os.environ.get(runtime.ENV_AGENT, "")) if self.members is None else None
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
         self.shadow = reporter(
@@ -140,6 +144,8 @@ class Keeper:
         try:
             self._serve()
         finally:
+            if self.desk is not None:
+                self.desk.close()
             os.close(lock)
         return True
 
@@ -158,6 +164,7 @@ class Keeper:
                 log.info("job directory %s removed", self.paths.root)
                 return
             self._reload_job()
+            self._find_decider()
             self._follow_rollback()
             if self.stop is not None and self.stop():
                 self._final_pass()
@@ -187,6 +194,23 @@ class Keeper:
                     idle_since = None
             time.sleep(self.poll_s)
 
+    def _find_decider(self) -> None:
+        """Across nodes without a shared master: the decider rank 0's keeper hosts (``desk_host``)."""
+        if self.desk is None or not acting() or not self.node.spans_nodes():
+            return
+        if self.shadow is not None:
+            self.desk.republish(self.job)  # the host: a restart's new store learns the address too
+        elif (members := self.desk.members(self.job, self.coordinator)) is not None:
+            self.members = members
+            self.shadow = reporter(members, lambda: self.coordinator, lambda s: False, self.paths)
+            self.status["decider"] = members.address  # the workers' first save waits for it (KeeperLink)
+            where = "hosted here" if self.desk.master is not None else "rank 0's keeper's"
+            self.event("decider", None, f"node {members.me}: the checkpoint decider is {where}, at {members.address}")
+
+    def _seeks_decider(self, world: int, ranks: int) -> bool:
+        """Across nodes the decider says what to persist; until this keeper knows where it is, nothing."""
+        return ranks < world and self.shadow is None and acting()
+
     def _final_pass(self) -> None:
         """The agent exits or is gone: once its workers are gone too (they die with it), save on
         failure for those that did not close, persist what is due, and remove what storage holds."""
@@ -203,6 +227,8 @@ class Keeper:
         self._finish(world, self.stop.why or "stopped", all(self.node.closed(r, o) for r, o in owners.items()))
 
     def _check_failures(self, world: int, owners: dict[int, dict[str, Any] | None]) -> None:
+        if self._seeks_decider(world, len(owners)):
+            return
         for r, owner in owners.items():
             if not owner or owner.get("world_size") != world or self.node.closed(r, owner):
                 continue
@@ -232,6 +258,8 @@ class Keeper:
     def _maybe_persist(self, world: int, ranks: list[int], force: bool = False) -> None:
         """Persist what the policy says is due. While storage fails, attempts back off and each retry
         takes the newest step in memory (``force``: one attempt now, the final pass)."""
+        if self._seeks_decider(world, len(ranks)):
+            return
         steps = self.node.snapshot_steps(world, ranks)
         common = agreed(steps)
         taken = {s: captured_at(steps[ranks[0]][s]) for s in common}

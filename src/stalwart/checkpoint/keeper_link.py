@@ -58,6 +58,17 @@ class KeeperLink:
                 log.warning("keeper for %s is not running; starting a new one", self.paths.root)
             self.proc = spawn_keeper(self.job, self.log_path)
 
+    def await_decider(self, timeout_s: float = 30.0) -> None:
+        """Across nodes without a master every node shares, the keepers find the checkpoint decider in
+        the workers' store (``desk_host``): wait until this node's keeper did, so a failure in the
+        job's first seconds is saved too."""
+        deadline = time.monotonic() + timeout_s
+        while not (read_json(self.paths.keeper_status) or {}).get("decider"):
+            if time.monotonic() > deadline:
+                log.warning("the keeper has not found the checkpoint decider in %g s; training on", timeout_s)
+                return
+            time.sleep(0.02)
+
     def await_copies(self, step: int, since: float) -> None:
         """``--replica-sync``: wait for the copies of ``step`` (see ``wait_replicated``); the node's first
         rank says when copies stop or start reaching the peers, and why."""

@@ -39,11 +39,11 @@ class LostNodes:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LostNodes | None:
-        """The keeper's under ``stalwart run`` (master, job token and node id in its environment); None
-        otherwise."""
+        """The keeper's under ``stalwart run`` with a master every node shares (master, job token and node
+        id in its environment); None otherwise (``desk_host``: rank 0's keeper decides)."""
         env = os.environ if env is None else env
         address, token, me = (env.get(k, "") for k in (runtime.ENV_MASTER, runtime.ENV_JOB_TOKEN, runtime.ENV_NODE_ID))
-        if not (address and token and me):
+        if not (address and token and me and env.get(runtime.ENV_SHARED_MASTER) == "1"):
             return None
         log.info("node %s: the job master at %s says which nodes are lost", me, address)
         return cls(address, token, me, agent=env.get(runtime.ENV_AGENT, ""))

@@ -84,6 +84,7 @@ class NodeJob:
                     "keeper_log": str(Path(keeper_log).absolute()) if keeper_log else None,
                     "epoch": epoch,  # the execution of the workers that wrote it
                     "agent": os.environ.get(runtime.ENV_AGENT, ""),  # ... under this launch of the agent
+                    "store": _workers_store(),  # where rank 0's keeper says where the decider is (desk_host)
                 }
             ).encode(),
         )
@@ -356,6 +357,12 @@ class NodeJob:
                 f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}",
             )
         return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
+
+
+def _workers_store() -> str | None:
+    """The workers' rendezvous store (``MASTER_ADDR:MASTER_PORT``), None outside torchrun and its kin."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else None
 
 
 def _steps_at(paths: JobPaths, ranks: Iterable[int], world: int) -> dict[int, dict[int, dict[str, Any]]]:

@@ -47,7 +47,9 @@ class FailureSave:
             # Memory-only (no keeper on any node; multi-node waits would time out): nothing to persist,
             # the restarted workers restore from memory.
             return {"persisted": False, "detail": "memory-only checkpoints: the restart restores from memory"}
-        if job.spans_nodes() and self.members is not None and acting():
+        if job.spans_nodes() and acting():
+            if self.members is None:  # no master every node shares: the decider is rank 0's keeper's
+                return {"persisted": None, "detail": "the keepers save on failure, as rank 0's keeper decides"}
             return self._decider_saves(commit=incident is None)
         if incident is None:
             return job.save_on_failure(quiet=True, members=self.members)

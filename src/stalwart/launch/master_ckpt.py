@@ -44,6 +44,7 @@ class CheckpointDesk:
         self.forming: dict[str, Any] = saved.get("forming", _forming())
         self.agents: dict[str, str] = saved.get("agents", {})  # node → the agent launch that formed its epoch
         self.retired: list[str] = saved.get("retired", [])  # agents of earlier launches: their word is late
+        self.read: dict[str, int] = {}  # node → the newest decision it has been sent (not journaled)
 
     def exchange(self, body: dict[str, Any]) -> dict[str, Any]:
         node, after = body.get("node"), body.get("after")
@@ -72,6 +73,7 @@ class CheckpointDesk:
             if changed:
                 self._save()
             first = self.outbox[0][0] if self.outbox else self.next
+            self.read[node] = self.next - 1
             return {
                 "taken": taken,  # events taken in order; the rest came before every node's Member
                 "decisions": [d for n, d in self.outbox if n > after],
@@ -88,6 +90,12 @@ class CheckpointDesk:
                 return
             self._feed(ev.NodeLost(node, d.epoch))
             self._save()
+
+    def all_read(self) -> bool:
+        """Every node of the execution not lost has been sent every decision (a host about to go waits)."""
+        with self._lock:
+            d = self.decider
+            return d is None or all(self.read.get(n, -1) >= self.next - 1 for n in d.nodes if n not in d.lost)
 
     def ranks_of(self, node: str) -> list[int]:
         """The ranks ``node`` reported for the newest execution it spoke of (forming, else formed)."""

@@ -130,6 +130,10 @@ def run(argv: list[str]) -> int:
         ).start()
         address = master.address
     os.environ.update({runtime.ENV_MASTER: address, runtime.ENV_JOB_ID: args.rdzv_id, runtime.ENV_NODE_ID: node_id})
+    # A master of this node's own hears this node only: across nodes the checkpoint decider is then rank
+    # 0's keeper's (checkpoint/desk_host.py), as under plain torchrun.
+    shared = bool(args.master) or torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1
+    os.environ[runtime.ENV_SHARED_MASTER] = "1" if shared else "0"
     os.environ[runtime.ENV_AGENT] = uuid.uuid4().hex  # this launch of the node's agent (its keeper says so)
     client = MasterClient(address, token)
     write_address(run_dir, address, args.rdzv_id, node_id)
@@ -161,7 +165,7 @@ def run(argv: list[str]) -> int:
     # The keeper's own environment carries the job token: peer replicas, and the master's lost nodes.
     keeper_env = {**replica_env(args, address, token), runtime.ENV_JOB_TOKEN: token}
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, keeper_env)
-    failure_save = FailureSave(node_job, LostNodes(address, token, node_id))
+    failure_save = FailureSave(node_job, LostNodes(address, token, node_id) if shared else None)
     storage_watch = StorageWatch(keeper.status_copy)
 
     slowed = slow is not None and slow.action == "delay"

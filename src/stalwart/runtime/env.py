@@ -48,6 +48,9 @@ ENV_FAILURE_DOMAIN = "STALWART_FAILURE_DOMAIN"  # the user's: --replica-domain's
 ENV_SNAPSHOT_SLOTS = "STALWART_SNAPSHOT_SLOTS"
 # The user's, read by keepers and agents: "shadow" brings back the `.stage/` persist across nodes.
 ENV_CKPT_DECIDER = "STALWART_CKPT_DECIDER"
+# "1": every node's agent talks to the master in ENV_MASTER (`--master`, Slurm's), so the checkpoint
+# decider lives there; otherwise a job across nodes has it in rank 0's keeper (checkpoint/desk_host.py).
+ENV_SHARED_MASTER = "STALWART_SHARED_MASTER"
 # How long a worker whose script returned may take to end (threads, exit handlers) before it is ended.
 ENV_EXIT_GRACE = "STALWART_EXIT_GRACE_S"
 # The execution the workers belong to (the rendezvous round: the same integer on every node of one
