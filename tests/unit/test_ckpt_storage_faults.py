@@ -164,33 +164,6 @@ def test_causes_of_real_errors(tmp_path):
     assert classify(OSError(errno.EROFS, "Read-only file system")) == "permission"
 
 
-def test_a_persist_given_up_for_a_lost_peer_is_no_storage_incident(tmp_path):
-    from stalwart.checkpoint.storage_health import StorageHealth
-
-    lost = RuntimeError(
-        'persist of step 40 aborted by the coordinator: TimeoutError("persist of step 40: timed out waiting '
-        "for rank 1's snapshot table (its node's keeper)\")"
-    )
-    assert classify(lost) == "peer"
-    assert (
-        classify(TimeoutError("persist of step 9: rank 2's node stopped writing; its node is probably lost")) == "peer"
-    )
-    # after a regroup the ranks moved: the node now holding rank 1 never had step 45 (the node-loss
-    # benchmark's console called it a "storage error")
-    moved = "persist of step 45 aborted by the coordinator: MissingSnapshot('rank 1 does not hold step 45: [])"
-    assert classify(RuntimeError(moved)) == "peer"
-    incidents = tmp_path / "storage.incidents.jsonl"
-    health = StorageHealth("file:///ckpt", incidents)
-    assert health.failed("persist", 40, lost) == "peer"
-    assert not health.status()["ok"] and health.status()["cause"] == "peer", "still unpersisted: at risk"
-    health.committed(50)
-    assert not incidents.exists(), "neither the failure nor its recovery is a storage incident"
-    health.failed("persist", 60, OSError(errno.ENOSPC, "No space left on device"))
-    health.committed(70)
-    kinds = [json.loads(line)["detail"].get("recovered", False) for line in incidents.read_text().splitlines()]
-    assert kinds == [False, True], "a real storage episode is still journaled, with its recovery"
-
-
 def test_at_risk_policy_applies_only_while_storage_fails():
     policy = AtRiskPolicy(max_steps=10, max_s=60)
     ok = {"ok": True, "last_committed": 0}

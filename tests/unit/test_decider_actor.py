@@ -15,11 +15,11 @@ from stalwart.checkpoint import NodeJob, Storage, plan_write
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider_actor import Actor, await_restart
 from stalwart.checkpoint.decider_link import DeciderLink
-from stalwart.checkpoint.decider_shadow import holdings
-from stalwart.checkpoint.membership import LostNodes
+from stalwart.checkpoint.decider_reports import holdings
+from stalwart.checkpoint.membership import Membership
 from stalwart.launch.client import MasterClient
 from stalwart.launch.master import Master
-from tests.unit.test_ckpt_multinode import WORLD, snapshot, two_node_dirs
+from tests.unit.two_nodes import WORLD, snapshot, two_node_dirs
 
 NODES = {"n0": [0], "n1": [1]}
 
@@ -85,7 +85,7 @@ def test_the_keepers_persist_a_due_step_as_the_decider_says_and_both_hear_the_co
         )
     finally:
         for a in acts:
-            a.end(False, -1, set(), wait_s=0.5)
+            a.end(False, wait_s=0.5)
     assert storage.latest() == 3 and storage.verify(3) == [] and storage.manifest(3)["source"] == "keeper"
     assert master.state.ckpt.state()["latest"] == 3
     assert not (tmp_path / "ckpt" / ".stage").exists(), "no coordination file in storage"
@@ -102,7 +102,7 @@ def test_a_failure_is_saved_as_the_decider_says_and_the_agent_hears_when_the_res
     snapshot(nodes[1], 1, [2])  # rank 1 died copying step 3: only step 2 is held by every rank
     storage = Storage(str(tmp_path / "ckpt"))
     acts, outcomes, heard = actors(master, nodes), {}, {}
-    members = LostNodes(master.address, "token", "n1")
+    members = Membership(master.address, "token", "n1")
     agent = threading.Thread(target=lambda: heard.update(await_restart(members, 0, lambda: storage, True, 20.0)))
     agent.start()
     try:
@@ -115,7 +115,7 @@ def test_a_failure_is_saved_as_the_decider_says_and_the_agent_hears_when_the_res
     finally:
         agent.join(20)
         for a in acts:
-            a.end(False, -1, set(), wait_s=0.5)
+            a.end(False, wait_s=0.5)
     assert heard == {"persisted": True, "step": 2, "detail": "the decider's save committed step 2"}
     assert storage.manifest(2)["source"] == "save-on-failure" and storage.verify(2) == []
 
@@ -132,7 +132,7 @@ def test_a_node_lost_during_the_persist_ends_it_and_the_survivor_unpins(master, 
         master.state.presence_lost("n1")  # n1 never answered: its agent died
         until("the plan given up", lambda: n0.plan is None, [n0], nodes[:1], storage, outcomes)
     finally:
-        n0.end(False, -1, set(), wait_s=0.5)
+        n0.end(False, wait_s=0.5)
         n1.link.close()
     assert ("given-up", 3, "node n1 lost during the persist") in outcomes["n0"]
     assert storage.latest() is None and not n0.views
@@ -176,7 +176,7 @@ def test_a_failed_write_is_told_to_the_keeper_and_retried_as_a_new_attempt(maste
         until("the commit", lambda: storage.latest() == 3, acts, nodes, storage, outcomes)
     finally:
         for a in acts:
-            a.end(False, -1, set(), wait_s=0.5)
+            a.end(False, wait_s=0.5)
     (bad,) = [o for o in outcomes["n1"] if o[0] == "failed"]  # the keeper's storage health counts it
     assert bad[1] == 3 and isinstance(bad[2], OSError) and failed == [1]
     named = {n for n in storage.manifest(3)["files"] if n.endswith(".distcp")}

@@ -79,3 +79,14 @@ def test_the_host_puts_its_address_into_a_restarts_new_store_and_waits_for_the_l
     t0 = time.monotonic()
     host.close(wait_s=0.5)
     assert 0.45 < time.monotonic() - t0 < 3.0 and host.master is None
+
+
+def test_the_master_decides_only_where_every_node_shares_it():
+    from stalwart.checkpoint.membership import Membership
+    from stalwart.runtime import ENV_JOB_TOKEN, ENV_MASTER, ENV_NODE_ID, ENV_SHARED_MASTER
+
+    env = {ENV_MASTER: "http://127.0.0.1:9", ENV_JOB_TOKEN: "t", ENV_NODE_ID: "n0"}
+    assert Membership.from_env({ENV_NODE_ID: "n0", ENV_SHARED_MASTER: "1"}) is None, "no master"
+    assert Membership.from_env(env) is None, "a master of one node's own: rank 0's keeper's desk decides"
+    shared = Membership.from_env({**env, ENV_SHARED_MASTER: "1"})
+    assert shared is not None and (shared.address, shared.token, shared.me) == ("http://127.0.0.1:9", "t", "n0")

@@ -13,7 +13,7 @@ from stalwart.checkpoint.decider import Decider
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView
-from tests.unit.test_ckpt_multinode import WORLD, snapshot, two_node_dirs
+from tests.unit.two_nodes import WORLD, snapshot, two_node_dirs
 
 NODES = {"A": [0], "B": [1]}
 

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint import shm, stage
-from stalwart.checkpoint.decider_link import acting
+from stalwart.checkpoint import shm
 from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob
@@ -187,22 +186,10 @@ class Checkpointer:
             # of a fast job would otherwise pass before it looks. After a restart it is usually still alive.
             self.keeper.ensure()
             spans_nodes = self.world > len(self.node_ranks)
-            if spans_nodes and self.persisting and os.environ.get(ENV_SHARED_MASTER) != "1" and acting():
+            if spans_nodes and self.persisting and os.environ.get(ENV_SHARED_MASTER) != "1":
                 self.keeper.await_decider()  # the decider is rank 0's keeper's (desk_host)
 
     # -- public API ----------------------------------------------------------------------------
-    def _forget_earlier_launch(self) -> None:
-        """Rank 0 of a job across nodes, before the restore's collectives: an earlier launch's failure and
-        settle records go (``stage.forget_records_from``). Storage that fails here fails the persists
-        later, where its handling is; the restore goes on."""
-        if self.rank != 0 or self.world <= len(self.node_ranks) or not self.persisting:
-            return
-        try:
-            if gone := stage.forget_records_from(self.storage, self.epoch):
-                log.info("an earlier launch's %s removed (this launch's executions start again at 0)", gone)
-        except Exception as err:
-            log.warning("could not read the multi-node records in %s: %r", self.storage.url, err)
-
     def _next_trajectory(self) -> tuple[int, int]:
         """A restore begins a later trajectory: the snapshots taken after it carry (epoch, restores), and
         the copies of an earlier one are not waited for."""
@@ -214,7 +201,6 @@ class Checkpointer:
         """Load the newest usable state into ``state``'s objects; returns the step to resume after
         (0 for a fresh start). Collective: every rank must call it."""
         tstate = self._bind(state)
-        self._forget_earlier_launch()
         info = restore_state(
             tstate, self.paths, self.storage, self.rank, self.world, self.group, trajectory=self._next_trajectory()
         )

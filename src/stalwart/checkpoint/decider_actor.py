@@ -1,7 +1,5 @@
-"""The keeper acting on the decider (docs/protocol.md, plan step 3): ``STALWART_CKPT_DECIDER=act``.
-
-Under ``stalwart run`` across nodes the shadow (:mod:`.decider_shadow`) only reports and compares; the
-actor does what the decider says, and the ``.stage/`` protocol is not used at all:
+"""The keeper acting on the decider (docs/protocol.md) in a job across nodes: it does what the decider
+says, and storage carries no coordination:
 
     Persist(plan, key, attempt, writers)  pin the snapshots of the ranks ``writers`` gives this node
                                           (its own, or a lost node's from its peer copies), put their
@@ -10,9 +8,9 @@ actor does what the decider says, and the ``.stage/`` protocol is not used at al
     Commit(plan, step)                    the node writing rank 0: .metadata → manifest → latest, Committed
     Release / GiveUp                      unpin; the keeper hears what was committed or given up
 
-Its reports (holdings, steps due, pins on sight, workers gone, the job's end) are the shadow's. The
-keeper loop calls :meth:`Actor.act` each tick; a plan's writes run in that loop, as the old protocol's
-did. A failure's save is the same plan with ``failure`` set; the agent waits for the decider's
+Its reports (holdings, steps due, pins on sight, workers gone, the job's end) are
+:mod:`.decider_reports`'. The keeper loop calls :meth:`Actor.act` each tick; a plan's writes run in
+that loop. A failure's save is the same plan with ``failure`` set; the agent waits for the decider's
 ``RestartMayProceed`` (:func:`await_restart`) instead of running the save itself.
 """
 
@@ -25,9 +23,9 @@ from typing import Any
 
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint import plan_write
-from stalwart.checkpoint.decider_link import DeciderLink, acting
-from stalwart.checkpoint.decider_shadow import SIGHT_MAX_S, Shadow, pin_on_sight
-from stalwart.checkpoint.membership import LostNodes
+from stalwart.checkpoint.decider_link import DeciderLink
+from stalwart.checkpoint.decider_reports import SIGHT_MAX_S, Reporter, pin_on_sight
+from stalwart.checkpoint.membership import Membership
 from stalwart.checkpoint.replicas import replica_roots
 from stalwart.checkpoint.shm import JobPaths, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView, epoch_of
@@ -37,21 +35,20 @@ log = logging.getLogger("stalwart.checkpoint.keeper")
 Outcome = tuple[str, int, Any]  # ("committed", step, manifest) | ("given-up", step, why) | ("failed", step, err)
 
 
-class Actor(Shadow):
+class Actor(Reporter):
     """One keeper's side of the decider's plans (``paths``: the node's job directory)."""
 
     def __init__(self, link: DeciderLink, paths: JobPaths, coordinator: Callable[[], bool], pin: Any = None) -> None:
-        super().__init__(link, coordinator, lambda _: False, pin)
+        super().__init__(link, coordinator, pin)
         self.paths = paths
         self.acted: tuple[int, int] = (0, 0)  # the newest (plan, attempt) taken up
         self.plan: ev.Persist | None = None  # the plan this node holds pinned, until its end
         self.views: dict[int, SnapshotView] = {}
         self.write: ev.Write | None = None
-        self.commits: dict[int, ev.Commit] = {}
         self.timed_at = time.monotonic()  # the last step due by time (``persist_every_s``)
 
     @classmethod
-    def of_members(cls, members: LostNodes, paths: JobPaths, coordinator: Callable[[], bool]) -> Actor:
+    def of_members(cls, members: Membership, paths: JobPaths, coordinator: Callable[[], bool]) -> Actor:
         link = DeciderLink(members.address, members.token, members.me)
         return cls(link, paths, coordinator, lambda key, ranks: pin_on_sight(paths, key, ranks))
 
@@ -160,28 +157,16 @@ class Actor(Shadow):
             v.close()
         self.views, self.plan, self.write = {}, None, None
 
-    def answer(self, last_persisted: int, given_up: set[int], final: bool = False) -> None:
-        """The shadow's last exchange at the keeper's exit: nothing is taken up any more, only heard."""
-        for d in self.link.take():
-            log.info("decider (keeper exiting): %r", d)
-            if isinstance(d, ev.Persist | ev.Commit | ev.GiveUp):
-                self._settle(d)
-
-    def end(self, job_complete: bool, last_persisted: int, given_up: set[int], wait_s: float = 2.0) -> None:
+    def end(self, job_complete: bool, wait_s: float = 2.0) -> None:
         """The keeper exits: its plan's pins go with it (the decider gives the plan up when the node goes)."""
         self._drop()
         self.commits.clear()
-        super().end(job_complete, last_persisted, given_up, wait_s)
+        super().end(job_complete, wait_s)
 
 
-def reporter(
-    members: LostNodes | None, coordinator: Callable[[], bool], committed: Callable[[int], bool], paths: JobPaths
-) -> Shadow | None:
-    """The keeper's line to the decider under ``stalwart run``: an actor (``STALWART_CKPT_DECIDER=act``)
-    or a shadow; None without a master."""
-    if members is None or not acting():
-        return Shadow.of(members, coordinator, committed, paths)
-    return Actor.of_members(members, paths, coordinator)
+def reporter(members: Membership | None, paths: JobPaths, coordinator: Callable[[], bool]) -> Actor | None:
+    """The keeper's line to the decider (``members``: where it is), None until that is known."""
+    return None if members is None else Actor.of_members(members, paths, coordinator)
 
 
 def open_view(paths: JobPaths, rank: int, key: ev.Key, settle_s: float = 1.0) -> SnapshotView:
@@ -205,7 +190,7 @@ def open_view(paths: JobPaths, rank: int, key: ev.Key, settle_s: float = 1.0) ->
 
 
 def await_restart(
-    members: LostNodes,
+    members: Membership,
     epoch: int,
     storage: Callable[[], Storage | None],
     commit: bool,

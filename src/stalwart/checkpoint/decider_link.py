@@ -12,25 +12,16 @@ next call carries it. JSON both ways, never pickle.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
 
-from stalwart import runtime
 from stalwart.checkpoint import decider_wire as wire
 from stalwart.runtime.master_call import call_master
 
 log = logging.getLogger("stalwart.checkpoint")
 MAX_QUEUED = 10_000  # a master gone for long: the oldest reports go
 MAX_BATCH = 200  # events per call (the master refuses bodies over 1 MiB; a Holding is ~200 B)
-
-
-def acting() -> bool:
-    """The keepers act on the decider (and the agents wait for its word on a failure): the default under
-    ``stalwart run``; ``STALWART_CKPT_DECIDER=shadow`` brings back the `.stage/` protocol, the decider
-    only hearing the keepers' reports (a way back while the decider beds in)."""
-    return os.environ.get(runtime.ENV_CKPT_DECIDER, "act") != "shadow"
 
 
 def decisions_mark(address: str, token: str, node: str) -> int | None:

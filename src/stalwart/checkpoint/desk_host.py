@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from stalwart import runtime
-from stalwart.checkpoint.membership import LostNodes
+from stalwart.checkpoint.membership import Membership
 from stalwart.checkpoint.shm import JobPaths
 
 log = logging.getLogger("stalwart.checkpoint")
@@ -58,7 +58,7 @@ class DeskHost:
         self.published: str | None = None  # the store it put its address into last
         self._looked = -float("inf")
 
-    def members(self, job: dict[str, Any], coordinator: bool) -> LostNodes | None:
+    def members(self, job: dict[str, Any], coordinator: bool) -> Membership | None:
         """The line to the decider once known (None: not yet; called again at the next pass)."""
         store = job.get("store")
         if not store:
@@ -66,7 +66,7 @@ class DeskHost:
         if coordinator:
             self._host(store)
             self.republish(job)
-            return LostNodes(self.master.address, self._token, self.node, agent=self.agent)
+            return Membership(self.master.address, self._token, self.node, agent=self.agent)
         if time.monotonic() - self._looked < LOOK_EVERY_S:
             return None
         self._looked = time.monotonic()
@@ -78,7 +78,7 @@ class DeskHost:
         except (OSError, RuntimeError, ValueError, KeyError) as err:  # the store is between rounds
             log.debug("checkpoint desk: store %s not readable yet (%s)", store, err)
             return None
-        return LostNodes(found["address"], found["token"], self.node, agent=self.agent)
+        return Membership(found["address"], found["token"], self.node, agent=self.agent)
 
     def republish(self, job: dict[str, Any]) -> None:
         """The host puts its address into every new store the workers name (a restart's)."""

@@ -1,8 +1,8 @@
 """The keeper: one process per node and job that outlives the workers.
 
 It watches the shared-memory snapshots, persists them to storage per policy (DCP format,
-:mod:`.persist`; across nodes as the job master's decider says, :mod:`.decider_actor`, or over the
-`.stage/` protocol without a master, :mod:`.multinode`), saves on failure when a worker dies, and
+:mod:`.persist`; across nodes as the checkpoint decider says, :mod:`.decider_actor`, the decider being
+the job master's or rank 0's keeper's, :mod:`.desk_host`), saves on failure when a worker dies, and
 removes the snapshots when the job completes. It learns the storage and policy from ``job.json``,
 which the workers write (:class:`~stalwart.checkpoint.node_job.NodeJob` owns that protocol). Under
 ``stalwart run`` the agent starts it (``--parent AGENT_PID``) before the workers, and on SIGTERM or
@@ -24,12 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart import chaos, runtime
-from stalwart.checkpoint import stage
-from stalwart.checkpoint.decider_actor import Actor, Outcome, reporter
-from stalwart.checkpoint.decider_link import acting
+from stalwart.checkpoint.decider_actor import Outcome, reporter
 from stalwart.checkpoint.desk_host import DeskHost
 from stalwart.checkpoint.keeper_tidy import remove_leftovers, tidy_storage
-from stalwart.checkpoint.membership import LostNodes, NodeLost
+from stalwart.checkpoint.membership import Membership
 from stalwart.checkpoint.node_job import NodeJob, agreed
 from stalwart.checkpoint.persist import remove_torn, retention
 from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
@@ -59,16 +57,13 @@ class Keeper:
         self.given_up: dict[int, float | None] = {}  # a step given up → its snapshot's capture time (None: none)
         self.events: list[dict[str, Any]] = []
         self.status: dict[str, Any] = {"pid": os.getpid(), "started": time.time()}
-        self.request_checked = 0.0
         self.leftovers: set[int] = set()  # failed attempts whose removal failed too: removed later
-        self.members = LostNodes.from_env()  # under `stalwart run`: a lost node ends a persist at once
+        self.members = Membership.from_env()  # the decider in the master every node shares (`stalwart run`)
         # No master every node shares (plain torchrun): rank 0's keeper hosts the decider.
         self.desk = DeskHost(self.paths, os.environ.get(runtime.ENV_AGENT, "")) if self.members is None else None
         if not self._reload_job():
             raise ValueError(f"{self.paths.job} is missing or has no storage URL")
-        self.shadow = reporter(
-            self.members, lambda: self.coordinator, lambda s: self.storage.manifest(s) is not None, self.paths
-        )
+        self.actor = reporter(self.members, self.paths, lambda: self.coordinator)
         self.last_persist_time = time.monotonic()
 
     def _reload_job(self) -> bool:
@@ -128,8 +123,8 @@ class Keeper:
         # The abandoned steps' events carry the redone steps' numbers: a waiter would read them as its own.
         self.events = [e for e in self.events if e.get("step") is None or e["step"] <= self.last_persisted]
         self.status["rollback"] = note["id"]
-        if self.shadow is not None and self.shadow.link.formed:
-            self.shadow.rolled_back(self.node.epoch(), self.last_persisted)
+        if self.actor is not None and self.actor.link.formed:
+            self.actor.rolled_back(self.node.epoch(), self.last_persisted)
         self.event("rollback", note.get("step"), f"storage moved back to step {latest}: redone steps persist again")
 
     def policy(self, key: str, default: Any = 0) -> Any:
@@ -156,7 +151,7 @@ class Keeper:
             f"keeper pid {os.getpid()} for {self.paths.root} → {self.storage.url} "
             f"(latest committed: {self.last_persisted if self.last_persisted >= 0 else 'none'})",
         )
-        if self.coordinator:  # the coordinator may be committing a step the others' keepers write
+        if self.coordinator:  # rank 0's node: the committer of a step the others' keepers write
             tidy_storage(self.node, self.storage, self.event, self.health)
         idle_since: float | None = None
         while True:
@@ -179,7 +174,7 @@ class Keeper:
                 and self._finish(world, "all ranks closed the checkpointer: job complete", complete=True)
             ):
                 return
-            if self.members is not None and 0 < len(ranks) < world:  # the master can name a lost node's ranks
+            if self.members is not None and 0 < len(ranks) < world:  # every node's ranks form the execution
                 self.members.report_member(self.node.epoch(), ranks, world, self.job.get("agent", ""))
             if self.active and world:
                 self._check_failures(world, owners)
@@ -196,20 +191,16 @@ class Keeper:
 
     def _find_decider(self) -> None:
         """Across nodes without a shared master: the decider rank 0's keeper hosts (``desk_host``)."""
-        if self.desk is None or not acting() or not self.node.spans_nodes():
+        if self.desk is None or not self.node.spans_nodes():
             return
-        if self.shadow is not None:
+        if self.actor is not None:
             self.desk.republish(self.job)  # the host: a restart's new store learns the address too
         elif (members := self.desk.members(self.job, self.coordinator)) is not None:
             self.members = members
-            self.shadow = reporter(members, lambda: self.coordinator, lambda s: False, self.paths)
+            self.actor = reporter(members, self.paths, lambda: self.coordinator)
             self.status["decider"] = members.address  # the workers' first save waits for it (KeeperLink)
             where = "hosted here" if self.desk.master is not None else "rank 0's keeper's"
             self.event("decider", None, f"node {members.me}: the checkpoint decider is {where}, at {members.address}")
-
-    def _seeks_decider(self, world: int, ranks: int) -> bool:
-        """Across nodes the decider says what to persist; until this keeper knows where it is, nothing."""
-        return ranks < world and self.shadow is None and acting()
 
     def _final_pass(self) -> None:
         """The agent exits or is gone: once its workers are gone too (they die with it), save on
@@ -227,8 +218,9 @@ class Keeper:
         self._finish(world, self.stop.why or "stopped", all(self.node.closed(r, o) for r, o in owners.items()))
 
     def _check_failures(self, world: int, owners: dict[int, dict[str, Any] | None]) -> None:
-        if self._seeks_decider(world, len(owners)):
-            return
+        across = len(owners) < world  # the decider saves from every node's final holdings
+        if across and self.actor is None:
+            return  # not linked to the decider yet: a death seen then is reported once linked
         for r, owner in owners.items():
             if not owner or owner.get("world_size") != world or self.node.closed(r, owner):
                 continue
@@ -236,13 +228,12 @@ class Keeper:
             if pid in self.handled_pids or pid_alive(pid):
                 continue
             self.handled_pids.add(pid)
-            if isinstance(self.shadow, Actor) and len(owners) < world:  # the decider saves on failure
+            if across:
                 self.event("worker-died", None, f"rank {r} (pid {pid}) died; the decider saves", logging.WARNING)
                 continue
             self.event("worker-died", None, f"rank {r} (pid {pid}) died; saving on failure", logging.WARNING)
             try:
-                options = self.job.get("storage_options")
-                result = self.node.save_on_failure(self.storage.url, options, world, quiet=True, members=self.members)
+                result = self.node.save_on_failure(self.storage.url, self.job.get("storage_options"), world, True)
             except Exception as err:
                 cause = self.health.failed("save-on-failure", None, err)
                 self.event("save-on-failure-failed", None, f"({cause}) {err!r}", logging.ERROR)
@@ -252,14 +243,12 @@ class Keeper:
                 self._retention(result["step"])
                 self.last_persisted = max(self.last_persisted, result["step"])
             self.event("save-on-failure", result["step"], result["detail"])
-        if self.shadow is not None and len(owners) < world:
-            self.shadow.workers_died(self.node, world, owners, self.handled_pids)
+        if across:
+            self.actor.workers_died(self.node, world, owners, self.handled_pids)
 
     def _maybe_persist(self, world: int, ranks: list[int], force: bool = False) -> None:
         """Persist what the policy says is due. While storage fails, attempts back off and each retry
         takes the newest step in memory (``force``: one attempt now, the final pass)."""
-        if self._seeks_decider(world, len(ranks)):
-            return
         steps = self.node.snapshot_steps(world, ranks)
         common = agreed(steps)
         taken = {s: captured_at(steps[ranks[0]][s]) for s in common}
@@ -267,38 +256,26 @@ class Keeper:
         # step skipped (or abandoned) for the snapshot it had then is the new snapshot's to persist.
         self.given_up = {s: t for s, t in self.given_up.items() if t is None or taken.get(s, t) == t}
         flagged = [s for s in common if all(steps[r][s].get("persist") for r in steps)]
-        if self.shadow is not None and len(ranks) < world:  # the decider hears jobs that span nodes
-            acting = isinstance(self.shadow, Actor)
-            every_s = float(self.policy("persist_every_s"))
-            if acting and self.coordinator and (due := self.shadow.due_by_time(common, every_s, self.last_persisted)):
-                flagged = sorted({*flagged, due})
-            self.shadow.observe(steps, flagged, self.node.copy_steps(world))
-            if acting:
-                self._acted(self.shadow.act(self.storage, world), taken)
-                return
-            self.shadow.answer(self.last_persisted, set(self.given_up))
+        every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
+        if len(ranks) < world:  # across nodes: the decider plans, the keepers act (decider_actor)
+            if self.actor is not None:
+                if self.coordinator and (due := self.actor.due_by_time(common, every_s, self.last_persisted)):
+                    flagged = sorted({*flagged, due})
+                self.actor.observe(steps, flagged, self.node.copy_steps(world))
+                self._acted(self.actor.act(self.storage, world), taken)
+            return
         if not (force or self.health.may_try()):
             return
-        every, every_s = int(self.policy("persist_every_steps")), float(self.policy("persist_every_s"))
         target = max(flagged, default=-1)
-        if self.health.streak and self.coordinator and (self.policy("persist_every_steps") or every_s):
+        if self.health.streak and (every or every_s):
             target = max(common, default=-1)  # a retry: the newest state in memory
         if target <= self.last_persisted or target in self.given_up:
             target = -1
             newest = max(common, default=-1)
-            if (
-                self.coordinator
-                and every_s > 0
-                and time.monotonic() - self.last_persist_time >= every_s
-                and newest > self.last_persisted
-            ):
+            if every_s > 0 and time.monotonic() - self.last_persist_time >= every_s and newest > self.last_persisted:
                 target = newest
-        if target < 0 and not self.coordinator:
-            target = self._requested(world, ranks, common)
         if target < 0:
             return
-        if not self.coordinator:
-            every = 0  # the coordinator reports coalesced steps
         due = [s for s in range(max(1, self.last_persisted + 1), target) if every > 0 and s % every == 0]
         if due and not self.health.streak:  # while storage fails, the retries say why steps are skipped
             self.event(
@@ -310,19 +287,11 @@ class Keeper:
             )
         self.last_persist_time = time.monotonic()
         try:
-            manifest = self.node.persist_step(
-                self.storage,
-                target,
-                world,
-                "keeper",
-                ranks,
-                ask_others=self.coordinator and target not in flagged,
-                members=self.members,
-            )
+            manifest = self.node.persist_step(self.storage, target, world, "keeper")
         except (LookupError, BlockingIOError) as err:
             self.given_up[target] = taken.get(target)
-            why = "" if isinstance(err, (stage.Abandoned, NodeLost)) else ": training outpaced persistence"
-            self.event("skipped", target, f"{err}{why}; the next due step will be persisted", logging.WARNING)
+            why = f"{err}: training outpaced persistence; the next due step will be persisted"
+            self.event("skipped", target, why, logging.WARNING)
             return
         except Exception as err:  # storage: retried with backoff (not given up), torn attempt removed
             cause = self.health.failed("persist", target, err)
@@ -362,23 +331,6 @@ class Keeper:
                 self._retention(step)
                 self.last_persisted = step
                 self.event("committed", step, f"{what['bytes'] / 2**20:.1f} MiB → {self.storage.path(step_name(step))}")
-
-    def _requested(self, world: int, ranks: list[int], common: set[int]) -> int:
-        """A step the coordinator asked for (save-on-failure, time-based) that we still hold, else -1;
-        answers "missing" for one we no longer hold so the coordinator need not wait."""
-        now = time.monotonic()
-        if now - self.request_checked < 0.2:
-            return -1
-        self.request_checked = now
-        self.storage.refresh()
-        step = stage.requested_step(self.storage)
-        if step is None or step <= self.last_persisted or step in self.given_up:
-            return -1
-        if step in common:
-            return step
-        self.given_up[step] = None
-        stage.answer_missing(self.storage, step, ranks, f"this node holds steps {sorted(common)}")
-        return -1
 
     def _retention(self, step: int) -> None:
         """Apply keep_last/keep_every after committing ``step``, under the persist lock (a rollback
@@ -421,6 +373,6 @@ class Keeper:
                 shutil.rmtree(self.paths.root, ignore_errors=True)
         finally:
             os.close(lock)
-        if self.shadow is not None:  # outside the job lock: a restarting worker must not wait on the master
-            self.shadow.end(complete, self.last_persisted, set(self.given_up))
+        if self.actor is not None:  # outside the job lock: a restarting worker must not wait on the master
+            self.actor.end(complete)
         return True

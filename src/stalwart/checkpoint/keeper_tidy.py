@@ -1,13 +1,11 @@
 """What a keeper removes from storage that no checkpoint needs: torn step directories (a persist that
-died, a plan given up mid-write), failed attempts whose removal failed while storage was down, and
-the `.stage/` files of finished steps."""
+died, a plan given up mid-write) and failed attempts whose removal failed while storage was down."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
-from stalwart.checkpoint import stage
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.persist import remove_torn
 from stalwart.checkpoint.storage import Storage, step_name
@@ -24,8 +22,6 @@ def tidy_storage(node: NodeJob, storage: Storage, event: Event, health: StorageH
             for s in storage.remove_uncommitted():
                 why = f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})"
                 event("removed-torn", s, why, logging.WARNING)
-            if latest is not None:  # stage files of finished steps; later ones may be in use by other nodes
-                stage.clear_stage(storage, below=latest + 1)
     except Exception as err:  # unreachable storage: the first persist will report it too
         health.failed("tidy", None, err)
 

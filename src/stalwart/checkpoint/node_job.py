@@ -22,13 +22,11 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from stalwart import runtime
-from stalwart.checkpoint import multinode, stage
-from stalwart.checkpoint.membership import LostNodes, NodeLost
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.replicas import replica_roots
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, job_dir_for, read_json, secure_job_dir
@@ -200,44 +198,21 @@ class NodeJob:
         return False
 
     # -- persisting ---------------------------------------------------------------------------------------
-    def persist_step(
-        self,
-        storage: Storage,
-        step: int,
-        world: int,
-        source: str,
-        ranks: list[int] | None = None,
-        ask_others: bool = False,
-        on_planned: Callable[[int], None] | None = None,
-        members: LostNodes | None = None,
-    ) -> dict[str, Any]:
-        """Pin this node's snapshots of ``step`` (``ranks``, default all) and write them as one committed
-        checkpoint — with the other nodes' keepers when the job spans nodes (:mod:`.multinode`;
-        ``ask_others`` for a step they would not pick by themselves).
+    def persist_step(self, storage: Storage, step: int, world: int, source: str) -> dict[str, Any]:
+        """Pin every rank's snapshot of ``step`` and write them as one committed checkpoint (a job on one
+        node; across nodes the keepers write together as the decider says, ``decider_actor``).
         Returns the manifest, with ``already: True`` when a committed checkpoint covers the step (the
         keeper and the agent's save-on-failure may race for it). Raises LookupError/BlockingIOError when
         a snapshot is gone."""
-        ranks = list(range(world)) if ranks is None else ranks
-        asked = {"ask_others": ask_others, "on_planned": on_planned, "members": members}
         views: dict[int, SnapshotView] = {}
         with self.persist_lock():
             try:
                 done = storage.committed()  # decided under the lock: never rewrite what another persist committed
                 if done and done[0] >= step:
                     return {**(storage.manifest(done[0]) or {}), "already": True, "commit_s": 0.0}
-                for r in ranks:
+                for r in range(world):
                     views[r] = self._pin(r, step)
-                if len(ranks) == world:
-                    return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
-                coordinator = 0 in ranks
-                return multinode.persist(storage, step, views, world, source, coordinator, **asked)
-            except (LookupError, BlockingIOError) as err:
-                if len(ranks) < world and not isinstance(err, stage.MissingSnapshot):  # nobody should wait
-                    if 0 in ranks:
-                        multinode.abort(storage, step, str(err))
-                    else:
-                        stage.answer_missing(storage, step, ranks, str(err))
-                raise
+                return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
             finally:
                 for v in views.values():
                     v.close()
@@ -264,99 +239,47 @@ class NodeJob:
         storage_options: dict[str, Any] | None = None,
         world_size: int | None = None,
         quiet: bool = False,
-        on_planned: Callable[[int], None] | None = None,
-        members: LostNodes | None = None,
     ) -> dict[str, Any]:
         """Persist the newest snapshot that every rank holds, unless it is already committed.
 
-        Run when a worker dies (by the keeper, or the agent). It never persists a step that some rank
-        lacks (that would mix states of different steps) and says in the result and the log why it did
-        nothing. ``on_planned``, ``members``: see :func:`multinode.persist` (across nodes only)."""
+        Run when a worker dies (by the keeper, or the agent) of a job on one node; across nodes the
+        decider plans the save from every keeper's final holdings. It never persists a step that some
+        rank lacks (that would mix states of different steps) and says in the result and the log why it
+        did nothing."""
         job = self.job()
         storage = Storage(
             storage_url or job["storage"],
             storage_options if storage_options is not None else job.get("storage_options"),
         )
         world = world_size or self.world()
-        ranks = self.node_ranks(world) if world else []
-        epoch = self.epoch()  # the failed execution
-        # Rank 0's node of a job across nodes, none of its workers left: what it holds is final. While
-        # one still runs (a sibling of a rank that died), a later save follows, and this one says nothing.
-        final = 0 in ranks and len(ranks) < world and not self.workers_attached()
-
-        def settle(step: int | None, detail: str) -> None:
-            if final:  # the other nodes' agents may wait for this word
-                try:
-                    stage.settle(storage, epoch, step, detail)
-                except Exception as err:  # fsspec backends raise their own types; the save's result stands
-                    log.warning("save-on-failure: could not tell the other nodes it settled: %r", err)
 
         def outcome(persisted: bool, step: int | None, detail: str, covered: bool = False) -> dict[str, Any]:
             if not quiet:
                 (log.info if persisted else log.warning)("save-on-failure: %s", detail)
-            settle(step if persisted or covered else None, detail)
             return {"persisted": persisted, "step": step, "detail": detail, "covered": covered}
-
-        def covered(step: int, by: object) -> dict[str, Any]:
-            return outcome(False, step, f"step {step} is already covered by committed step {by}", True)
 
         if not world:
             return outcome(False, None, f"no snapshots under {self.root}")
-        if 0 not in ranks:
-            return outcome(False, None, "rank 0's node coordinates save-on-failure; this node's keeper takes part")
-        try:
-            final_epoch = epoch if final else None
-            return self._save_agreed(storage, world, ranks, final_epoch, outcome, covered, on_planned, members)
-        except Exception as err:  # a participant timed out, storage failed: over all the same, nothing saved
-            settle(None, f"save-on-failure failed: {err!r}")
-            raise
-
-    def _save_agreed(
-        self,
-        storage: Storage,
-        world: int,
-        ranks: list[int],
-        final_epoch: int | None,
-        outcome: Callable[..., dict[str, Any]],
-        covered: Callable[[int, object], dict[str, Any]],
-        on_planned: Callable[[int], None] | None = None,
-        members: LostNodes | None = None,
-    ) -> dict[str, Any]:
-        """``save_on_failure``'s search for the newest step every rank holds, on rank 0's node; with
-        ``final_epoch`` (its steps are final: that execution failed) it first declares the failure to the
-        other nodes."""
+        if len(ranks := self.node_ranks(world)) < world:
+            return outcome(False, None, f"this node holds ranks {ranks} of {world}: the decider saves across nodes")
+        covered = "step {} is already covered by committed step {}"
         steps = self.snapshot_steps(world, ranks)
-        common = agreed(steps)
-        if final_epoch is not None:
-            try:
-                stage.declare_failure(storage, final_epoch, max(common, default=-1))
-            except Exception as err:  # the save goes on; a node in a dead end may then make it fail
-                log.warning("save-on-failure: could not declare the failure to the other nodes: %r", err)
-        if not common:
+        if not (common := agreed(steps)):
             held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
             return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
+        step = max(common)
         committed = storage.committed()
-        # Across nodes the newest step here may be missing elsewhere (a rank died mid-copy): try older ones.
-        for step in sorted(common, reverse=True):
-            if committed and committed[0] >= step:
-                return covered(step, committed[0])
-            try:
-                asked = {"ask_others": True, "on_planned": on_planned, "members": members}
-                manifest = self.persist_step(storage, step, world, "save-on-failure", ranks, **asked)
-            except stage.MissingSnapshot as err:
-                log.warning("save-on-failure: %s; trying an older step", err)
-                continue
-            except NodeLost as err:  # its ranks' snapshots went with it: no step every rank holds is left
-                return outcome(False, None, f"{err}; nothing can be saved")
-            if manifest.get("already"):
-                return covered(step, manifest.get("step"))
-            return outcome(
-                True,
-                step,
-                f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
-                f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}",
-            )
-        return outcome(False, None, f"no step held by this node ({sorted(common)}) is held by every node")
+        if committed and committed[0] >= step:
+            return outcome(False, step, covered.format(step, committed[0]), True)
+        manifest = self.persist_step(storage, step, world, "save-on-failure")
+        if manifest.get("already"):
+            return outcome(False, step, covered.format(step, manifest.get("step")), True)
+        return outcome(
+            True,
+            step,
+            f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
+            f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}",
+        )
 
 
 def _workers_store() -> str | None:

@@ -22,8 +22,10 @@ import json
 import time
 from typing import Any
 
-from stalwart._compat import storage_prefix
-from stalwart.checkpoint.multinode_wire import results_from_json, results_json
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from stalwart._compat import storage_info, storage_info_fields, storage_prefix
 from stalwart.checkpoint.persist import (
     PlanOnlyView,
     chaos_hook,
@@ -126,3 +128,30 @@ def _remove(storage: Storage, *parts: str) -> None:
         storage.fs.rm(storage.path(*parts), recursive=True)
     except FileNotFoundError:
         pass
+
+
+def results_json(results: list[WriteResult]) -> list[dict[str, Any]]:
+    """DCP write results as JSON: the committer never unpickles what another node wrote."""
+    out = []
+    for wr in results:
+        out.append(
+            {
+                "fqn": wr.index.fqn,
+                "offset": None if wr.index.offset is None else list(wr.index.offset),
+                "index": wr.index.index,
+                "size": wr.size_in_bytes,
+                **storage_info_fields(wr.storage_data),
+            }
+        )
+    return out
+
+
+def results_from_json(items: list[dict[str, Any]]) -> list[WriteResult]:
+    return [
+        WriteResult(
+            index=MetadataIndex(i["fqn"], i["offset"], i["index"]),
+            size_in_bytes=i["size"],
+            storage_data=storage_info(i),
+        )
+        for i in items
+    ]

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from stalwart.checkpoint import stage
 from stalwart.checkpoint.restore import RestoreInfo, candidates, restore_state
 from stalwart.checkpoint.shm import complete_slots
 
@@ -69,7 +68,6 @@ def _forget_storage_after(ck: Checkpointer, step: int) -> None:
     if ck.rank == 0:
         with ck.job.persist_lock():
             newer = ck.storage.forget_after(step)
-            stage.forget_after(ck.storage, step)  # the stage's cursors and request, too
         if newer:
             log.warning("rollback to step %d: removed newer checkpoint(s) %s from %s", step, newer, ck.storage.url)
     if dist.is_initialized():

@@ -22,10 +22,7 @@ from typing import Any
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
 
-CAUSES = ("full", "permission", "unreachable", "timeout", "torn", "peer", "error")
-# A multi-node persist given up because another node never took part (multinode.persist's answer and
-# liveness timeouts): that node is lost — its own incident — not the storage, which is not journaled.
-_PEER = ("snapshot table (its node's keeper)", "its node is probably lost", "does not hold step")
+CAUSES = ("full", "permission", "unreachable", "timeout", "torn", "error")
 # In the job's shm directory, or beside the agent's status copy (it outlives that directory, so the
 # final pass's records still reach the agent, which forwards each line).
 INCIDENTS_FILE = "storage.incidents.jsonl"
@@ -75,8 +72,6 @@ def classify(err: BaseException) -> str:
     """The cause of a storage error (one of ``CAUSES``): an errno anywhere in the chain wins, then the
     error's type and text (object stores and torch's zip writer say it in words)."""
     chain = _chain(err)
-    if any(n in str(e) for e in chain for n in _PEER):
-        return "peer"
     for e in chain:
         if isinstance(e, OSError) and e.errno in _ERRNO:
             return _ERRNO[e.errno]
@@ -155,7 +150,7 @@ class StorageHealth:
             self._logged_at, self._folded = now, 0
         else:
             self._folded += 1
-        if new_episode and cause != "peer":
+        if new_episode:
             self._journaled = True
             self._journal(
                 step,

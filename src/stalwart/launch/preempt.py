@@ -22,10 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from stalwart.checkpoint.decider_link import acting
-
 if TYPE_CHECKING:
-    from stalwart.checkpoint.node_job import NodeJob
     from stalwart.launch.client import MasterClient
 
 log = logging.getLogger("stalwart.preempt")
@@ -144,61 +141,12 @@ def requeue(env: Mapping[str, str], timeout_s: float = 30.0) -> dict[str, Any]:
     return {"requeued": True, "detail": f"job {job_id} requeued"}
 
 
-def wait_committed(job: NodeJob, timeout_s: float = 60.0) -> dict[str, Any]:
-    """On a node without rank 0: keep the keeper up (it writes this node's shards when asked) until
-    rank 0's node has committed the newest step this node holds, or has settled the save-on-failure of
-    the execution this node's workers ran (an integer, the epoch: no clocks compared across nodes), or
-    ``timeout_s`` passed. The settled
-    word is what ends the wait when this node holds a step that rank 0's node lacks: the newest step
-    *every* rank holds is then older, and waiting for this node's own would outlast the allocation
-    (Slurm kills the step ``KillWait`` seconds after a requeue)."""
-    from stalwart.checkpoint import stage
-    from stalwart.checkpoint.storage import Storage
-
-    spec, world = job.job(), job.world()
-    if not spec.get("storage") or not world:
-        return {"persisted": False, "detail": "no snapshots on this node"}
-    if not job.persists():
-        return {"persisted": False, "detail": "memory-only checkpoints: nothing to persist"}
-    target, epoch = job.newest_agreed(world), job.epoch()
-    storage = Storage(spec["storage"], spec.get("storage_options"))
-    started, said = time.monotonic(), False
-    deadline = started + timeout_s
-    while time.monotonic() < deadline:
-        done = storage.committed()
-        if done and done[0] >= target:
-            return {"persisted": True, "step": done[0], "detail": f"rank 0's node committed step {done[0]}"}
-        if (word := stage.settled(storage, epoch)) is not None:  # a durable step, or None
-            return {
-                "persisted": word["step"] is not None,
-                "step": word["step"],
-                "detail": f"rank 0's node settled: {word['detail']}",
-            }
-        if not said and time.monotonic() > started + 3.0:  # said once, so that a slow end is explained
-            said = True
-            record = stage.get(storage, stage.STAGE, stage.SETTLED)
-            log.warning(
-                "waiting for rank 0's node: step %d not committed (committed: %s), and no settled word for "
-                "execution %d (the record: %s)",
-                target,
-                done[:3],
-                epoch,
-                record,
-            )
-        time.sleep(0.1)
-        storage.refresh()
-    return {"persisted": False, "step": target, "detail": f"step {target} not committed within {timeout_s:.0f} s"}
-
-
-def persist_on_preempt(
-    err: Preempted, job: NodeJob, save: Callable[[None], dict[str, Any]], stopped: float
-) -> dict[str, Any]:
-    """After the workers stopped: persist (rank 0's node, through the agent's save-on-failure hook) or
-    wait for the commit (the others); the timeline of the notice, for the journal and the summary."""
+def persist_on_preempt(err: Preempted, save: Callable[[None], dict[str, Any]], stopped: float) -> dict[str, Any]:
+    """After the workers stopped: persist through the agent's save-on-failure hook (across nodes every
+    node waits for the decider's commit); the timeline of the notice, for the journal and the summary."""
     t0 = time.time()
     try:
-        rank0 = 0 in job.node_ranks(job.world() or 1) if job.paths.job.exists() else True
-        saved = save(None) if rank0 or acting() else wait_committed(job)  # acting: every node hears the decider
+        saved = save(None)
     except Exception as exc:  # the exit must still happen, and say why nothing was persisted
         log.exception("persist on preemption failed")
         saved = {"persisted": False, "detail": f"{type(exc).__name__}: {exc}"}

@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
-from stalwart.checkpoint.membership import LostNodes
+from stalwart.checkpoint.membership import Membership
 from stalwart.health.precheck import PrecheckConfig
 from stalwart.health.throttle import Throttle
 from stalwart.launch import (
@@ -165,7 +165,7 @@ def run(argv: list[str]) -> int:
     # The keeper's own environment carries the job token: peer replicas, and the master's lost nodes.
     keeper_env = {**replica_env(args, address, token), runtime.ENV_JOB_TOKEN: token}
     node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, keeper_env)
-    failure_save = FailureSave(node_job, LostNodes(address, token, node_id) if shared else None)
+    failure_save = FailureSave(node_job, Membership(address, token, node_id) if shared else None)
     storage_watch = StorageWatch(keeper.status_copy)
 
     slowed = slow is not None and slow.action == "delay"
@@ -245,7 +245,7 @@ def run(argv: list[str]) -> int:
         exit_code = 1
     except preempt.Preempted as err:  # TorchElastic stopped the workers: persist what they left in memory
         exit_code = preempt.EXIT_PREEMPTED
-        preempted = preempt.persist_on_preempt(err, node_job, failure_save, time.time())
+        preempted = preempt.persist_on_preempt(err, failure_save, time.time())
         preempt.journal(client, node_id, preempted)
         print(f"stalwart run: node {node_id} preempted ({preempted['signal']}): {preempted['save']}", file=sys.stderr)
     finally:
@@ -254,7 +254,6 @@ def run(argv: list[str]) -> int:
             spec.rdzv_handler.shutdown()
         if warm is not None:
             warm.stop(wait=preempted is None)
-        failure_save.wait()  # a save-on-failure finishing in the background commits before the keeper stops
         if preempted is None:
             keeper.stop()  # after the workers: it saves on failure for those that did not finish
         else:  # the step is committed: let it tidy up while this agent exits (a moment to hear what it kept)

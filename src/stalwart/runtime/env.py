@@ -46,8 +46,6 @@ ENV_REPLICA_SYNC = "STALWART_REPLICA_SYNC"
 REPLICA_OVERLAP = "overlap"
 ENV_FAILURE_DOMAIN = "STALWART_FAILURE_DOMAIN"  # the user's: --replica-domain's default
 ENV_SNAPSHOT_SLOTS = "STALWART_SNAPSHOT_SLOTS"
-# The user's, read by keepers and agents: "shadow" brings back the `.stage/` persist across nodes.
-ENV_CKPT_DECIDER = "STALWART_CKPT_DECIDER"
 # "1": every node's agent talks to the master in ENV_MASTER (`--master`, Slurm's), so the checkpoint
 # decider lives there; otherwise a job across nodes has it in rank 0's keeper (checkpoint/desk_host.py).
 ENV_SHARED_MASTER = "STALWART_SHARED_MASTER"
