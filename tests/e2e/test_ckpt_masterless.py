@@ -6,7 +6,6 @@ and a worker killed mid-run is saved on failure and resumed bitwise."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -17,31 +16,15 @@ import pytest
 
 from stalwart.checkpoint import Storage
 
+from .test_ckpt_multinode import STEPS, finished, train_job
 from .test_master import free_port
 
 pytestmark = pytest.mark.e2e
-STEPS = 12
 
 
 def run_two_nodes(tmp_path: Path, data: Path, launcher: str, chaos: str | None = None) -> dict:
     port = free_port()
-    train = [
-        "-m",
-        "stalwart",
-        "train",
-        "--config",
-        "configs/debug.toml",
-        f"--data.dir={data}",
-        "--data.seq_len=64",
-        f"--train.steps={STEPS}",
-        "--train.warmup_steps=2",
-        f"--train.out_dir={tmp_path / 'out'}",
-        "--checkpoint.enabled=true",
-        f"--checkpoint.dir={tmp_path / 'ckpt'}",
-        "--checkpoint.persist_every_steps=4",
-        "--checkpoint.keeper_idle_s=5",
-        "--train.threads=1",
-    ]
+    train = train_job(tmp_path, data, keeper_idle_s=5)
     procs = []
     for n in range(2):
         shm = tmp_path / f"shm{n}"  # each "node" its own tmpfs, as separate hosts would have
@@ -62,10 +45,7 @@ def run_two_nodes(tmp_path: Path, data: Path, launcher: str, chaos: str | None =
             head += ["--run-dir", str(tmp_path / f"run{n}"), *(["--chaos", chaos] if chaos else [])]
         cmd = [sys.executable, *head, "--nnodes", "2", "--nproc-per-node", "1", *train]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-4000:]
-    return json.loads((tmp_path / "out" / "summary.json").read_text())
+    return finished(procs, tmp_path)
 
 
 @pytest.fixture(scope="module")

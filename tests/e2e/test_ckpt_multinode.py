@@ -26,6 +26,17 @@ STEPS = 12
 PERSIST_DELAY_S = 12
 
 
+def train_job(tmp_path: Path, data: Path, keeper_idle_s: float) -> list[str]:
+    """Each node's worker command: the debug model, persisting every 4 steps."""
+    return [
+        *("-m", "stalwart", "train", "--config", "configs/debug.toml", f"--data.dir={data}", "--data.seq_len=64"),
+        *(f"--train.steps={STEPS}", "--train.warmup_steps=2", f"--train.out_dir={tmp_path / 'out'}"),
+        *("--checkpoint.enabled=true", f"--checkpoint.dir={tmp_path / 'ckpt'}", "--checkpoint.persist_every_steps=4"),
+        f"--checkpoint.keeper_idle_s={keeper_idle_s}",
+        "--train.threads=1",  # each node's only worker would take both cores (test_elastic.ONE_THREAD)
+    ]
+
+
 def run_two_nodes(tmp_path: Path, data: Path, chaos: str | None = None) -> dict:
     port, job = free_port(), f"ckmn-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "STALWART_CHAOS_DIR": str(tmp_path / "chaos")}
@@ -58,26 +69,17 @@ def run_two_nodes(tmp_path: Path, data: Path, chaos: str | None = None) -> dict:
                 "--run-dir",
                 str(tmp_path / f"run{n}"),
                 *(["--chaos", chaos] if chaos else []),
-                "-m",
-                "stalwart",
-                "train",
-                "--config",
-                "configs/debug.toml",
-                f"--data.dir={data}",
-                "--data.seq_len=64",
-                f"--train.steps={STEPS}",
-                "--train.warmup_steps=2",
-                f"--train.out_dir={tmp_path / 'out'}",
-                "--checkpoint.enabled=true",
-                f"--checkpoint.dir={tmp_path / 'ckpt'}",
-                "--checkpoint.persist_every_steps=4",
-                "--checkpoint.keeper_idle_s=20",
-                "--train.threads=1",  # each node's only worker would take both cores (test_elastic.ONE_THREAD)
+                *train_job(tmp_path, data, keeper_idle_s=20),
             ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
-        for proc in procs:
-            _, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err[-4000:]
+        return finished(procs, tmp_path)
+
+
+def finished(procs: list[subprocess.Popen], tmp_path: Path) -> dict:
+    """Every node's launcher ended well: the job's summary."""
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
     return json.loads((tmp_path / "out" / "summary.json").read_text())
 
 
