@@ -80,6 +80,9 @@ def _count_block_collectives(rank: int, world: int, init: str, out: str) -> None
         result["parallel" if parallel else "serial"] = {"forward": forward, "total": comm.get_total_counts()}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
+    # Both ranks done before either tears gloo down: a rank whose peer closed the pairs while its own
+    # last (lazily waited) collective was still in flight aborted in C++ (seen once in CI: SIGABRT).
+    dist.barrier()
     dist.destroy_process_group()
 
 
