@@ -256,3 +256,28 @@ def test_a_step_one_rank_of_the_node_no_longer_holds_is_given_up_by_every_rank(r
         with pytest.raises(RuntimeError, match="no longer held in memory by all of this node's ranks"):
             link.wait_persisted(8)
         assert time.monotonic() - t0 < 5, f"rank {rank} waited for a persist nobody makes"
+
+
+def test_a_keeper_across_nodes_leaves_a_torn_step_newer_than_latest_to_the_plan_writing_it(root, tmp_path):
+    """A spare's keeper that becomes rank 0's node starts while the other nodes' keepers write the
+    decider's save of step 39 (latest 30): removing step 39 then failed its commit (seen in
+    benchmarks/node_loss.py). Across nodes only torn steps older than latest go; on one node, under
+    the persist lock, every torn one."""
+    from stalwart.checkpoint.keeper_tidy import tidy_storage
+    from stalwart.checkpoint.storage import MANIFEST, step_name
+
+    job, storage = NodeJob(root), Storage(str(tmp_path / "ckpt"))
+    job.root.mkdir(parents=True, mode=0o700)
+    for step in (25, 30, 39):
+        (tmp_path / "ckpt" / step_name(step)).mkdir(parents=True)
+    (tmp_path / "ckpt" / step_name(30) / MANIFEST).write_text('{"step": 30}')
+    storage.set_latest(30)
+    removed = []
+
+    def event(kind, step, detail, level=None):
+        removed.append((kind, step))
+
+    tidy_storage(job, storage, event, None, across=True)
+    assert removed == [("removed-torn", 25)] and storage.steps() == [30, 39]
+    tidy_storage(job, storage, event, None)
+    assert removed[-1] == ("removed-torn", 39) and storage.steps() == [30]

@@ -90,3 +90,47 @@ def test_the_master_decides_only_where_every_node_shares_it():
     assert Membership.from_env(env) is None, "a master of one node's own: rank 0's keeper's desk decides"
     shared = Membership.from_env({**env, ENV_SHARED_MASTER: "1"})
     assert shared is not None and (shared.address, shared.token, shared.me) == ("http://127.0.0.1:9", "t", "n0")
+
+
+def test_a_keeper_finds_a_restarted_host_keepers_new_desk(tmp_path, store, monkeypatch):
+    """The host keeper died and its successor listens elsewhere with a fresh token: the other keeper,
+    whose calls now fail, reads the store again and reports to the new desk (else nothing across
+    nodes would be persisted for the rest of the job)."""
+    from stalwart.checkpoint.keeper import Keeper
+    from stalwart.checkpoint.node_job import NodeJob
+    from stalwart.runtime import ENV_SHARED_MASTER
+
+    monkeypatch.delenv(ENV_SHARED_MASTER, raising=False)
+    _, job = store
+    jobs = []
+    for rank in (0, 1):
+        (tmp_path / f"n{rank}").mkdir()
+        spec = {"storage": str(tmp_path / "ckpt"), "world_size": 2, "ranks": [rank], "store": job["store"]}
+        (tmp_path / f"n{rank}" / "job.json").write_text(json.dumps(spec))
+        jobs.append(NodeJob(tmp_path / f"n{rank}"))
+    host, other = Keeper(jobs[0]), Keeper(jobs[1])
+    try:
+        host._find_decider()
+        first = host.members.address
+        deadline = time.monotonic() + 5
+        while other.members is None and time.monotonic() < deadline:
+            other._find_decider()
+            time.sleep(0.02)
+        assert other.members is not None and other.members.address == first
+        other._find_decider()
+        assert other.members.address == first, "linked and not failing: no look at the store"
+        host.desk.close(wait_s=0)  # the host keeper dies ...
+        host = Keeper(jobs[0])  # ... and the next one hosts a new desk
+        host._find_decider()
+        assert host.members.address != first
+        other.actor.link.send()  # a call to the old desk fails
+        while not other.actor.link.failing and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while other.members.address == first and time.monotonic() < deadline:
+            other._find_decider()
+            time.sleep(0.05)
+        assert (other.members.address, other.members.token) == (host.members.address, host.members.token)
+        assert other.status["decider"] == host.members.address
+    finally:
+        other.actor.link.close()
+        host.desk.close(wait_s=0)

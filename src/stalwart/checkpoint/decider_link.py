@@ -55,6 +55,7 @@ class DeciderLink:
         self._closed = False
         self._exchanges = 0  # calls answered so far
         self._failures = 0  # calls that failed so far
+        self.failing = False  # the last call failed (the master is gone, or listens elsewhere now)
         self._said = ""  # the last failure logged (each new one once)
         self._thread: threading.Thread | None = None  # started by the first event: a job that never
         # reports (one node) costs no calls
@@ -121,6 +122,7 @@ class DeciderLink:
             except Exception as err:  # the link must outlive any failure: the next call carries the reports
                 with self._lock:
                     self._failures += 1
+                    self.failing = True
                 if str(err) != self._said:
                     self._said = str(err)
                     log.warning("decider link: no exchange with the master (%s); the next call tries again", err)
@@ -143,5 +145,6 @@ class DeciderLink:
             self.after = int(reply["next"]) - 1
             self.missed = self.missed or bool(reply.get("missed"))
             self._exchanges += 1
+            self.failing = False
             self.formed = reply.get("epoch") is not None
             self._said = ""

@@ -55,11 +55,13 @@ class DeskHost:
     def __init__(self, paths: JobPaths, agent: str = "") -> None:
         self.paths, self.agent, self.node = paths, agent, node_name(paths)
         self.master: Any = None  # the hosted Master (rank 0's keeper)
+        self._token = ""  # its token, fresh for each host
         self.published: str | None = None  # the store it put its address into last
         self._looked = -float("inf")
 
-    def members(self, job: dict[str, Any], coordinator: bool) -> Membership | None:
-        """The line to the decider once known (None: not yet; called again at the next pass)."""
+    def members(self, job: dict[str, Any], coordinator: bool, every_s: float = LOOK_EVERY_S) -> Membership | None:
+        """The line to the decider once known (None: not yet; called again at the next pass), read from
+        the store at most every ``every_s``."""
         store = job.get("store")
         if not store:
             return None
@@ -67,7 +69,7 @@ class DeskHost:
             self._host(store)
             self.republish(job)
             return Membership(self.master.address, self._token, self.node, agent=self.agent)
-        if time.monotonic() - self._looked < LOOK_EVERY_S:
+        if time.monotonic() - self._looked < every_s:
             return None
         self._looked = time.monotonic()
         try:

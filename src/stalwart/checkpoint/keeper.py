@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from stalwart import chaos, runtime
 from stalwart.checkpoint.decider_actor import Outcome, reporter
-from stalwart.checkpoint.desk_host import DeskHost
+from stalwart.checkpoint.desk_host import LOOK_EVERY_S, DeskHost
 from stalwart.checkpoint.keeper_tidy import remove_leftovers, tidy_storage
 from stalwart.checkpoint.membership import Membership
-from stalwart.checkpoint.node_job import NodeJob, agreed
+from stalwart.checkpoint.node_job import NodeJob, agreed, job_spans_nodes
 from stalwart.checkpoint.persist import remove_torn, retention
-from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json
+from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json, read_json_cached
 from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, mark_kept
 from stalwart.checkpoint.snapshot import captured_at
 from stalwart.checkpoint.storage import Storage, step_name
@@ -152,7 +152,7 @@ class Keeper:
             f"(latest committed: {self.last_persisted if self.last_persisted >= 0 else 'none'})",
         )
         if self.coordinator:  # rank 0's node: the committer of a step the others' keepers write
-            tidy_storage(self.node, self.storage, self.event, self.health)
+            tidy_storage(self.node, self.storage, self.event, self.health, across=job_spans_nodes(self.job))
         idle_since: float | None = None
         while True:
             if not self.paths.root.is_dir():
@@ -166,7 +166,7 @@ class Keeper:
                 return
             world = self.node.world()
             ranks = self.node.node_ranks(world) if world else []
-            owners = {r: read_json(self.paths.owner(r)) for r in ranks}
+            owners = {r: read_json_cached(self.paths.owner(r)) for r in ranks}
             if (
                 world
                 and self.active
@@ -190,17 +190,26 @@ class Keeper:
             time.sleep(self.poll_s)
 
     def _find_decider(self) -> None:
-        """Across nodes without a shared master: the decider rank 0's keeper hosts (``desk_host``)."""
-        if self.desk is None or not self.node.spans_nodes():
+        """Across nodes without a shared master: the decider rank 0's keeper hosts (``desk_host``). The
+        host puts its address into every new store of the workers (a restart's); the others look again
+        while their calls fail (a restarted host keeper listens elsewhere, with another token)."""
+        if self.desk is None or not job_spans_nodes(self.job):
             return
-        if self.actor is not None:
-            self.desk.republish(self.job)  # the host: a restart's new store learns the address too
-        elif (members := self.desk.members(self.job, self.coordinator)) is not None:
-            self.members = members
-            self.actor = reporter(members, self.paths, lambda: self.coordinator)
-            self.status["decider"] = members.address  # the workers' first save waits for it (KeeperLink)
-            where = "hosted here" if self.desk.master is not None else "rank 0's keeper's"
-            self.event("decider", None, f"node {members.me}: the checkpoint decider is {where}, at {members.address}")
+        if self.actor is not None and self.desk.master is not None:
+            self.desk.republish(self.job)
+            return
+        if self.actor is not None and not self.actor.link.failing:
+            return
+        members = self.desk.members(self.job, self.coordinator, 1.0 if self.actor is not None else LOOK_EVERY_S)
+        if members is None or (self.members is not None and members.address == self.members.address):
+            return
+        if self.actor is not None:  # its plans end with it; the new host's decider hears this node afresh
+            self.actor.end(job_complete=False, wait_s=0.0)
+        self.members = members
+        self.actor = reporter(members, self.paths, lambda: self.coordinator)
+        self.status["decider"] = members.address  # the workers' first save waits for it (KeeperLink)
+        where = "hosted here" if self.desk.master is not None else "rank 0's keeper's"
+        self.event("decider", None, f"node {members.me}: the checkpoint decider is {where}, at {members.address}")
 
     def _final_pass(self) -> None:
         """The agent exits or is gone: once its workers are gone too (they die with it), save on

@@ -14,12 +14,16 @@ from stalwart.checkpoint.storage_health import StorageHealth
 Event = Callable[..., None]  # the keeper's event(kind, step, detail, level)
 
 
-def tidy_storage(node: NodeJob, storage: Storage, event: Event, health: StorageHealth) -> None:
-    """At the keeper's start (rank 0's node): torn step directories are never resumed from; remove them."""
+def tidy_storage(node: NodeJob, storage: Storage, event: Event, health: StorageHealth, across: bool = False) -> None:
+    """At the keeper's start (rank 0's node): torn step directories are never resumed from; remove them.
+    ``across`` (a job across nodes): only those older than ``latest`` — a newer one may be a plan that
+    other nodes' keepers are writing now (this keeper may be a spare's, joining mid-save), which the
+    decider's ``GiveUp`` tidies if it fails; the node-local persist lock does not cover them."""
     try:
         with node.persist_lock():
             latest = storage.latest()
-            for s in storage.remove_uncommitted():
+            below = (latest if latest is not None else -1) if across else None
+            for s in storage.remove_uncommitted(below):
                 why = f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})"
                 event("removed-torn", s, why, logging.WARNING)
     except Exception as err:  # unreachable storage: the first persist will report it too

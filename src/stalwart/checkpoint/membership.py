@@ -37,10 +37,6 @@ class Membership:
         log.info("node %s: the checkpoint decider is the job master's, at %s", me, address)
         return cls(address, token, me, agent=env.get(runtime.ENV_AGENT, ""))
 
-    def _call(self, path: str, body: dict | None = None) -> dict:
-        """One short try: a decider that does not answer must not slow the keeper's loop."""
-        return call_master(self.address, self.token, "POST" if body else "GET", path, body, 1.0, retry_for_s=0)
-
     def report_member(self, epoch: int, ranks: list[int], world: int, agent: str = "") -> None:
         """Tell the decider (once per execution; a failed try again after ``every_s``) that this node runs
         ``ranks`` of ``world`` in ``epoch``: every node's report forms the execution there. ``agent``: the
@@ -56,7 +52,8 @@ class Membership:
         if self.agent:
             event["agent"] = self.agent
         try:
-            self._call("/v1/ckpt", {"node": self.me, "events": [event]})
+            body = {"node": self.me, "events": [event]}  # one short try: the keeper's loop must not wait
+            call_master(self.address, self.token, "POST", "/v1/ckpt", body, 1.0, retry_for_s=0)
             self._reported = member
         except (OSError, ValueError, MasterError) as err:
             log.debug("could not report node %s's ranks to the master (%s)", self.me, err)

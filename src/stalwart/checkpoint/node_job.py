@@ -29,7 +29,15 @@ from typing import Any
 from stalwart import runtime
 from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.replicas import replica_roots
-from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots, job_dir_for, read_json, secure_job_dir
+from stalwart.checkpoint.shm import (
+    JobPaths,
+    atomic_write,
+    complete_slots,
+    job_dir_for,
+    read_json,
+    read_json_cached,
+    secure_job_dir,
+)
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
 
@@ -41,11 +49,18 @@ def agreed(steps: dict[int, dict[int, Any]]) -> set[int]:
     return set.intersection(*(set(v) for v in steps.values())) if steps else set()
 
 
+def job_spans_nodes(job: dict[str, Any]) -> bool:
+    """True when other nodes hold some of the job's ranks (``job.json`` lists this node's only)."""
+    ranks, world = job.get("ranks"), job.get("world_size")
+    return bool(ranks and world and len(ranks) < int(world))
+
+
 class NodeJob:
     """A job's shared-memory directory on this node, and everything done to it as a whole."""
 
     def __init__(self, root: str | Path) -> None:
         self.paths = JobPaths(root)
+        self._job: tuple[tuple[int, int, int], dict[str, Any]] | None = None  # ((ino, mtime, size), job.json)
 
     @classmethod
     def of_agent(cls, job_id: str, node_id: str) -> NodeJob:
@@ -89,7 +104,19 @@ class NodeJob:
         os.chmod(self.paths.job, 0o600)  # storage options may carry credentials
 
     def job(self) -> dict[str, Any]:
-        return read_json(self.paths.job) or {}
+        """``job.json`` (read only: callers must not change it), parsed again only when the file changed:
+        the keeper's loops ask many times a second."""
+        try:
+            st = os.stat(self.paths.job)
+        except FileNotFoundError:
+            return {}
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._job is None or self._job[0] != version:
+            job = read_json(self.paths.job)
+            if job is None:  # replaced between the stat and the read: the next call reads the new one
+                return {}
+            self._job = (version, job)
+        return self._job[1]
 
     def persists(self) -> bool:
         """False for memory-only checkpoints (no keeper wanted, nothing to persist), or no job yet."""
@@ -99,16 +126,14 @@ class NodeJob:
 
     def spans_nodes(self) -> bool:
         """True when other nodes hold some of the job's ranks (``job.json`` lists this node's only)."""
-        job = self.job()
-        ranks, world = job.get("ranks"), job.get("world_size")
-        return bool(ranks and world and len(ranks) < int(world))
+        return job_spans_nodes(self.job())
 
     # -- the steps held ---------------------------------------------------------------------------------
     def world(self) -> int | None:
         """The world size of the newest attached workers: the newest owner record's. A regrouping may
         leave this node another rank (rank 1 where it held rank 0): the old rank's directory keeps its
         world's record, and a keeper that read it saw none of its new rank's snapshots."""
-        owners = [o for r in self.paths.ranks() if (o := read_json(self.paths.owner(r)))]
+        owners = [o for r in self.paths.ranks() if (o := read_json_cached(self.paths.owner(r)))]
         newest = max(owners, key=lambda o: float(o.get("time") or 0), default=None)
         return int(newest["world_size"]) if newest else None
 

@@ -250,22 +250,23 @@ class SlotInfo:
         return int(self.header["generation"])
 
 
-_headers: dict[Path, tuple[tuple[int, int, int], dict[str, Any] | None]] = {}
+_json_cache: dict[Path, tuple[tuple[int, int, int], dict[str, Any] | None]] = {}
 
 
-def read_header(path: Path) -> dict[str, Any] | None:
-    """A slot header, parsed again only when the file changed (the keeper polls them constantly).
-    Headers are replaced by rename, so (inode, mtime, size) identifies a version."""
+def read_json_cached(path: Path) -> dict[str, Any] | None:
+    """A JSON file replaced only by rename (slot headers, owner records), parsed again only when it
+    changed: the keeper polls them constantly. (inode, mtime, size) identifies a version; callers must
+    not change what they get."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        _headers.pop(path, None)
+        _json_cache.pop(path, None)
         return None
     key = (st.st_ino, st.st_mtime_ns, st.st_size)
-    cached = _headers.get(path)
+    cached = _json_cache.get(path)
     if cached is None or cached[0] != key:
         cached = (key, read_json(path))
-        _headers[path] = cached
+        _json_cache[path] = cached
     return cached[1]
 
 
@@ -273,7 +274,7 @@ def complete_slots(paths: JobPaths, rank: int) -> list[SlotInfo]:
     """This rank's complete snapshots, newest first."""
     found = []
     for slot in range(MAX_SLOTS):
-        header = read_header(paths.slot(rank, slot, "json"))
+        header = read_json_cached(paths.slot(rank, slot, "json"))
         if header and header.get("format") == FORMAT and header.get("rank") == rank:
             found.append(SlotInfo(rank, slot, header))
     return sorted(found, key=lambda s: s.generation, reverse=True)

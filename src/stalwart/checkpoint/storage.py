@@ -130,11 +130,12 @@ class Storage:
                 self.fs.rm(self.path(LATEST))
         return newer
 
-    def remove_uncommitted(self) -> list[int]:
+    def remove_uncommitted(self, below: int | None = None) -> list[int]:
         """Remove the step directories without a manifest (a persist that died mid-write: never resumed
-        from; call under the job's persist lock). Returns the removed steps."""
+        from; call under the job's persist lock), only those before step ``below`` if given. Returns the
+        removed steps."""
         committed = set(self.committed())
-        torn = [s for s in self.steps() if s not in committed]
+        torn = [s for s in self.steps() if s not in committed and (below is None or s < below)]
         for s in torn:
             self.remove(s)
         return torn
