@@ -251,6 +251,7 @@ class SlotInfo:
 
 
 _json_cache: dict[Path, tuple[tuple[int, int, int], dict[str, Any] | None]] = {}
+JSON_CACHE_MAX = 4096  # files remembered (a keeper serving job after job must not grow without bound)
 
 
 def read_json_cached(path: Path) -> dict[str, Any] | None:
@@ -266,6 +267,8 @@ def read_json_cached(path: Path) -> dict[str, Any] | None:
     cached = _json_cache.get(path)
     if cached is None or cached[0] != key:
         cached = (key, read_json(path))
+        if len(_json_cache) >= JSON_CACHE_MAX:
+            _json_cache.clear()
         _json_cache[path] = cached
     return cached[1]
 
