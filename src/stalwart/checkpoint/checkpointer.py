@@ -119,6 +119,8 @@ class Checkpointer:
         self._started_wall, self._risk_checked = time.time(), 0.0
         self.job = NodeJob(shm.job_dir_for(self.storage.url, shm_root, job_id))
         self.paths = self.job.paths
+        if env.epoch_from_restarts and self.world > len(self.node_ranks):
+            self.epoch = self._agree_epoch(env.restart_count)
         # Under `stalwart run` the agent runs the keeper of its job's default directory; we start one
         # only without an agent, or for a directory it does not serve (another shm root or job id).
         by_agent = (
@@ -188,6 +190,15 @@ class Checkpointer:
             spans_nodes = self.world > len(self.node_ranks)
             if spans_nodes and self.persisting and os.environ.get(ENV_SHARED_MASTER) != "1":
                 self.keeper.await_decider()  # the decider is rank 0's keeper's (desk_host)
+
+    def _agree_epoch(self, restart_count: int) -> int:
+        """Plain ``torchrun`` across nodes: each agent counts its own restarts (a node restarted for a
+        peer's failure counts none), so the nodes' counts differ after one node's failure and the
+        execution never forms at the decider. Every rank offers one more than its node's last execution
+        (``job.json``, read before local rank 0 rewrites it after this collective) and the largest wins:
+        the same on every rank, larger than every execution before it, on a spare too."""
+        last = self.job.job().get("epoch")
+        return max(gather(max(restart_count, int(last) + 1 if last is not None else 0), self.group))
 
     # -- public API ----------------------------------------------------------------------------
     def _next_trajectory(self) -> tuple[int, int]:

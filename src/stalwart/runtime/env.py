@@ -96,6 +96,7 @@ class WorkerEnv:
     group_rank: int = 0  # the node's rank in the rendezvous round
     restart_count: int = 0  # TorchElastic's: > 0 in workers restarted within this launch
     epoch: int = 0  # ENV_EPOCH; without an agent that sets it, TorchElastic's restart count
+    epoch_from_restarts: bool = True  # no ENV_EPOCH: the checkpointer agrees on one across nodes
     launched: bool = False  # a launcher set RANK and WORLD_SIZE (torchrun, stalwart run, --nproc)
     progress_dir: str = ""
     master: str = ""
@@ -127,6 +128,7 @@ class WorkerEnv:
             group_rank=_int(e, "GROUP_RANK", 0),
             restart_count=_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
             epoch=_int(e, ENV_EPOCH, _int(e, "TORCHELASTIC_RESTART_COUNT", 0)),
+            epoch_from_restarts=ENV_EPOCH not in e,
             launched="RANK" in e and "WORLD_SIZE" in e,
             progress_dir=e.get(ENV_PROGRESS_DIR, ""),
             master=e.get(ENV_MASTER, ""),
