@@ -52,7 +52,6 @@ class Keeper:
         self.node, self.paths, self.poll_s, self.stop = node, node.paths, poll_s, stop
         self.status_copy = status_copy  # the agent's: outlives the job directory (job report)
         self.job: dict[str, Any] = {}
-        self.job_version: tuple[int, int] | None = None
         self.handled_pids: set[int] = set()
         self.given_up: dict[int, float | None] = {}  # a step given up → its snapshot's capture time (None: none)
         self.events: list[dict[str, Any]] = []
@@ -67,19 +66,12 @@ class Keeper:
         self.last_persist_time = time.monotonic()
 
     def _reload_job(self) -> bool:
-        """Read ``job.json`` again if it changed (new workers may choose other storage or policy).
-        Returns whether a usable one was loaded."""
-        try:
-            st = os.stat(self.paths.job)
-        except FileNotFoundError:
+        """Take ``job.json`` again if it changed (new workers may choose other storage or policy): the
+        node's cached parse is a new object only then. Returns whether a usable one was loaded."""
+        job = self.node.job()
+        if job is self.job or "storage" not in job:
             return False
-        version = (st.st_ino, st.st_mtime_ns)
-        if version == self.job_version:
-            return False
-        job = read_json(self.paths.job)
-        if not job or "storage" not in job:
-            return False
-        before, self.job, self.job_version = self.job, job, version
+        before, self.job = self.job, job
         if (job["storage"], job.get("storage_options")) != (before.get("storage"), before.get("storage_options")):
             self.storage = Storage(job["storage"], job.get("storage_options"))
             self.storage.refresh()

@@ -60,7 +60,6 @@ class NodeJob:
 
     def __init__(self, root: str | Path) -> None:
         self.paths = JobPaths(root)
-        self._job: tuple[tuple[int, int, int], dict[str, Any]] | None = None  # ((ino, mtime, size), job.json)
 
     @classmethod
     def of_agent(cls, job_id: str, node_id: str) -> NodeJob:
@@ -106,17 +105,7 @@ class NodeJob:
     def job(self) -> dict[str, Any]:
         """``job.json`` (read only: callers must not change it), parsed again only when the file changed:
         the keeper's loops ask many times a second."""
-        try:
-            st = os.stat(self.paths.job)
-        except FileNotFoundError:
-            return {}
-        version = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if self._job is None or self._job[0] != version:
-            job = read_json(self.paths.job)
-            if job is None:  # replaced between the stat and the read: the next call reads the new one
-                return {}
-            self._job = (version, job)
-        return self._job[1]
+        return read_json_cached(self.paths.job) or {}
 
     def persists(self) -> bool:
         """False for memory-only checkpoints (no keeper wanted, nothing to persist), or no job yet."""
