@@ -192,11 +192,9 @@ class Checkpointer:
                 self.keeper.await_decider()  # the decider is rank 0's keeper's (desk_host)
 
     def _agree_epoch(self, restart_count: int) -> int:
-        """Plain ``torchrun`` across nodes: each agent counts its own restarts (a node restarted for a
-        peer's failure counts none), so the nodes' counts differ after one node's failure and the
-        execution never forms at the decider. Every rank offers one more than its node's last execution
-        (``job.json``, read before local rank 0 rewrites it after this collective) and the largest wins:
-        the same on every rank, larger than every execution before it, on a spare too."""
+        """Plain ``torchrun`` across nodes: the agents' restart counts differ after one node's failure
+        (docs/checkpoint.md, "Epochs, not clocks"). Every rank offers one more than its node's last
+        execution (``job.json``, rewritten after this collective) and the largest wins, on a spare too."""
         last = self.job.job().get("epoch")
         return max(gather(max(restart_count, int(last) + 1 if last is not None else 0), self.group))
 

@@ -134,12 +134,10 @@ class Decider:
         self._advance(out)
 
     def _on_Pinned(self, e: ev.Pinned, out: list[Decision]) -> None:
-        plan = self._current(e.plan, e.node)
-        if plan is None:
+        if (plan := self._current(e.plan, e.node)) is None:
             return
         if not e.ok:  # whatever the attempt: a snapshot once gone never comes back
             self._end_plan(f"node {e.node} does not hold {tuple(plan['key'])}: {e.reason}", out)
-            self._advance(out)
             return
         if e.attempt != plan["attempt"]:
             self._note(f"ignored node {e.node}'s pin of attempt {e.attempt} of plan {e.plan} (now {plan['attempt']})")
@@ -164,8 +162,7 @@ class Decider:
         return f if f is not None and plan["failure"] is not None and plan["failure"] == f["epoch"] else None
 
     def _on_Wrote(self, e: ev.Wrote, out: list[Decision]) -> None:
-        plan = self._current(e.plan, e.node)
-        if plan is None:
+        if (plan := self._current(e.plan, e.node)) is None:
             return
         if e.attempt != plan["attempt"]:
             self._note(f"ignored node {e.node}'s word on attempt {e.attempt} of plan {e.plan} (now {plan['attempt']})")
@@ -181,8 +178,7 @@ class Decider:
             out.append(ev.Commit(plan["id"], plan["key"][0], self.epoch))
 
     def _on_Committed(self, e: ev.Committed, out: list[Decision]) -> None:
-        plan = self._current(e.plan, None)
-        if plan is None:
+        if (plan := self._current(e.plan, None)) is None:
             return
         if not e.ok:
             plan["committing"] = False
@@ -195,10 +191,9 @@ class Decider:
     def _on_WorkersGone(self, e: ev.WorkersGone, out: list[Decision]) -> None:
         if self._late(f"workers-gone of node {e.node}", e.epoch) or e.node not in self.nodes or e.node in self.lost:
             return  # (a lost node's word still on its way: its memory is gone)
-        if not self._open_failure(e.epoch, out):
-            return
-        self.failure["final"][e.node] = {(s, ep): list(r) for s, ep, r, _ in e.held}
-        self._advance(out)
+        if self._open_failure(e.epoch, out):
+            self.failure["final"][e.node] = {(s, ep): list(r) for s, ep, r, _ in e.held}
+            self._advance(out)
 
     def _on_NodeLost(self, e: ev.NodeLost, out: list[Decision]) -> None:
         if self._late(f"loss of node {e.node}", e.epoch) or e.node not in self.nodes:
@@ -236,11 +231,8 @@ class Decider:
         self.epoch, self.due, self.passed, self.lost = e.epoch, None, -1, []
         self.nodes = {n: sorted(r) for n, r in e.nodes}
         self.world = sorted(r for rs in self.nodes.values() for r in rs)  # a grown or shrunk job
-        for n in self.nodes:
-            self.held.setdefault(n, {})
-            self.pins.setdefault(n, [])
-        for n in [n for n in self.held if n not in self.nodes]:
-            del self.held[n], self.pins[n]
+        self.held = {n: self.held.get(n, {}) for n in self.nodes}
+        self.pins = {n: self.pins.get(n, []) for n in self.nodes}
         if self.plan and any(n not in self.nodes for n in self.plan["nodes"]):
             self._lost_in_plan(next(n for n in self.plan["nodes"] if n not in self.nodes), out)
         self._note(f"epoch {e.epoch} began with nodes {sorted(self.nodes)}")
@@ -374,13 +366,10 @@ class Decider:
 
     def _retry(self, why: str, out: list[Decision]) -> None:
         plan = self.plan
-        if lost := [n for n in plan["nodes"] if n in self.lost]:
-            self._end_plan(f"{why}; node {lost[0]} is lost", out)
-            self._advance(out)
-            return
-        if plan["attempt"] >= self.max_attempts:
-            self._end_plan(f"{why} (attempt {plan['attempt']} of {self.max_attempts})", out)
-            self._advance(out)
+        lost = [n for n in plan["nodes"] if n in self.lost]
+        if lost or plan["attempt"] >= self.max_attempts:
+            last = f"attempt {plan['attempt']} of {self.max_attempts}"
+            self._end_plan(f"{why}; node {lost[0]} is lost" if lost else f"{why} ({last})", out)
             return
         plan["attempt"] += 1
         plan["wrote"], plan["pinned"], plan["committing"] = [], [], False  # a restarted keeper's pins died with it
@@ -388,7 +377,8 @@ class Decider:
         out.append(self._persist(plan))
 
     def _end_plan(self, why: str, out: list[Decision]) -> None:
-        """Give the plan up; a failed save-on-failure tries the next older step every rank held."""
+        """Give the plan up, then start what is due (a failed save-on-failure: the next older step every
+        rank held)."""
         plan = self.plan
         self._note(f"gave up step {plan['key'][0]} (plan {plan['id']}): {why}")
         out.append(ev.GiveUp(plan["id"], plan["key"][0], why, self.epoch))
