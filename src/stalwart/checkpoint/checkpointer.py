@@ -55,7 +55,8 @@ def _setup_logging(rank: int) -> None:
 
 
 class Checkpointer:
-    """Flash checkpoints of a dict of Stateful things; see the module docstring."""
+    """Flash checkpoints of a dict of Stateful things; see the module docstring. Every rank constructs
+    one (across nodes under plain ``torchrun`` the constructor is collective: the epoch is agreed)."""
 
     def __init__(
         self,
