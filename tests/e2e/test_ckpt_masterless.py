@@ -81,3 +81,18 @@ def test_a_killed_worker_is_saved_on_failure_and_resumed_bitwise(stdlib_data, tm
     log = (tmp_path / "out" / "keeper.log").read_text()
     assert manifest is not None and manifest["source"] == "save-on-failure", log[-3000:]
     assert manifest["world_size"] == 2
+
+
+def test_nodes_whose_agents_counted_the_restart_differently_form_the_next_execution(stdlib_data, tmp_path, reference):
+    # Rank 1 is killed after step 6 while rank 0 sleeps outside any collective: node 1's agent counts a
+    # restart (its worker failed), node 0's restarts its healthy worker for the membership change and
+    # counts none — TORCHELASTIC_RESTART_COUNT 1 and 0 in the next execution. Its epoch must still be
+    # one on both nodes, or the decider never sees it form and nothing after the restart is persisted.
+    chaos = "kill:rank=1:step=6;delay:rank=0:step=6:seconds=30:once=1"
+    summary = run_two_nodes(tmp_path, stdlib_data, "torchrun", chaos)
+    assert summary["final_hash"] == reference["final_hash"] and summary["optim_hash"] == reference["optim_hash"]
+    log = (tmp_path / "out" / "keeper.log").read_text()
+    assert "[epoch 1] epoch 1 began with nodes" in log or "epoch 1 formed with nodes" in log, log[-3000:]
+    storage = Storage(str(tmp_path / "ckpt"))
+    assert storage.latest() == STEPS and storage.verify(STEPS) == [], log[-3000:]
+    assert storage.manifest(6)["source"] == "save-on-failure", log[-3000:]
