@@ -15,7 +15,9 @@ import pytest
 from .test_replicas import run_ranks
 
 WORKER = r"""
-import json, sys, torch.distributed as dist
+import json, os, sys, torch.distributed as dist
+# TorchElastic's per-node restart count, set per rank the way each node's agent would
+os.environ["TORCHELASTIC_RESTART_COUNT"] = os.environ["TEST_RESTART_COUNTS"].split(",")[int(os.environ["RANK"])]
 from stalwart.checkpoint import Checkpointer
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -41,7 +43,7 @@ def execution(script: Path, storage: Path, shms: list[Path], restarts: list[int]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.delenv("STALWART_EPOCH", raising=False)
-    monkeypatch.setenv("STALWART_RESTART_COUNTS", ",".join(map(str, restarts)))
+    monkeypatch.setenv("TEST_RESTART_COUNTS", ",".join(map(str, restarts)))
     rows = run_ranks(script, 2, [str(storage), *map(str, shms)])
     assert all(r["epoch"] == r["job_epoch"] == r["header"] for r in rows.values()), rows
     return [rows[r]["epoch"] for r in range(2)]
@@ -51,11 +53,7 @@ def test_nodes_whose_restart_counts_differ_agree_on_an_epoch_larger_than_every_e
     node_shms, tmp_path, monkeypatch
 ):
     script = tmp_path / "worker.py"
-    # TorchElastic's per-node restart count, set per rank the way each node's agent would
-    script.write_text(
-        "import os\nr = int(os.environ['RANK'])\n"
-        "os.environ['TORCHELASTIC_RESTART_COUNT'] = os.environ['STALWART_RESTART_COUNTS'].split(',')[r]\n" + WORKER
-    )
+    script.write_text(WORKER)
     a, b, spare = node_shms
     storage = tmp_path / "ckpt"
     assert execution(script, storage, [a, b], [0, 0], monkeypatch) == [0, 0]
