@@ -113,6 +113,27 @@ def test_ddp_kill_during_snapshot_copy_resumes_bitwise(stdlib_data, shm_root, tm
     assert (tmp_path / "checkpoints" / "latest").read_text() == f"step-{STEPS:08d}"
 
 
+def test_a_step_killed_before_its_metrics_record_is_logged_from_its_snapshot(stdlib_data, shm_root, tmp_path, ddp_ref):
+    ref_out, ref = ddp_ref
+    # Rank 0 (which writes metrics.jsonl) dies right after step 5's checkpoint call, before the record.
+    killed = train(tmp_path, stdlib_data, shm_root, chaos="kill:rank=0:step=5:at=saved", expect_ok=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3, 4]  # the window: step 5 unlogged
+    resumed = train(tmp_path, stdlib_data, shm_root)
+    ck = resumed["checkpoint"]
+    assert (ck["restored_from"], ck["restore_step"]) == ("memory", 5), ck
+    assert resumed["final_hash"] == ref["final_hash"]
+    got, want = records(tmp_path), {r["step"]: r for r in records(ref_out)}
+    assert [(r["step"], r.get("restored", False)) for r in got] == [(s, s == 5) for s in range(1, STEPS + 1)]
+    for r in got:  # the restart wrote step 5's from the values its snapshot carried: the fault-free run's
+        keys = ("loss", "grad_norm", "lr", "samples_consumed")
+        assert {k: r[k] for k in keys} == {k: want[r["step"]][k] for k in keys}, (r, want[r["step"]])
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_keeper_killed_mid_persist_is_replaced_and_latest_never_moves_to_a_torn_step(ddp_ref):
     out, ref = ddp_ref
     log = (out / "keeper.log").read_text()

@@ -16,7 +16,8 @@ actions  ``kill`` (SIGKILL the calling process), ``segv`` (SIGSEGV), ``exit`` (`
          ``slow:at=forward:factor=F`` makes every forward section of the matching steps F× as long
          (one rank's slow compute, the per-section straggler).
 keys     ``at`` point name (default ``step``; ``loss`` for nan/spike; ``precheck`` for node-fail;
-         ``forward``: inside the step's first forward section, e.g. a stall at an exact step),
+         ``forward``: inside the step's first forward section, e.g. a stall at an exact step;
+         ``saved``: right after the step's checkpoint call, before its metrics record),
          ``rank`` and ``step`` (omitted = any), ``code`` exit code (default 1), ``seconds`` for delay,
          ``factor`` for spike and node slowness, ``once`` (default 1 except for delay)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -25,6 +26,20 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def last_logged_step(path: str | Path) -> int:
+    """The step of the last whole record in a metrics file (-1: none); reads only its tail."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return -1
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return int(json.loads(line)["step"])
+    return -1
 
 
 def format_metrics(m: dict[str, Any]) -> str:

@@ -111,3 +111,4 @@ class CheckpointHook(StepHook):
             self.ckpt.save(stats.step, trainer.state, persist=True if stats.step == self.total_steps else None)
         finally:  # a failed call's time too (its step's record is kept: MetricsHook.keep_applied)
             stats.checkpoint_s = time.perf_counter() - t0
+        trainer.chaos_point("saved")  # a test's kill between the snapshot and the step's record

@@ -7,10 +7,17 @@ steps (``train.log_every``), the last step, before a chaos fault and at the end,
 everything pending — the only places the metrics path may sync. Hang detection is unaffected
 (``stalwart.report`` runs every step; its loss is given when already known), and so is straggler
 detection (``compute_s`` comes from the section timer, itself resolved late on CUDA).
+
+A step's record is written after its checkpoint call (it carries that call's time), and on CUDA a step
+later still: a worker stopped in between would leave the step its restart resumes after (and on CUDA
+the one before it) unlogged. So each snapshot carries those two records (``stage``: their values as a
+device tensor that the snapshot copies with the weights, no sync), and a restart whose
+``metrics.jsonl`` ends just before them writes them from there, marked ``restored`` (``open``).
 """
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from collections import deque
@@ -21,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import stalwart
-from stalwart.observe.progress import MetricsWriter, ProgressDisplay
+from stalwart.observe.progress import MetricsWriter, ProgressDisplay, last_logged_step
 from stalwart.observe.records import RankRecords
 from stalwart.observe.tensorboard import TensorBoardSink
 from stalwart.runtime import worker_env
@@ -60,6 +67,7 @@ class HostCopy:
 class _Pending:
     step: int
     values: HostCopy  # loss, grad norm, aux loss
+    device_values: torch.Tensor  # the same, where they were computed (a snapshot may carry them)
     record: dict[str, Any]  # everything already known on the host
     rank_values: dict[str, Any]  # this rank's own: step start, host sections, memory
 
@@ -93,11 +101,17 @@ class MetricsHook(StepHook):
     _tensorboard: TensorBoardSink | None = None
     _t0: float = 0.0
     _wall0: float = 0.0
+    _staged: dict[str, Any] = field(default_factory=lambda: _carried(0, torch.zeros(2, 3), [None, None]))
+    _restored: dict[str, Any] | None = None
 
     def open(self, start_step: int, progress: bool = True) -> None:
         """Start writing (rank 0): appends when resuming — steps redone after a restart appear again
         (the later record wins); ``progress``: the console display."""
-        self._writer = MetricsWriter(self.out / "metrics.jsonl", append=start_step > 0) if self.main else None
+        path = self.out / "metrics.jsonl"
+        self._writer = MetricsWriter(path, append=start_step > 0) if self.main else None
+        restored, self._restored = self._restored, None  # what the restored snapshot carried
+        if self._writer is not None and restored is not None and restored["step"] == start_step > 0:
+            self._write_restored(restored, last_logged_step(path))
         self._display = ProgressDisplay(self.total_steps, start_step, self.log_every, enabled=self.main and progress)
         if self.tensorboard and self.main:
             self._tensorboard = TensorBoardSink(self.out / "tensorboard", start_step)
@@ -142,12 +156,51 @@ class MetricsHook(StepHook):
         known = self.last_loss if not self._pending and self.last_loss is not None else None
         stalwart.report(stats.step, loss=known, compute_s=sections["compute_s"] if sections else None)
 
+    # -- the step's record rides in its snapshot -----------------------------------------------------
+    def stage(self, trainer: Trainer, stats: StepStats) -> None:
+        """After the update, before the checkpoint call: what the step's snapshot carries of the records
+        not yet written, this step's (its step time without the checkpoint call) and the newest pending."""
+        dt = time.perf_counter() - self._t0
+        tps, mfu = self._rates(dt)
+        this = {"step": stats.step, "lr": stats.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu}
+        this |= {"samples_consumed": trainer.sampler.consumed, "time": time.time()}
+        values = [stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()]
+        if self._pending:  # on CUDA the previous step's values are usually still on their way
+            p = self._pending[-1]
+            self._staged = _carried(stats.step, torch.stack([p.device_values, torch.stack(values)]), [p.record, this])
+        else:
+            self._staged = _carried(stats.step, torch.stack([torch.stack(values)] * 2), [None, this])
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._staged)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = dict(state)  # written by ``open`` if the log lacks it
+
+    def _write_restored(self, carried: dict[str, Any], last_logged: int) -> None:
+        """The carried records the log lacks, if it ends just before them (a log that ends earlier, or
+        none, belongs to another run: a job started from a copy of this one's checkpoints)."""
+        records = json.loads(carried["records"])
+        if last_logged < carried["step"] - len(records):
+            return
+        assert self._writer is not None
+        for record, (loss, grad_norm, aux) in zip(records, carried["values"].tolist()):
+            if record is not None and last_logged < record["step"] <= carried["step"]:
+                extra = {"aux_loss": aux} if self.moe else {}
+                values = {"step": record["step"], "loss": loss, "grad_norm": grad_norm}
+                self._writer.write({**values, **record, **extra, "restored": True})
+
+    def _rates(self, step_time_s: float) -> tuple[float, float | None]:
+        """Tokens/s and MFU of a step that took ``step_time_s``."""
+        tps = self.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
+        mfu = (self.flops_per_token * tps / (self.peak_flops * self.world_size)) if self.peak_flops else None
+        return tps, mfu
+
     def _queue(self, trainer: Trainer, stats: StepStats, **extra: Any) -> None:
         """Build the step's record; it is written once its values reach the host."""
         dt = time.perf_counter() - self._t0  # host time; the GPU's pace shows in it over a few steps
         self.step_times.append(dt)
-        tps = self.tokens_per_step / dt
-        mfu = (self.flops_per_token * tps / (self.peak_flops * self.world_size)) if self.peak_flops else None
+        tps, mfu = self._rates(dt)
         record = {
             "step": stats.step,
             "lr": stats.lr,
@@ -166,8 +219,13 @@ class MetricsHook(StepHook):
             "ms": {"checkpoint": round(stats.checkpoint_s * 1e3, 3), "step": round(dt * 1e3, 3)},
             "mem_mb": memory_mb(stats.loss.device),
         }
-        values = torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
-        self._pending.append(_Pending(stats.step, HostCopy(values), record, rank_values))
+        staged = self._staged
+        values = (
+            staged["values"][1]
+            if staged["step"] == stats.step
+            else torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
+        )
+        self._pending.append(_Pending(stats.step, HostCopy(values), values, record, rank_values))
         self._queued_step = stats.step
 
     def keep_applied(self, trainer: Trainer, stats: StepStats) -> None:
@@ -200,6 +258,13 @@ class MetricsHook(StepHook):
                 )
         if wait and self._records is not None:
             self._records.flush()
+
+
+def _carried(step: int, values: torch.Tensor, records: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """What a snapshot of ``step`` carries: two records' host fields as one JSON string (a fixed key set,
+    so a restore's template, the empty one, matches every snapshot) and their loss, gradient norm and
+    MoE loss as one 2×3 device tensor."""
+    return {"step": step, "values": values, "records": json.dumps(records)}
 
 
 def memory_mb(device: torch.device) -> float:

@@ -151,18 +151,6 @@ class Trainer:
             "scheduler": self.scheduler,
             "sampler": self.sampler,
         }
-        self.ckpt = self._build_checkpointer()
-        self.guard: Any = None  # stalwart.train.rollback.TrainingGuard when guard.enabled
-        if cfg.guard.enabled:  # validate() made sure checkpoints are on
-            from stalwart.train.rollback import TrainingGuard
-
-            self.guard = TrainingGuard(cfg.guard, self.ckpt, self.state, self.sampler, env.device)
-            self.state["guard"] = self.guard.detector  # its baseline rolls back with the weights
-        self.phases.mark("optimizer_data_checkpointer")
-        if self.ckpt is not None:  # resume=false is about earlier runs: a restart of this launch resumes
-            resume = cfg.checkpoint.resume or runtime.worker_env().restart_count > 0
-            self.step = self.ckpt.restore(self.state) if resume else self.ckpt.discard_snapshots()
-        self.phases.mark("restore")
         t = cfg.train
         self.metrics = MetricsHook(
             Path(t.out_dir),
@@ -178,6 +166,20 @@ class Trainer:
             coords=mesh_coords(self.pm.coords),
             tensorboard=tensorboard.wanted(t.tensorboard),
         )
+        self.ckpt = self._build_checkpointer()
+        if self.ckpt is not None:  # a snapshot carries its step's record (MetricsHook.stage)
+            self.state["metrics"] = self.metrics
+        self.guard: Any = None  # stalwart.train.rollback.TrainingGuard when guard.enabled
+        if cfg.guard.enabled:  # validate() made sure checkpoints are on
+            from stalwart.train.rollback import TrainingGuard
+
+            self.guard = TrainingGuard(cfg.guard, self.ckpt, self.state, self.sampler, env.device)
+            self.state["guard"] = self.guard.detector  # its baseline rolls back with the weights
+        self.phases.mark("optimizer_data_checkpointer")
+        if self.ckpt is not None:  # resume=false is about earlier runs: a restart of this launch resumes
+            resume = cfg.checkpoint.resume or runtime.worker_env().restart_count > 0
+            self.step = self.ckpt.restore(self.state) if resume else self.ckpt.discard_snapshots()
+        self.phases.mark("restore")
         runtime.set_section_timer(self.timer)  # stalwart.timer("name") sections join this rank's records
         # Under `stalwart run`: answers the agent's Flight Recorder requests on a hang (observe.flight).
         groups = {dim: self.pm.mesh[dim].get_group() for dim in ("dp", "pp", "tp")}
@@ -275,6 +277,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step
         stats.settle()
+        self.metrics.stage(self, stats)  # before the snapshot: it carries the step's record
         try:
             for hook in self.hooks:
                 hook.after_step(self, stats)
@@ -331,7 +334,7 @@ class Trainer:
                     self.step = self.guard.recover(result)
                     self.metrics.note_rollback(self.guard.rollbacks[-1])
                     continue
-                self._chaos()  # after the step is logged: a fault "after step S" leaves S in the log
+                self.chaos_point()  # after the step is logged: a fault "after step S" leaves S in the log
             self.metrics.drain(wait=True)
             stalwart.finished()  # teardown below (final persist, hashes) is not a hang
             if self.ckpt is not None:
@@ -421,13 +424,15 @@ class Trainer:
             "dir": self.ckpt.storage.url,
         }
 
-    def _chaos(self) -> None:
-        """STALWART_CHAOS faults at point "step" fire here: one that ends the process once this node's
+    def chaos_point(self, point: str = "step") -> None:
+        """STALWART_CHAOS faults at point "step" fire here once the step is logged, at "saved" right after
+        its checkpoint call (its record not yet written): one that ends the process once this node's
         snapshots of the step are whole (up to 10 s; a peer's copy may trail ours, and "kill after step
         S" must leave S, not S - 1), others once this rank's is."""
-        fault = chaos.due("step", step=self.step, rank=self.env.rank)
+        fault = chaos.due(point, step=self.step, rank=self.env.rank)
         if fault is not None:
-            self.metrics.drain(wait=True)
+            if point == "step":
+                self.metrics.drain(wait=True)
             if self.ckpt is not None and not fault.ends_process:
                 self.ckpt.wait()
             elif self.ckpt is not None and not self.ckpt.wait_node_holds(self.step):
