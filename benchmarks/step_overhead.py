@@ -15,6 +15,13 @@ of the per-repeat ratios (the two runs of a repeat go back to back, in alternati
 whose load drifts slows both alike: on a shared machine that is the steadier number). Step time
 medians exclude process start; every run is listed, so the spread shows.
 
+On a loaded box the job-level figures swing by more than the effects inside them, so the run also
+times one piece of the step in-process: rank 0's TensorBoard writes (a step record and its sections,
+``--tb-steps`` steps, median of batches of 100, each ending with a log step's flush) as stalwart writes
+them, one event per step, against
+one ``SummaryWriter.add_scalar`` per value, the way it wrote them before (~16 calls a step), and reports
+them as a fraction of stalwart's median step (``tensorboard``; null without the tensorboard package).
+
     python benchmarks/step_overhead.py --json
 """
 
@@ -104,6 +111,40 @@ def baseline_worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+# -- rank 0's TensorBoard writes, in-process ---------------------------------------------------------
+def tensorboard_cost_us(steps: int, tmp: Path) -> dict[str, float] | None:
+    """Median µs per step of a step record's and its sections' TensorBoard writes: stalwart's sink, and
+    the baseline that calls ``add_scalar`` once per value."""
+    from stalwart.observe import tensorboard
+
+    if not tensorboard.available():
+        return None
+
+    class PerValue(tensorboard.TensorBoardSink):
+        def _scalars(self, values: dict[str, float], step: int) -> None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    record = {"loss": 3.2, "grad_norm": 1.1, "lr": 3e-4, "tokens_per_s": 2500.0, "mfu": 0.4, "step_time_s": 0.04}
+    record |= {"checkpoint_s": 1e-4}
+    sections = {"data": 4e-4, "forward": 0.012, "backward": 0.02, "grad_clip": 2e-4, "optimizer": 3e-3}
+    sections |= {"compute_s": 0.0154, "wait_s": 0.0202, "spans": []}
+    result = {}
+    for name, sink_type in (("one_event_per_step", tensorboard.TensorBoardSink), ("add_scalar_per_value", PerValue)):
+        sink, per_step = sink_type(tmp / name, 0), []
+        for start in range(1, steps + 1, 100):
+            t0 = time.perf_counter_ns()
+            for step in range(start, start + 100):
+                sink.write(record | {"step": step})
+                sink.write_sections(sections | {"step": step})
+                if step % 10 == 0:  # train.log_every's default
+                    sink.flush()
+            per_step.append((time.perf_counter_ns() - t0) / 100 / 1e3)
+        sink.close()
+        result[f"{name}_us"] = statistics.median(per_step)
+    return result
+
+
 # -- driver -----------------------------------------------------------------------------------------
 def run_baseline(a: argparse.Namespace, out: Path) -> float:
     cmd = [
@@ -174,6 +215,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--data", default=str(DATA))
+    p.add_argument("--tb-steps", type=int, default=2000, help="steps of the in-process TensorBoard timing")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -201,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"repeat {r + 1}: stalwart {ours[-1]:,.0f} tok/s, plain DDP {theirs[-1]:,.0f} tok/s",
                     file=sys.stderr,
                 )
+        tb = tensorboard_cost_us(a.tb_steps, Path(tmp) / "tensorboard")
+    step_ms = a.global_batch * a.seq_len / statistics.median(ours) * 1e3
+    if tb is not None:
+        tb |= {f"{k.removesuffix('_us')}_fraction_of_step": v / 1e3 / step_ms for k, v in list(tb.items())}
     result = {
         "model": a.model,
         "nproc": a.nproc,
@@ -217,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": 0.99,
         # each repeat's two runs ran back to back, under about the same load: the steadier estimate
         "paired_ratio_median": statistics.median(o / t for o, t in zip(ours, theirs)),
+        "stalwart_median_step_ms": step_ms,
+        "tensorboard": tb,
         "cpu_count": os.cpu_count(),
         "load_avg": os.getloadavg(),
     }
@@ -228,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['baseline_tokens_per_s']:,.0f} tok/s: ratio {result['ratio']:.3f}, median of paired "
             f"ratios {result['paired_ratio_median']:.3f} (target ≥ 0.99)"
         )
+        if tb is not None:
+            print(
+                f"TensorBoard per step: {tb['one_event_per_step_us']:.0f} µs as one event "
+                f"({tb['one_event_per_step_fraction_of_step']:.2%} of a {step_ms:.0f} ms step) vs "
+                f"{tb['add_scalar_per_value_us']:.0f} µs by add_scalar per value "
+                f"({tb['add_scalar_per_value_fraction_of_step']:.2%})"
+            )
     return 0
 
 

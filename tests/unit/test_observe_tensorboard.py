@@ -39,6 +39,34 @@ def test_a_resumed_run_replaces_the_steps_it_redoes(tmp_path: Path):
     assert set(scalars(tmp_path, "sections_ms/compute")) == set(range(4, 9))
 
 
+def test_one_event_per_step_reads_back_as_add_scalar_per_value_would(tmp_path: Path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from stalwart.observe.tensorboard import SCALARS
+
+    sink, reference = TensorBoardSink(tmp_path / "sink", 0), SummaryWriter(str(tmp_path / "reference"))
+    for step in range(1, 26):  # flushed at 10 and 20 as at log steps; the rest by close
+        record = {"step": step, "loss": 5.0 - step / 10, "lr": 1e-3 * step, "tokens_per_s": 2500.0 + step}
+        sections = {"step": step, "forward": 0.01 * step, "compute_s": 0.02, "wait_s": 0.001, "spans": []}
+        sink.write(record)
+        sink.write_sections(sections)
+        if step % 10 == 0:
+            sink.flush()
+        for key, value in record.items():
+            if key in SCALARS:
+                reference.add_scalar(SCALARS[key], value, step)
+        for name, tag in (("forward", "forward"), ("compute_s", "compute"), ("wait_s", "wait")):
+            reference.add_scalar(f"sections_ms/{tag}", sections[name] * 1e3, step)
+    sink.close()
+    reference.close()
+    acc = EventAccumulator(str(tmp_path / "reference"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert len(tags) == 6
+    for tag in tags:
+        assert scalars(tmp_path / "sink", tag) == scalars(tmp_path / "reference", tag), tag
+
+
 def test_the_setting_is_checked():
     assert wanted("auto") and wanted("on") and not wanted("off")
 

@@ -147,6 +147,8 @@ class MetricsHook(StepHook):
         if self._tensorboard is not None:
             for resolved in done:
                 self._tensorboard.write_sections(resolved)
+            if log_step:
+                self._tensorboard.flush()
         if self._records is not None:
             for resolved in done:
                 self._records.add_sections(resolved)
