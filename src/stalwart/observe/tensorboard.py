@@ -6,7 +6,7 @@ TensorBoard instead of drawing a second curve over them.
 
 A step's scalars (its record's and its sections') go as one event, written at log steps (``flush``),
 not one event per scalar: ``SummaryWriter.add_scalar`` costs ~90 µs a call (an event, serialised and
-checksummed in Python by the writer's thread), and ~16 calls a step were 1.4 ms of every training step
+checksummed in Python by the writer's thread), and ~16 calls a step were 1.5–1.9 ms of every training step
 on the CPU (``benchmarks/step_overhead.py``). TensorBoard's own writer keeps events up to 2 minutes
 before it writes them, so the buffer loses nothing a crash would not.
 """
