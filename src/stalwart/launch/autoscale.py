@@ -16,8 +16,11 @@ reported as one.
 With ``--autoscale on`` the master acts, one node per action: a shrink parks the slowest node the
 best size drops (it steps out of the rendezvous and waits as a spare: ``park``; the others regroup from
 the newest snapshot), a grow unparks the fastest parked node the best size adds (judged by its last
-window). Hysteresis: the same recommendation for ``confirm`` windows in a row, the predicted saving
-over ``horizon_s`` larger than ``restart_cost_s``, and at most one action per ``cooldown_s``. Spares
+windows). Hysteresis: a node counts as the fastest of its last ``smooth`` windows at the current
+membership (noise on a shared host only adds time: a node slowed by a neighbour's burst for fewer
+windows is not judged by it; CI saw a node parked on two such windows and unparked at once), the same
+recommendation for ``confirm`` windows in a row, the predicted saving over ``horizon_s`` larger than
+``restart_cost_s``, and at most one action per ``cooldown_s``. Spares
 waiting at the rendezvous need no action: TorchElastic admits them at the next membership change.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import deque
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,14 +44,15 @@ class AutoscalePolicy:
     cooldown_s: float = 120.0  # at most one action per this many seconds
     confirm: int = 2  # windows in a row that must recommend the same size before acting
     stale_s: float = 30.0  # a node's window older than this does not count
+    smooth: int = 3  # a node's compute and step: the fastest of this many of its latest windows
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--autoscale must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.restart_cost_s < 0 or self.horizon_s <= 0 or self.cooldown_s < 0 or self.confirm < 1:
+        if self.restart_cost_s < 0 or self.horizon_s <= 0 or self.cooldown_s < 0 or self.confirm < 1 or self.smooth < 1:
             raise ValueError(
-                "autoscale needs restart cost ≥ 0, horizon > 0, cooldown ≥ 0 and confirm ≥ 1 "
-                f"(got {self.restart_cost_s}, {self.horizon_s}, {self.cooldown_s}, {self.confirm})"
+                "autoscale needs restart cost ≥ 0, horizon > 0, cooldown ≥ 0, confirm ≥ 1 and smooth ≥ 1 "
+                f"(got {self.restart_cost_s}, {self.horizon_s}, {self.cooldown_s}, {self.confirm}, {self.smooth})"
             )
 
 
@@ -97,7 +102,8 @@ def predict(
 @dataclass
 class Autoscaler:
     policy: AutoscalePolicy = field(default_factory=AutoscalePolicy)
-    _windows: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # node → (compute, step, time)
+    _windows: dict[str, deque[tuple[float, float, float]]] = field(default_factory=dict)  # node → (compute, step, t)…
+    _membership: frozenset[str] = frozenset()  # the members at the last recommendation
     _observed: set[int] = field(default_factory=set)  # sizes this job ran at
     _streak: tuple[int, int] = (0, 0)  # (recommended size, windows in a row)
     _last_action: float = float("-inf")
@@ -110,10 +116,18 @@ class Autoscaler:
     def observe(self, node: str, compute_s: float, step_s: float | None, now: float | None = None) -> None:
         if step_s is not None and step_s > 0 and compute_s == compute_s:
             now = time.time() if now is None else now
-            if (prev := self._windows.get(node)) is not None and now - prev[2] > 1e-3:
-                self._period = 0.8 * self._period + 0.2 * (now - prev[2])  # smoothed: one late window is noise
-            self._windows[node] = (compute_s, step_s, now)
+            history = self._windows.setdefault(node, deque(maxlen=self.policy.smooth))
+            if history and now - history[-1][2] > 1e-3:
+                self._period = 0.8 * self._period + 0.2 * (now - history[-1][2])  # smoothed: one late window is noise
+            history.append((compute_s, step_s, now))
             self._new.add(node)
+
+    def _smoothed(self, node: str) -> tuple[float, float] | None:
+        """(compute, step): the fastest of the node's latest windows, None if it has none."""
+        history = self._windows.get(node)
+        if not history:
+            return None
+        return min(w[0] for w in history), min(w[1] for w in history)
 
     def forget(self, node: str) -> None:
         self._windows.pop(node, None)
@@ -133,18 +147,23 @@ class Autoscaler:
         """The best size in [min_nodes, min(max_nodes, members + spares)], or None until every member
         has a fresh window (spares: waiting or parked nodes, judged by their last window if any)."""
         now = time.time() if now is None else now
-        fresh = {m: w for m in members if (w := self._windows.get(m)) is not None and now - w[2] <= self.policy.stale_s}
+        fresh = [m for m in members if (h := self._windows.get(m)) and now - h[-1][2] <= self.policy.stale_s]
         if not members or len(fresh) < len(members) or not set(members) <= self._new:
             return None
+        if frozenset(members) != self._membership:  # a regroup changes every member's share: start over
+            self._membership = frozenset(members)
+            for m in members:
+                self._windows[m] = deque([self._windows[m][-1]], maxlen=self.policy.smooth)
         n = self._members = len(members)
         self._new.clear()
         self._last_rec = now
         self._observed.add(n)
-        compute = {m: w[0] for m, w in fresh.items()}
-        step = max(w[1] for w in fresh.values())  # synchronous: every member waits for the slowest
+        smoothed = {m: self._smoothed(m) for m in members}
+        compute = {m: w[0] for m, w in smoothed.items()}
+        step = max(w[1] for w in smoothed.values())  # synchronous: every member waits for the slowest
         top = max(min_nodes, min(max_nodes, n + len(spares)))
         sizes = sorted({n, *range(max(1, min(min_nodes, n)), top + 1)})
-        predicted = predict(compute, step, sizes, {s: (self._windows.get(s) or (None,))[0] for s in spares})
+        predicted = predict(compute, step, sizes, {s: (self._smoothed(s) or (None,))[0] for s in spares})
         best = min(sizes, key=lambda k: (predicted[k][0], k != n, k))
         if predicted[best][0] >= predicted[n][0] * (1 - 1e-3):
             best = n  # within noise of the current size: stay
@@ -178,7 +197,7 @@ class Autoscaler:
             return None
         if rec.best < rec.current:
             kind = "park"
-            chosen = [m for m in sorted(members, key=lambda m: -self._windows[m][0]) if m not in rec.keep]
+            chosen = [m for m in sorted(members, key=lambda m: -self._smoothed(m)[0]) if m not in rec.keep]
         else:
             kind, chosen = "unpark", [s for s in rec.keep if s not in members and s in parked]
         if not chosen:
