@@ -75,7 +75,7 @@ def baseline_worker(a: argparse.Namespace) -> None:
         eps=1e-8,
         foreach=True,
     )
-    warmup = 20
+    warmup = warmup_steps(a)
 
     def lr_factor(step: int) -> float:
         if step < warmup:
@@ -109,6 +109,11 @@ def baseline_worker(a: argparse.Namespace) -> None:
     if rank == 0:
         Path(a.out).write_text(json.dumps({"step_times": times}))
     dist.destroy_process_group()
+
+
+def warmup_steps(a: argparse.Namespace) -> int:
+    """The learning-rate warm-up both sides use: configs/debug.toml's 20, or every step of a shorter run."""
+    return min(20, a.steps)
 
 
 # -- rank 0's TensorBoard writes, in-process ---------------------------------------------------------
@@ -192,6 +197,7 @@ def run_stalwart(a: argparse.Namespace, out: Path) -> float:
         f"--train.steps={a.steps}",
         f"--train.global_batch={a.global_batch}",
         f"--train.micro_batch={a.micro_batch}",
+        f"--train.warmup_steps={warmup_steps(a)}",
         f"--train.out_dir={out}",
         "--checkpoint.enabled=false",
         "--guard.enabled=false",

@@ -101,7 +101,7 @@ class MetricsHook(StepHook):
     _tensorboard: TensorBoardSink | None = None
     _t0: float = 0.0
     _wall0: float = 0.0
-    _staged: dict[str, Any] = field(default_factory=lambda: _carried(0, torch.zeros(2, 3), [None, None]))
+    _staged: tuple[int, torch.Tensor, dict[str, Any], _Pending | None] | None = None  # see ``stage``
     _restored: dict[str, Any] | None = None
 
     def open(self, start_step: int, progress: bool = True) -> None:
@@ -161,20 +161,22 @@ class MetricsHook(StepHook):
     # -- the step's record rides in its snapshot -----------------------------------------------------
     def stage(self, trainer: Trainer, stats: StepStats) -> None:
         """After the update, before the checkpoint call: what the step's snapshot carries of the records
-        not yet written, this step's (its step time without the checkpoint call) and the newest pending."""
+        not yet written, this step's (its step time without the checkpoint call) and the newest pending.
+        Only references: ``state_dict`` builds the carried form when a snapshot is taken."""
         dt = time.perf_counter() - self._t0
         tps, mfu = self._rates(dt)
         this = {"step": stats.step, "lr": stats.lr, "tokens_per_s": tps, "step_time_s": dt, "mfu": mfu}
         this |= {"samples_consumed": trainer.sampler.consumed, "time": time.time()}
-        values = [stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()]
-        if self._pending:  # on CUDA the previous step's values are usually still on their way
-            p = self._pending[-1]
-            self._staged = _carried(stats.step, torch.stack([p.device_values, torch.stack(values)]), [p.record, this])
-        else:
-            self._staged = _carried(stats.step, torch.stack([torch.stack(values)] * 2), [None, this])
+        newest = self._pending[-1] if self._pending else None  # on CUDA usually still on its way
+        self._staged = (stats.step, _step_values(stats), this, newest)
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._staged)
+        if self._staged is None:  # a restore's template, or a snapshot before any step
+            return _carried(0, torch.zeros(2, 3), [None, None])
+        step, values, this, newest = self._staged
+        if newest is None:
+            return _carried(step, torch.stack([values, values]), [None, this])
+        return _carried(step, torch.stack([newest.device_values, values]), [newest.record, this])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = dict(state)  # written by ``open`` if the log lacks it
@@ -222,11 +224,7 @@ class MetricsHook(StepHook):
             "mem_mb": memory_mb(stats.loss.device),
         }
         staged = self._staged
-        values = (
-            staged["values"][1]
-            if staged["step"] == stats.step
-            else torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
-        )
+        values = staged[1] if staged is not None and staged[0] == stats.step else _step_values(stats)
         self._pending.append(_Pending(stats.step, HostCopy(values), values, record, rank_values))
         self._queued_step = stats.step
 
@@ -260,6 +258,11 @@ class MetricsHook(StepHook):
                 )
         if wait and self._records is not None:
             self._records.flush()
+
+
+def _step_values(stats: StepStats) -> torch.Tensor:
+    """The step's loss, gradient norm and MoE loss as one device tensor (one host copy, no sync)."""
+    return torch.stack([stats.loss.float(), stats.grad_norm.float(), stats.aux_loss.float()])
 
 
 def _carried(step: int, values: torch.Tensor, records: list[dict[str, Any] | None]) -> dict[str, Any]:

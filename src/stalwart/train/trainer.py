@@ -277,7 +277,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step
         stats.settle()
-        self.metrics.stage(self, stats)  # before the snapshot: it carries the step's record
+        if self.ckpt is not None:
+            self.metrics.stage(self, stats)  # before the snapshot: it carries the step's record
         try:
             for hook in self.hooks:
                 hook.after_step(self, stats)
@@ -417,7 +418,8 @@ class Trainer:
             "restore_skipped": info.skipped if info else [],
             "snapshots": w["snapshots"],
             "snapshots_skipped": w["skipped"],
-            "hook_wait_s": w["wait_s"],
+            "hook_wait_s": w["wait_s"],  # steps held for a copy; a save call's own waits are in save_call_s
+            "end_wait_s": w["end_wait_s"],  # the final wait for the last snapshot (and replica sync, rollback)
             "save_call_s": self.ckpt.stats["save_s"],
             "replica_wait_s": self.ckpt.stats["replica_wait_s"],  # of save_call_s: --replica-sync's waits
             "persist_requests": self.ckpt.stats["persist_requests"],
