@@ -202,7 +202,8 @@ def too_little_shm(proc: subprocess.CompletedProcess, a: argparse.Namespace) -> 
 def snapshot_every_step(a: argparse.Namespace, data: Path, work: Path, plain_step_s: float | None) -> dict:
     """Host blocking per save with a memory snapshot every step: the save call (metrics
     ``checkpoint_s``, median over the timed steps) plus the optimizer hook's waits (the run's total
-    over its steps: the only other place a step waits for a snapshot), against the median step."""
+    over its steps: the only other place a step waits for a snapshot; the run's final wait for its last
+    snapshot is not a step's and is reported apart), against the median step."""
     out = work / "ckpt"
     proc = run(train_cmd(a, data, out, a.warmup + a.steps, *ckpt_flags(a, out)), a.section_timeout)
     skipped = too_little_shm(proc, a)
@@ -219,6 +220,7 @@ def snapshot_every_step(a: argparse.Namespace, data: Path, work: Path, plain_ste
         "step_s": step_s,
         "save_call_ms": save_s * 1e3,
         "hook_wait_ms_per_step": hook_s * 1e3,
+        "end_wait_ms": ck["end_wait_s"] * 1e3,  # once, at the run's end
         "blocking_ms_per_save": blocking * 1e3,
         "blocking_fraction": blocking / step_s,
         "blocking_target": 0.01,

@@ -257,7 +257,9 @@ def test_pre_step_hook_keeps_snapshot_consistent(shm, monkeypatch, tmp_path):
     w.start(1, ts.capture(), False)
     opt.step()  # mutates every parameter; the hook holds it until the copy is done
     assert state_dict_hash(model.state_dict()) != at_save
+    hook_wait = w.stats["wait_s"]
     w.wait()
+    assert w.stats["wait_s"] == hook_wait and w.stats["end_wait_s"] > 0, "the final wait is not the hook's"
     with SnapshotView(shm, complete_slots(shm, 0)[0]) as view:
         snap = {k[len("model.") :]: view.tensor(k).clone() for k in view.entries if k.startswith("model.")}
     assert state_dict_hash(snap) == at_save

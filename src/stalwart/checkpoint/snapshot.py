@@ -193,12 +193,15 @@ class SnapshotWriter:
         self._stream: Any = None  # that side stream (created by the first save on the training device)
         # (signature, entries, size, any CUDA tensor): planned again only when the signature changes
         self._layout: tuple[Any, list[dict[str, Any]], int, bool] | None = None
-        self.stats = {"snapshots": 0, "skipped": 0, "wait_s": 0.0, "copy_s": 0.0, "last_step": None}
+        # waits: ``wait_s`` the optimizer hook's (a step held for the copy), ``save_wait_s`` a save call's for
+        # the previous snapshot, ``end_wait_s`` every other (the run's final wait, replica sync, rollback)
+        self.stats = {"snapshots": 0, "skipped": 0, "wait_s": 0.0, "save_wait_s": 0.0, "end_wait_s": 0.0}
+        self.stats |= {"copy_s": 0.0, "last_step": None}
 
     # -- main thread -----------------------------------------------------------------------------
     def start(self, step: int, captured: Captured, persist: bool) -> bool:
         """Begin the snapshot of ``step``; returns False if it was skipped (both slots busy)."""
-        self.wait()
+        self.wait("save_wait_s")
         sig = captured.signature
         if self._layout is None or self._layout[0] != sig or sig is None:
             entries, size = plan_layout(captured)
@@ -244,12 +247,12 @@ class SnapshotWriter:
             torch.cuda.current_stream().wait_event(self._cuda_event)  # GPU-side wait, host continues
         self._raise_if_failed()
 
-    def wait(self) -> None:
-        """Block until the in-flight snapshot is complete (header published)."""
+    def wait(self, stat: str = "end_wait_s") -> None:
+        """Block until the in-flight snapshot is complete (header published); the time goes to ``stat``."""
         if self._future is not None:
             t0 = time.perf_counter()
             self._future.result()
-            self.stats["wait_s"] += time.perf_counter() - t0
+            self.stats[stat] += time.perf_counter() - t0
             self._future = None
 
     def _raise_if_failed(self) -> None:
