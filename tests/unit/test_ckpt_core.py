@@ -317,6 +317,54 @@ def test_capture_reuses_dcp_state_dicts_but_always_shows_current_values():
     assert same_as_fresh()
 
 
+def test_the_model_cache_notices_a_replaced_submodule_parameter_or_data():
+    """The cached model part is checked against each module's own children, parameters and buffers
+    (not a fresh walk of the whole model): every way of replacing a tensor shows in the next capture."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2))
+    state = TrainingState({"model": model}, 0, rng=False)
+
+    def captured() -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in state.capture().tensors.items()}
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return TrainingState({"model": model}, 0, rng=False).capture().tensors
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+    captured()
+    model[0][0] = nn.Linear(4, 4)  # a grandchild replaced: only its parent's children change
+    assert same(captured(), fresh())
+    model[1].weight = nn.Parameter(torch.full((2, 4), 7.0))  # a parameter replaced
+    assert same(captured(), fresh())
+    model[1].weight.data = torch.zeros(2, 4)  # the same Parameter, new data
+    assert same(captured(), fresh())
+    model[0][1].running_mean = torch.ones(4)  # a buffer replaced
+    assert same(captured(), fresh())
+    model[0].append(nn.Linear(4, 4))  # a new child with new keys
+    after = captured()
+    assert same(after, fresh()) and "model.0.2.weight" in after
+
+
+def test_rng_states_converted_once_still_follow_every_draw():
+    """numpy's and Python's states are converted to tensors again only when they changed: a state
+    taken after draws differs, and each restores its own sequence."""
+    from stalwart.checkpoint.state import rng_state, set_rng_state
+
+    first = rng_state()
+    assert rng_state()["python_state"] is first["python_state"], "unchanged: converted once"
+    draws = (random.random(), np.random.rand())
+    second = rng_state()
+    assert not torch.equal(first["python_state"], second["python_state"])
+    assert not torch.equal(first["numpy_keys"], second["numpy_keys"]) or first["numpy_pos"] != second["numpy_pos"]
+    more = (random.random(), np.random.rand())
+    set_rng_state(first)
+    assert (random.random(), np.random.rand()) == draws
+    set_rng_state(second)
+    assert (random.random(), np.random.rand()) == more
+
+
 def test_ranks_of_a_job_directory_that_another_process_removes_meanwhile(tmp_path):
     """The last rank out of a memory-only job removes the job directory while another rank may be
     listing it (CI: FileNotFoundError from a listing of a vanishing directory killed a finished rank)."""

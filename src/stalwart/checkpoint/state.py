@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -95,6 +96,29 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- RNG ---------------------------------------------------------------------------------------------
+class _RngTensors:
+    """numpy's and Python's generator states as tensors, converted again only when they changed (a
+    training loop rarely draws from either, and converting 625 integers is a good part of a save call).
+    The tensors handed out are never written: a snapshot may still be reading the previous one."""
+
+    def __init__(self) -> None:
+        self._numpy: tuple[np.ndarray, torch.Tensor] | None = None
+        self._python: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def numpy_keys(self, keys: np.ndarray) -> torch.Tensor:
+        if self._numpy is None or not np.array_equal(self._numpy[0], keys):
+            self._numpy = (keys.copy(), torch.from_numpy(keys.astype(np.int64)))
+        return self._numpy[1]
+
+    def python_state(self, internal: tuple[int, ...]) -> torch.Tensor:
+        if self._python is None or self._python[0] != internal:
+            self._python = (internal, torch.tensor(internal, dtype=torch.int64))
+        return self._python[1]
+
+
+_RNG_TENSORS = _RngTensors()
+
+
 def rng_state() -> dict[str, Any]:
     """torch/numpy/python (and CUDA) generator states as tensors and plain numbers, so they can be
     stored as DCP items and loaded with ``weights_only=True``."""
@@ -103,11 +127,11 @@ def rng_state() -> dict[str, Any]:
     version, internal, py_gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_keys": _RNG_TENSORS.numpy_keys(keys),
         "numpy_pos": int(pos),
         "numpy_has_gauss": int(has_gauss),
         "numpy_gauss": float(gauss),
-        "python_state": torch.tensor(internal, dtype=torch.int64),
+        "python_state": _RNG_TENSORS.python_state(internal),
         "python_version": int(version),
         "python_gauss": py_gauss,
     }
@@ -146,6 +170,7 @@ class TrainingState:
         self.rank, self.rng = rank, rng
         self.items = dict(state)
         self._cache: dict[str, _Part] = {}  # model/optimizer parts reused while their tensors stay
+        self._modules: dict[str, list[nn.Module]] = {}  # each model's modules, walked again on a change
         modules = {n: v for n, v in self.items.items() if isinstance(v, nn.Module)}
         self.owner: dict[str, nn.Module] = {}
         for name, value in self.items.items():
@@ -227,11 +252,15 @@ class TrainingState:
     def _model_part(self, name: str, model: nn.Module) -> _Part:
         """DCP's model state dict, flattened, reused while the model holds the same parameter and
         buffer tensors: DCP walks every module to map names on each call (milliseconds per save for a
-        small model, more for a deep one). A replaced tensor (a load, FSDP resharding) changes the key."""
-        key = tuple(_identity(t) for t in (*model.parameters(), *model.buffers()))
+        small model, more for a deep one). A replaced tensor (a load, FSDP resharding) or submodule
+        changes the key."""
+        modules = self._modules.get(name)
+        key = _tree_key(modules) if modules is not None else None
         cached = self._cache.get(name)
         if cached is not None and cached.key == key:
             return cached
+        modules = self._modules[name] = list(model.modules())
+        key = _tree_key(modules)
         part = _Part.of(name, get_model_state_dict(model))
         if part.objects:  # extra state: not a reference that follows the model
             return part
@@ -243,7 +272,7 @@ class TrainingState:
         """DCP's optimizer state (tensors), flattened, and each group's parameter FQNs, reused while
         the optimizer holds the same state tensors (it updates them in place). Hyperparameters are
         not part of it: :func:`_copy_groups` reads them from the live ``param_groups``."""
-        key = (len(optim.param_groups), *((id(p), *(id(v) for v in st.values())) for p, st in optim.state.items()))
+        key = (len(optim.param_groups), *((id(p), *map(id, st.values())) for p, st in optim.state.items()))
         cached = self._cache.get(name)
         if cached is not None and cached.key == key:
             return cached
@@ -284,10 +313,21 @@ class TrainingState:
             set_rng_state(rng)
 
 
+def _tree_key(modules: list[nn.Module]) -> tuple[Any, ...]:
+    """What changes when a module's children, parameters or buffers are replaced, read from each
+    module's own dicts (walking ``model.modules()`` afresh costs more than the whole check)."""
+    key: list[Any] = []
+    for module in modules:
+        key.append(tuple(map(id, module._modules.values())))
+        key.extend(_identity(t) for t in module._parameters.values() if t is not None)
+        key.extend(_identity(t) for t in module._buffers.values() if t is not None)
+    return tuple(key)
+
+
 def _identity(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    """What changes when a live tensor is replaced: the object, its (local) storage and shape."""
-    local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: its shard (FSDP may swap it)
-    return id(t), local.untyped_storage().data_ptr() if local.numel() else 0, tuple(local.shape)
+    """What changes when a live tensor is replaced: the object, its (local) data and shape."""
+    local = t.to_local() if isinstance(t, DTensor) else t  # its shard (FSDP may swap it)
+    return id(t), local.data_ptr(), local.shape
 
 
 def _copy_groups(optim: torch.optim.Optimizer, fqns: list[list[str]]) -> list[dict[str, Any]]:
