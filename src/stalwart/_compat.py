@@ -370,6 +370,13 @@ def ddp_without_buffer_sync() -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
+def own_members(module: Any) -> tuple[Any, Any, Any]:
+    """A module's direct children, parameters and buffers (``None`` entries included), read from its
+    own dicts: ``named_children``/``named_parameters(recurse=False)`` build names and dedupe, and the
+    snapshot's cache key reads 200+ modules at every save (checkpoint/state.py)."""
+    return module._modules.values(), module._parameters.values(), module._buffers.values()
+
+
 # --- end of training section ------------------------------------------------------------------
 
 

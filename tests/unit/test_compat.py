@@ -570,3 +570,18 @@ def test_copy_tensors_copies_every_pair_in_one_call_or_falls_back_to_the_loop(mo
     copy_tensors(dst2, src)
     assert calls and torch.equal(dst2[0], src[0]) and torch.equal(dst2[1], src[1])
     copy_tensors([], [])  # nothing to copy: no call
+
+
+def test_own_members_are_what_the_public_non_recursive_walks_show() -> None:
+    import torch
+
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.BatchNorm1d(2))
+    block.register_parameter("scale", torch.nn.Parameter(torch.ones(2)))
+    block.register_buffer("mask", torch.zeros(2))
+    block.register_parameter("unused", None)
+    children, params, buffers = _compat.own_members(block)
+    assert list(children) == [m for _, m in block.named_children()]
+    assert [p for p in params if p is not None] == [p for _, p in block.named_parameters(recurse=False)]
+    assert [b for b in buffers if b is not None] == [b for _, b in block.named_buffers(recurse=False)]
+    _, linear_params, _ = _compat.own_members(block[0])
+    assert None in list(linear_params), "a parameter registered as None (bias=False) is listed as None"

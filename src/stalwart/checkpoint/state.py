@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,8 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
-from stalwart._compat import flatten_state_dict
+from stalwart._compat import flatten_state_dict, own_members
 from stalwart.checkpoint.hparams import PARAM_GROUPS, PARAMS, has_per_parameter_hyperparameters
 
 RNG_KEY = "rng"
@@ -318,9 +318,10 @@ def _tree_key(modules: list[nn.Module]) -> tuple[Any, ...]:
     module's own dicts (walking ``model.modules()`` afresh costs more than the whole check)."""
     key: list[Any] = []
     for module in modules:
-        key.append(tuple(map(id, module._modules.values())))
-        key.extend(_identity(t) for t in module._parameters.values() if t is not None)
-        key.extend(_identity(t) for t in module._buffers.values() if t is not None)
+        children, params, buffers = own_members(module)
+        key.append(tuple(map(id, children)))
+        key.extend(_identity(t) for t in params if t is not None)
+        key.extend(_identity(t) for t in buffers if t is not None)
     return tuple(key)
 
 
