@@ -220,6 +220,36 @@ def test_double_buffer_alternates_slots_and_generations(shm):
     w.close()
 
 
+def test_a_header_reencodes_its_tables_only_when_they_change_and_reads_as_before(shm):
+    """The entry table and mappings are encoded once per layout and reused; the header still parses to
+    the same fields and follows a change (an extra's new key: new mappings under the same tensors)."""
+    model, opt, _ = tiny()
+    extras = {"seen": 1}
+    ts = TrainingState({"model": model, "optim": opt, "extras": extras}, 0)
+    w = SnapshotWriter(shm, 0, 1)
+    headers = []
+    for s in (1, 2, 3):
+        step(model, opt)
+        if s == 3:
+            extras["tokens"] = 12
+        captured = ts.capture()
+        assert w.start(s, captured, persist=False)
+        w.wait()
+        headers.append((complete_slots(shm, 0)[0].header, captured))
+        if s == 1:
+            first_encoding = w._encoded[2]
+        if s == 2:
+            assert w._encoded[2] is first_encoding, "the same tables: reused, not encoded again"
+    for header, captured in headers:
+        assert header["mappings"] == {k: list(v) for k, v in captured.mappings.items()}
+        assert [e["key"] for e in header["entries"]] == list(captured.sources)
+    assert headers[0][0]["step"] == 1 and headers[2][0]["step"] == 3 and headers[2][0]["generation"] == 3
+    assert "extras.tokens" in headers[2][0]["mappings"] and "extras.tokens" not in headers[1][0]["mappings"]
+    with SnapshotView(shm, complete_slots(shm, 0)[0]) as view:
+        assert view.objects["extras.tokens"] == 12
+    w.close()
+
+
 def test_pinned_slot_is_not_overwritten_and_both_busy_skips(shm):
     model, opt, _ = tiny()
     ts = TrainingState({"model": model, "optim": opt}, 0)

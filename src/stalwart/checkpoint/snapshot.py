@@ -193,6 +193,7 @@ class SnapshotWriter:
         self._stream: Any = None  # that side stream (created by the first save on the training device)
         # (signature, entries, size, any CUDA tensor): planned again only when the signature changes
         self._layout: tuple[Any, list[dict[str, Any]], int, bool] | None = None
+        self._encoded: tuple[list[dict[str, Any]], dict[str, Any], str] | None = None  # see ``_header``
         # waits: ``wait_s`` the optimizer hook's (a step held for the copy), ``save_wait_s`` a save call's for
         # the previous snapshot, ``end_wait_s`` every other (the run's final wait, replica sync, rollback)
         self.stats = {"snapshots": 0, "skipped": 0, "wait_s": 0.0, "save_wait_s": 0.0, "end_wait_s": 0.0}
@@ -295,6 +296,15 @@ class SnapshotWriter:
             return -1
         return self._generations[slot]
 
+    def _header(self, fields: dict[str, Any], entries: list[dict[str, Any]], mappings: dict[str, Any]) -> bytes:
+        """The slot header as JSON: ``fields``, then the entry table and the mappings. Those two are
+        encoded again only when they changed (the entries are the layout's own list while it holds):
+        at 880 tensors they are ~6 ms of JSON on a slow CPU, on this thread, holding the GIL."""
+        if self._encoded is None or self._encoded[0] is not entries or self._encoded[1] != mappings:
+            tail = json.dumps({"entries": entries, "mappings": {k: list(v) for k, v in mappings.items()}})
+            self._encoded = (entries, dict(mappings), tail[1:])
+        return (json.dumps(fields)[:-1] + ", " + self._encoded[2]).encode()
+
     def _issue_cuda_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool, ready: Any) -> None:
         """On the background thread: the device tensors' (destination, source) copies on the side
         stream, after ``ready``."""
@@ -342,7 +352,7 @@ class SnapshotWriter:
             blob = buf.getvalue()
             atomic_write(self.paths.slot(self.rank, slot, "obj"), blob)
             self.generation += 1
-            header = {
+            fields = {
                 "format": FORMAT,
                 "rank": self.rank,
                 "world_size": self.world_size,
@@ -355,10 +365,8 @@ class SnapshotWriter:
                 "restores": self.restores,
                 "data_bytes": size,
                 "objects_crc32": zlib.crc32(blob),
-                "entries": entries,
-                "mappings": {k: list(v) for k, v in captured.mappings.items()},
             }
-            atomic_write(self.paths.slot(self.rank, slot, "json"), json.dumps(header).encode())
+            atomic_write(self.paths.slot(self.rank, slot, "json"), self._header(fields, entries, captured.mappings))
             self._generations[slot] = self.generation
             self.latest_slot = slot
             self.stats["snapshots"] += 1
