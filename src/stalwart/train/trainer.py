@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +40,7 @@ from stalwart.observe import tensorboard
 from stalwart.observe.flight import start_for_worker
 from stalwart.observe.timers import SectionTimer, StageForwards
 from stalwart.plan.compute import flops_per_token
-from stalwart.train.compile import attention_backend, compile_blocks
+from stalwart.train.compile import compile_blocks
 from stalwart.train.guard import Verdict
 from stalwart.train.hooks import ChaosLossHook, CheckpointHook, GuardHook, StepHook, StepStats
 from stalwart.train.metrics import MetricsHook
@@ -51,6 +49,7 @@ from stalwart.train.parallel import build_mesh, parallelize
 from stalwart.train.parallel.mesh import Coords, tp_data_group
 from stalwart.train.parallel.pipeline import lm_loss
 from stalwart.train.resolve import rank0_plan, resolve
+from stalwart.train.summary import write_summary
 from stalwart.utils import state_dict_hash
 from stalwart.utils.phases import Phases
 
@@ -216,7 +215,7 @@ class Trainer:
         )
 
     # -- one optimizer step --------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.cfg.train.dtype
         if dtype == "bfloat16" or (dtype == "auto" and self.env.device.type == "cuda"):
             return torch.autocast(self.env.device.type, dtype=torch.bfloat16)
@@ -233,7 +232,7 @@ class Trainer:
             pm.begin_step(n)
             self._begun_n = n
         if pm.pipeline is not None:  # forward, backward and P2P waits interleave: one compute section
-            with self.timer.section("pipeline"), self._autocast(), self._chaos_at_forward():
+            with self.timer.section("pipeline"), self.autocast(), self._chaos_at_forward():
                 loss = pm.pipeline.step(inputs, targets, n, self._on_loss)
             self.stage_forwards.flush(n)
             return loss
@@ -241,7 +240,7 @@ class Trainer:
         mb = pm.options.micro_batch
         for i, (x, y) in enumerate(zip(inputs.split(mb), targets.split(mb))):
             with pm.micro_batch(last=i == n - 1):
-                with self.timer.section("forward"), self._autocast(), self._chaos_at_forward():
+                with self.timer.section("forward"), self.autocast(), self._chaos_at_forward():
                     loss = self._on_loss(lm_loss(pm.parts[0](x), y) / n)
                 with self.timer.section("backward", compute=False):  # waits on gradient reduction
                     loss.backward()
@@ -322,7 +321,6 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
     def fit(self, progress: bool = True) -> dict[str, Any]:
         t = self.cfg.train
-        out = Path(t.out_dir)
         self.metrics.open(self.step, progress)
         start = time.perf_counter()
         try:
@@ -351,42 +349,7 @@ class Trainer:
             self.metrics.close()
         if self.ckpt is not None:
             self.ckpt.close(success=True)
-        wall = time.perf_counter() - start
-        final_hash = self.weights_hash()
-        step_times = self.metrics.step_times
-        tokens_per_step = t.global_batch * self.cfg.data.seq_len
-        summary = {
-            "steps": self.step,
-            "startup_s": self.phases.seconds,  # this process's start, phase by phase (a restart's own)
-            "world_size": self.env.world_size,
-            "device": str(self.env.device),  # cuda:N or cpu, with the backend: what the run really used
-            "backend": self.env.backend,
-            "dp_mode": self.cfg.parallel.dp_mode,
-            "layout": self.plan.summary(),
-            "model": self.cfg.model.name,
-            "n_params": self.n_params,
-            "grad_accum": self.accum,
-            "global_batch": t.global_batch,
-            "seq_len": self.cfg.data.seq_len,
-            "final_loss": self.metrics.last_loss if step_times else None,
-            "median_step_time_s": statistics.median(step_times) if step_times else None,
-            "tokens_per_s": tokens_per_step / statistics.median(step_times) if step_times else None,
-            "wall_s": wall,
-            "samples_consumed": self.sampler.consumed,
-            "compiled_blocks": self.compiled_blocks,
-            "attention": self.attention_report(),
-            "prefetch": self.cfg.data.prefetch,
-            "final_hash": final_hash,
-            "optim_hash": self.optimizer_hash(),
-            "metrics": str(out / "metrics.jsonl"),
-        }
-        if self.ckpt is not None:
-            summary["checkpoint"] = self.checkpoint_report()
-        if self.guard is not None:
-            summary["guard"] = self.guard.report()
-        if self.env.is_main:
-            (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        return summary
+        return write_summary(self, time.perf_counter() - start)
 
     def weights_hash(self) -> str:
         """Hash of the full (unsharded, all pipeline stages) model weights; a collective."""
@@ -397,34 +360,6 @@ class Trainer:
         if not self.optimizer.state:
             return None
         return state_dict_hash(get_optimizer_state_dict(self.model, self.optimizer), group=self.pm.pp_group)
-
-    def attention_report(self) -> dict[str, Any]:
-        """The SDPA kernel this run's attention used (summary.json "attention")."""
-        autocast = self._autocast()
-        dtype = torch.bfloat16 if isinstance(autocast, torch.autocast) else torch.float32
-        a, c = self.model_args, self.cfg
-        out = attention_backend(a, c.train.micro_batch, c.data.seq_len, self.plan.layout.tp, dtype, self.pm.device)
-        if self.compiled_blocks:
-            out["how"] += "; the blocks are compiled: inductor may lower attention itself"
-        return out
-
-    def checkpoint_report(self) -> dict[str, Any]:
-        info, w = self.ckpt.last_restore, self.ckpt.writer.stats
-        return {
-            "restored_from": info.source if info else "disabled",
-            "restore_step": info.step if info else 0,
-            "restore_s": info.seconds if info else 0.0,
-            "restore_detail": info.detail if info else "",
-            "restore_skipped": info.skipped if info else [],
-            "snapshots": w["snapshots"],
-            "snapshots_skipped": w["skipped"],
-            "hook_wait_s": w["wait_s"],  # steps held for a copy; a save call's own waits are in save_call_s
-            "end_wait_s": w["end_wait_s"],  # the final wait for the last snapshot (and replica sync, rollback)
-            "save_call_s": self.ckpt.stats["save_s"],
-            "replica_wait_s": self.ckpt.stats["replica_wait_s"],  # of save_call_s: --replica-sync's waits
-            "persist_requests": self.ckpt.stats["persist_requests"],
-            "dir": self.ckpt.storage.url,
-        }
 
     def chaos_point(self, point: str = "step") -> None:
         """STALWART_CHAOS faults at point "step" fire here once the step is logged, at "saved" right after
