@@ -53,7 +53,8 @@ def test_recommendation_waits_for_every_member_and_counts_windows_not_beats():
 
 
 def test_acting_needs_a_confirmed_recommendation_a_payback_and_a_cooldown():
-    policy = AutoscalePolicy(mode="on", restart_cost_s=5.0, horizon_s=60.0, cooldown_s=100.0, confirm=2)
+    # smooth=1: each window judged alone (smoothing has its own test below)
+    policy = AutoscalePolicy(mode="on", restart_cost_s=5.0, horizon_s=60.0, cooldown_s=100.0, confirm=2, smooth=1)
     scaler = Autoscaler(policy)
     slow = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.3}
     windows(scaler, slow, 0.35, 0.0)
@@ -68,12 +69,12 @@ def test_acting_needs_a_confirmed_recommendation_a_payback_and_a_cooldown():
         windows(scaler, slow, 0.35, t)
         assert scaler.action(scaler.recommend(list(slow), 2, 4, now=t), list(slow), now=t) is None
     # a member restarting is briefly no member: a grow never "unparks" it, only a node that was parked
-    grow = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=0.0, horizon_s=60.0, confirm=1))
+    grow = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=0.0, horizon_s=60.0, confirm=1, smooth=1))
     windows(grow, {"a": 0.1, "b": 0.1}, 0.15, 0.0)
     rec = grow.recommend(["a"], 1, 2, spares=["b"], now=0.0)
     assert rec is not None and rec.best == 2 and grow.action(rec, ["a"], now=0.0) is None
     assert grow.action(rec, ["a"], now=0.0, parked=["b"])[:2] == ("unpark", "b")
-    costly = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=1000.0, horizon_s=60.0, confirm=1))
+    costly = Autoscaler(AutoscalePolicy(mode="on", restart_cost_s=1000.0, horizon_s=60.0, confirm=1, smooth=1))
     windows(costly, slow, 0.35, 0.0)
     assert costly.action(costly.recommend(list(slow), 2, 4, now=0.0), list(slow), now=0.0) is None, "never pays back"
 
@@ -97,7 +98,10 @@ def test_the_master_parks_the_slowest_and_unparks_it_when_it_would_help(tmp_path
     state = MasterState(Journal(tmp_path / "j.sqlite"), "job", 3, 30.0, autoscaler=Autoscaler(policy))
     for n in ("a", "b", "c"):
         state.join({"node_id": n, "host": "h", "nproc": 1, "info": {"min_nodes": 2, "max_nodes": 3}})
-    for _ in range(3):  # the first round has only a as a member yet (b and c had not beaten): 2 more
+    # The first round has only a as a member yet (b and c had not beaten); the second is at a new
+    # membership, whose windows start afresh; three more fill every member's 3 windows, and confirm
+    # takes one more.
+    for _ in range(6):
         replies = [beat(state, "a", 0.1, 0.5), beat(state, "b", 0.1, 0.5), beat(state, "c", 0.45, 0.5)]
     assert [r.get("park", "") for r in replies][:2] == ["", ""] and "leave" not in replies[2]
     assert replies[2]["park"].startswith("autoscale: 2 nodes train"), "c's own window completed the second"
@@ -144,10 +148,38 @@ def test_a_burst_of_slow_windows_is_noise_not_a_reason_to_park():
     assert acted[9] is acted[10] is acted[11] is None and acted[12][:2] == ("park", "b"), (
         "slow in all of its last 3 windows (from window 11), confirmed twice: parked"
     )
-    # after a regroup the members' older windows (another share of the batch) no longer count
+    # after a regroup the members' older windows (another share of the batch) no longer count, nor does
+    # the first window after it (it may have been measured before): then one window is a whole history
+    # only with smooth=1
     assert scaler.recommend(["a", "c"], 2, 3, now=12.0) is None, "no new window since the last recommendation"
-    windows(scaler, {"a": 1.2, "c": 0.9}, 1.3, 13.0)
-    rec = scaler.recommend(["a", "c"], 2, 3, spares=["b"], now=13.0)
-    assert rec.step_s[2] == pytest.approx(1.3) and rec.comm_s == pytest.approx(0.1), "a's 0.8 is forgotten"
+    windows(scaler, {"a": 0.5, "c": 0.5}, 0.6, 13.0)
+    assert scaler.recommend(["a", "c"], 2, 3, spares=["b"], now=13.0) is None, "a window of the old membership?"
+    windows(scaler, {"a": 1.2, "c": 0.9}, 1.3, 14.0)
+    rec = scaler.recommend(["a", "c"], 2, 3, spares=["b"], now=14.0)
+    assert rec.step_s[2] == pytest.approx(1.3) and rec.comm_s == pytest.approx(0.1), "a's 0.8 and 0.5 are forgotten"
+    # a stalled node's windows from before its stall do not count either (stale_s, 30 s)
+    windows(scaler, {"a": 1.0, "c": 0.9}, 1.1, 100.0)
+    assert scaler.recommend(["a", "c"], 2, 3, now=100.0).comm_s == pytest.approx(0.1), "1.2 s was stale"
     with pytest.raises(ValueError, match="smooth ≥ 1"):
         AutoscalePolicy(smooth=0)
+
+
+def test_after_a_regroup_two_slow_windows_are_still_noise():
+    """A membership change starts every member's windows afresh: acting waits until each member has
+    ``smooth`` windows again, so the first, noisiest windows after a regroup park nothing."""
+    policy = AutoscalePolicy(mode="on", restart_cost_s=1.0, horizon_s=600.0, cooldown_s=0.0, confirm=2)
+    scaler, three, four = Autoscaler(policy), ["a", "b", "c"], ["a", "b", "c", "d"]
+    steady = {"a": 0.8, "b": 0.8, "c": 0.8}
+    acted = []
+    for t in range(3):
+        windows(scaler, steady, 1.0, float(t))
+        acted.append(scaler.action(scaler.recommend(three, 2, 4, now=float(t)), three, now=float(t)))
+    for t in range(3, 6):
+        windows(scaler, {**steady, "d": 0.8}, 1.0, float(t))
+        rec = scaler.recommend(four, 2, 4, now=float(t))
+        acted.append(rec and scaler.action(rec, four, now=float(t)))
+    for t, b in ((6, 1.6), (7, 1.6), (8, 0.8), (9, 0.8), (10, 0.8)):  # back at three, b slowed twice at once
+        windows(scaler, {**steady, "b": b}, 1.0, float(t))
+        rec = scaler.recommend(three, 2, 4, now=float(t))
+        acted.append(rec and scaler.action(rec, three, now=float(t)))
+    assert not any(acted), acted

@@ -395,6 +395,22 @@ def test_rng_states_converted_once_still_follow_every_draw():
     assert (random.random(), np.random.rand()) == more
 
 
+def test_a_load_template_never_shares_the_rng_tensors_a_capture_holds():
+    """A restore writes the loaded states into its template: were those the tensors the cache hands
+    to captures, a later capture at the cached state would save the loaded one instead."""
+    model, opt, _ = tiny()
+    state = TrainingState({"model": model, "optim": opt}, 0)
+    random.seed(1)
+    at_o = state.capture().tensors["rng.rank0.python_state"].clone()
+    template = state.state_dict(for_load=True)["rng"]["rank0"]
+    random.seed(2)
+    loaded = torch.tensor(random.getstate()[1], dtype=torch.int64)
+    template["python_state"].copy_(loaded)  # what a restore does: the loaded state, into the template
+    random.seed(1)  # back to the cached state (a rollback replays the same draws)
+    again = state.capture().tensors["rng.rank0.python_state"]
+    assert torch.equal(again, at_o) and not torch.equal(again, loaded)
+
+
 def test_ranks_of_a_job_directory_that_another_process_removes_meanwhile(tmp_path):
     """The last rank out of a memory-only job removes the job directory while another rank may be
     listing it (CI: FileNotFoundError from a listing of a vanishing directory killed a finished rank)."""

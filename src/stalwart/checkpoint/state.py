@@ -119,19 +119,21 @@ class _RngTensors:
 _RNG_TENSORS = _RngTensors()
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(reuse: bool = True) -> dict[str, Any]:
     """torch/numpy/python (and CUDA) generator states as tensors and plain numbers, so they can be
-    stored as DCP items and loaded with ``weights_only=True``."""
+    stored as DCP items and loaded with ``weights_only=True``. ``reuse``: the numpy and Python states'
+    tensors may be the previous call's (never written: a capture's); a load's template must not be."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     assert kind == "MT19937", kind
     version, internal, py_gauss = random.getstate()
+    tensors = _RNG_TENSORS if reuse else _RngTensors()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy_keys": _RNG_TENSORS.numpy_keys(keys),
+        "numpy_keys": tensors.numpy_keys(keys),
         "numpy_pos": int(pos),
         "numpy_has_gauss": int(has_gauss),
         "numpy_gauss": float(gauss),
-        "python_state": _RNG_TENSORS.python_state(internal),
+        "python_state": tensors.python_state(internal),
         "python_version": int(version),
         "python_gauss": py_gauss,
     }
@@ -216,8 +218,8 @@ class TrainingState:
                 out[name] = get_model_state_dict(value)
             else:
                 out[name] = self._plain_state_dict(value)
-        if self.rng:
-            out[RNG_KEY] = {f"rank{self.rank}": rng_state()}
+        if self.rng:  # a load writes into the template: never the tensors a capture shares
+            out[RNG_KEY] = {f"rank{self.rank}": rng_state(reuse=not for_load)}
         return out
 
     @staticmethod

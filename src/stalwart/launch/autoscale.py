@@ -18,9 +18,10 @@ best size drops (it steps out of the rendezvous and waits as a spare: ``park``; 
 the newest snapshot), a grow unparks the fastest parked node the best size adds (judged by its last
 windows). Hysteresis: a node counts as the fastest of its last ``smooth`` windows at the current
 membership (noise on a shared host only adds time: a node slowed by a neighbour's burst for fewer
-windows is not judged by it; CI saw a node parked on two such windows and unparked at once), the same
-recommendation for ``confirm`` windows in a row, the predicted saving over ``horizon_s`` larger than
-``restart_cost_s``, and at most one action per ``cooldown_s``. Spares
+windows is not judged by it; CI saw a node parked on two such windows and unparked at once), and a
+membership change starts every member's windows afresh; the same recommendation for ``confirm``
+windows in a row once every member has ``smooth`` windows, the predicted saving over ``horizon_s``
+larger than ``restart_cost_s``, and at most one action per ``cooldown_s``. Spares
 waiting at the rendezvous need no action: TorchElastic admits them at the next membership change.
 """
 
@@ -150,13 +151,19 @@ class Autoscaler:
         fresh = [m for m in members if (h := self._windows.get(m)) and now - h[-1][2] <= self.policy.stale_s]
         if not members or len(fresh) < len(members) or not set(members) <= self._new:
             return None
-        if frozenset(members) != self._membership:  # a regroup changes every member's share: start over
-            self._membership = frozenset(members)
-            for m in members:
-                self._windows[m] = deque([self._windows[m][-1]], maxlen=self.policy.smooth)
         n = self._members = len(members)
         self._new.clear()
         self._last_rec = now
+        if frozenset(members) != self._membership:  # a regroup changes every member's share: start over
+            first, self._membership, self._streak = not self._membership, frozenset(members), (0, 0)
+            if not first:
+                for m in members:  # these windows may be the old membership's: wait for the next ones
+                    self._windows[m].clear()
+                return None
+        for m in members:  # a node that stalled and came back: its windows from before do not count
+            history = self._windows[m]
+            while now - history[0][2] > self.policy.stale_s:
+                history.popleft()
         self._observed.add(n)
         smoothed = {m: self._smoothed(m) for m in members}
         compute = {m: w[0] for m, w in smoothed.items()}
@@ -176,7 +183,10 @@ class Autoscaler:
             extrapolated=[k for k in sizes if k not in self._observed],
             comm_s=max(0.0, step - max(compute.values())),
         )
-        self._streak = (best, self._streak[1] + 1 if self._streak[0] == best else 1)
+        if all(len(self._windows[m]) >= self.policy.smooth for m in members):  # only whole histories count
+            self._streak = (best, self._streak[1] + 1 if self._streak[0] == best else 1)
+        else:
+            self._streak = (0, 0)
         self.latest = rec
         return rec
 
