@@ -91,3 +91,34 @@ def test_gpu_profile_runs_every_line_on_the_cpu(tmp_path):
     assert r["rope"]["max_abs_diff"] < 1e-5, "the complex rotation is apply_rope's (fp32 on the CPU)"
     assert all(positive(v) for v in r["attention"].values()), r["attention"]
     assert "aten::mm" in out.read_text() and "Self CPU time total" in out.read_text()
+
+
+def test_gpu_techniques_runs_each_variant_on_the_cpu(tmp_path):
+    """benchmarks/gpu_techniques.py --smoke: each technique's run (compile aside: tests/unit/test_compile.py
+    runs it, and it is this benchmark's slowest on the CPU), its tokens/s against off's, the window's
+    fewer FLOPs; a spent budget skips what is left and says so."""
+    cmd = [sys.executable, "benchmarks/gpu_techniques.py", "--smoke", f"--peak-tflops={PEAK_TFLOPS}", "--json"]
+    cmd += ["--variants=off,parallel_block,attn_window,prefetch_off", f"--work={tmp_path / 'work'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    v = r["variants"]
+    assert list(v) == ["off", "parallel_block", "attn_window", "prefetch_off"]
+    tokens_per_step = r["global_batch"] * r["seq_len"]
+    for name, x in v.items():
+        assert "error" not in x, (name, x)
+        assert positive(x["step_s"]) and x["tokens_per_s"] == pytest.approx(tokens_per_step / x["step_s"])
+        assert x["mfu"] == pytest.approx(x["flops_per_token"] * x["tokens_per_s"] / r["peak_flops"])
+        assert x["vs_off"] == pytest.approx(x["tokens_per_s"] / v["off"]["tokens_per_s"])
+    assert v["off"]["flags"] == [] and v["attn_window"]["flags"] == [f"--model.attn_window={r['seq_len'] // 4}"]
+    assert v["attn_window"]["flops_per_token"] < v["off"]["flops_per_token"], "the window scores fewer keys"
+    spent = subprocess.run(
+        [*cmd[:3], "--json", "--budget-s=0", "--variants=off,compile", f"--work={tmp_path / 'work'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert spent.returncode == 0, spent.stderr[-2000:]
+    skipped = json.loads(spent.stdout)["variants"]
+    assert all(x == {"skipped": "over the 0 s budget"} for x in skipped.values()), skipped
