@@ -1,6 +1,6 @@
 """A running `stalwart run` job with an injected fault, seen from outside as an operator would: the
 master's dashboard in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven by
-selenium) renders the incident, the curves, a 0.5 s stall at its (step, rank) and the rank whose forward
+selenium) renders the incident, the curves, a 1.5 s stall at its (step, rank) and the rank whose forward
 is slow; a real Prometheus
 (Debian's `prometheus`, bearer-token scrape config) scrapes the per-rank section histograms.
 Screenshots go to $STALWART_TEST_ARTIFACTS (default: the test's tmp dir)."""
@@ -27,14 +27,16 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 PROMETHEUS = shutil.which("prometheus")
 STALL_STEP, STALL_RANK = 12, 1
-STALL = f"delay:at=forward:step={STALL_STEP}:rank={STALL_RANK}:seconds=0.5"  # after the restart
+# After the restart. 1.5 s: each rank keeps its 5 slowest steps (observe/histo.py), and on a loaded 2-core
+# box a process's first steps and the odd step take ~1.3-1.6 s; CI once saw a 0.5 s stall pushed out.
+STALL = f"delay:at=forward:step={STALL_STEP}:rank={STALL_RANK}:seconds=1.5"
 SLOW = "slow:at=forward:rank=1:factor=2"  # every forward of rank 1 twice as long: a straggler
 
 
 @pytest.fixture(scope="module")
 def job(stdlib_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """(run dir, master address, token) of a job that loses rank 1 at step 6 and recovers, whose rank 1
-    stalls 0.5 s in the forward of step 12 and computes every forward 2× as long."""
+    stalls 1.5 s in the forward of step 12 and computes every forward 2× as long."""
     tmp = tmp_path_factory.mktemp("live")
     run = tmp / "run"
     cmd = [sys.executable, "-m", "stalwart", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
@@ -101,7 +103,7 @@ def test_dashboard_shows_the_incident_the_curves_and_the_stall(job, tmp_path: Pa
             )
             last.update(seen)
             straggler = re.search(r"(^|; )rank 1: [^;]*\bforward\b", seen["sections"] or "") is not None
-            stalled = any(s[:2] == [STALL_STEP, STALL_RANK] and s[2] >= 500 for s in seen["slow"])
+            stalled = any(s[:2] == [STALL_STEP, STALL_RANK] and s[2] >= 1500 for s in seen["slow"])
             recovered = any("sigkill" in r and "open" not in r for r in seen["rows"])
             points, committed = seen["points"], seen["committed"]
             persisted = bool(committed) and min(committed) >= 50  # checkpoint.persist_every_steps' default
@@ -123,7 +125,7 @@ def test_dashboard_shows_the_incident_the_curves_and_the_stall(job, tmp_path: Pa
         names = {e["name"] for e in trace["traceEvents"]}
         assert "sigkill: first_step" in names, sorted(names)[:40]
         stalled = [e for e in trace["traceEvents"] if e.get("cat") == "step" and e["pid"] == STALL_RANK + 1]
-        assert any(e["name"] == f"step {STALL_STEP}" and e["dur"] >= 500e3 for e in stalled)  # µs
+        assert any(e["name"] == f"step {STALL_STEP}" and e["dur"] >= 1500e3 for e in stalled)  # µs
     finally:
         browser.quit()
 
