@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_step import SHAPES
-from gpu_step_parts import plain_model, plain_step
+from gpu_step_parts import SHAPES, plain_model, plain_step
 
 from stalwart.models.llama import apply_rope, rope_tables
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,13 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step_parts as parts
 
-# The default on CUDA, sized so the benchmark takes ~2 minutes on an H100 (docs/gpu.md): ~280M
-# parameters, dim 1024, 24 layers, GQA 16/8, SwiGLU 2816 (the LLaMA rule), on the byte corpus's 257 tokens.
-SHAPES = {
-    "280m": {"dim": 1024, "n_layers": 24, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 2816},
-    "1b": {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 8192},  # Llama-3.2-1B blocks
-    "tiny": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 256},
-}
 # (shape, seq_len, micro_batch, global_batch, warmup, steps) on CUDA, and for --smoke
 GPU_DEFAULTS = ("280m", 2048, 8, 16, 5, 15)
 SMOKE_DEFAULTS = ("tiny", 32, 2, 4, 1, 4)
@@ -48,21 +39,11 @@ SECTIONS = ("baseline", "stalwart", "checkpoint", "restore", "torchtitan")
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out-json", default="", help="also write the JSON here, rewritten after each section")
-    p.add_argument("--smoke", action="store_true", help="the CPU, a tiny shape and few steps: runs every line")
+    parts.add_run_arguments(p, GPU_DEFAULTS[0], "section")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: CUDA if available")
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak to divide by (a fake one on the CPU)")
-    p.add_argument("--shape", choices=sorted(SHAPES), help=f"model shape (default {GPU_DEFAULTS[0]}; smoke: tiny)")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--micro-batch", type=int)
-    p.add_argument("--global-batch", type=int)
-    p.add_argument("--warmup", type=int, help="steps not timed, per run")
-    p.add_argument("--steps", type=int, help="timed steps per run, after --warmup")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
     p.add_argument("--section-timeout", type=float, default=240.0, help="seconds per subprocess of a section")
     p.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the memory snapshots (2 × the state)")
-    p.add_argument("--work", default="", help="directory for data and runs (default: a temporary one)")
     a = p.parse_args(argv)
     import torch
 
@@ -76,16 +57,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             "benchmarks/gpu_step.py needs CUDA (torch.cuda.is_available() is False); "
             "--smoke runs every section on the CPU with a tiny shape\n",
         )
-    defaults = SMOKE_DEFAULTS if a.smoke else GPU_DEFAULTS
-    for key, value in zip(("shape", "seq_len", "micro_batch", "global_batch", "warmup", "steps"), defaults):
-        if getattr(a, key) is None:
-            setattr(a, key, value)
-    if a.global_batch % a.micro_batch:
-        p.error("--global-batch must be a multiple of --micro-batch")
-    a.sections = [s for s in a.sections.split(",") if s]
-    if unknown := set(a.sections) - set(SECTIONS):
-        p.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
-    a.shape_name, a.shape = a.shape, SHAPES[a.shape]
+    parts.fill_run_defaults(p, a, SMOKE_DEFAULTS if a.smoke else GPU_DEFAULTS)
+    a.sections = parts.chosen(p, a.sections, SECTIONS, "sections")
     return a
 
 
@@ -107,34 +80,13 @@ def ratios(r: dict) -> dict[str, float | None]:
 
 def measure(a: argparse.Namespace, emit: Callable[[dict], None] = lambda r: None) -> dict:
     """Run the sections in order; ``emit`` gets the result so far after each one."""
-    import torch
-
-    from stalwart.data import ensure_default_corpus
-    from stalwart.models import meta_param_count, model_args
     from stalwart.plan.compute import flops_per_token
 
-    work = Path(a.work or tempfile.mkdtemp(prefix="stalwart-gpu-step-"))
-    data = ensure_default_corpus(work / "data")
-    a.vocab = json.loads((data / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    n_params = meta_param_count(model_args(parts.BASE_MODEL, vocab_size=a.vocab, max_seq_len=a.seq_len, **a.shape))
-    fpt = flops_per_token(n_params, a.shape["n_layers"], a.shape["dim"], a.seq_len)
-    peak, device_name, peak_source = parts.peak_flops(a.device, a.peak_tflops)
+    r, work, data = parts.run_header(a, "stalwart-gpu-step-")
+    n_params, peak = r["model"]["n_params"], r["peak_flops"]
+    fpt = r["flops_per_token"] = flops_per_token(n_params, a.shape["n_layers"], a.shape["dim"], a.seq_len)
     tokens_per_step = a.global_batch * a.seq_len
-    r: dict = {
-        "device": device_name,
-        "torch": torch.__version__,
-        "model": {"base": parts.BASE_MODEL, "shape": a.shape_name, **a.shape, "n_params": n_params},
-        "flops_per_token": fpt,
-        "seq_len": a.seq_len,
-        "global_batch": a.global_batch,
-        "micro_batch": a.micro_batch,
-        "warmup": a.warmup,
-        "steps": a.steps,
-        "peak_flops": peak,
-        "peak_source": peak_source,
-        "sections": {},  # wall seconds each section took, or why it did not run
-        "work": str(work),
-    }
+    r["sections"] = {}  # wall seconds each section took, or why it did not run
 
     def section(name: str, fn: Callable[[], dict], throughput: bool = False) -> None:
         if name not in a.sections:
@@ -164,18 +116,6 @@ def measure(a: argparse.Namespace, emit: Callable[[dict], None] = lambda r: None
     if "n_params" in t and t["n_params"] != n_params:
         t["shape_mismatch"] = f"torchtitan's model has {t['n_params']} parameters, stalwart's {n_params}"
     return r
-
-
-def writer(path: str) -> Callable[[dict], None]:
-    """Rewrite ``path`` atomically with the result so far (partial results survive a kill)."""
-
-    def emit(r: dict) -> None:
-        if path:
-            tmp = f"{path}.tmp"
-            Path(tmp).write_text(json.dumps(r, indent=1, default=str))
-            os.replace(tmp, path)
-
-    return emit
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -210,7 +150,7 @@ def report(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
-    r = measure(a, writer(a.out_json))
+    r = measure(a, parts.writer(a.out_json))
     if a.json:
         print(json.dumps(r, indent=1, default=str))
     else:

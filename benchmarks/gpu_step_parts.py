@@ -11,7 +11,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,91 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BASE_MODEL = "llama3-8b"  # LLaMA-style registry entry whose shape the overrides replace
 TITAN_WHEEL = "torchtitan==0.2.2"  # the release nearest torch 2.11 (docs/gpu.md: how to carry it)
+# gpu_step's default on CUDA, sized so it takes ~2 minutes on an H100 (docs/gpu.md): ~280M parameters,
+# dim 1024, 24 layers, GQA 16/8, SwiGLU 2816 (the LLaMA rule), on the byte corpus's 257 tokens.
+SHAPES = {
+    "280m": {"dim": 1024, "n_layers": 24, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 2816},
+    "1b": {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 8192},  # Llama-3.2-1B blocks
+    "tiny": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 256},
+}
+RUN_KEYS = ("shape", "seq_len", "micro_batch", "global_batch", "warmup", "steps")  # a benchmark's defaults, in order
 
 
 class SectionError(RuntimeError):
     """A section failed; its message goes into the JSON instead of a traceback."""
+
+
+def add_run_arguments(p: argparse.ArgumentParser, gpu_shape: str, each: str) -> None:
+    """The options both GPU benchmarks take: output, --smoke, the peak, the model shape and batch, steps."""
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out-json", default="", help=f"also write the JSON here, rewritten after each {each}")
+    p.add_argument("--smoke", action="store_true", help="the CPU, a tiny shape and few steps: runs every line")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak to divide by (a fake one on the CPU)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help=f"model shape (default {gpu_shape}; smoke: tiny)")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--warmup", type=int, help="steps not timed, per run")
+    p.add_argument("--steps", type=int, help="timed steps per run, after --warmup")
+    p.add_argument("--work", default="", help="directory for data and runs (default: a temporary one)")
+
+
+def fill_run_defaults(p: argparse.ArgumentParser, a: argparse.Namespace, defaults: tuple) -> None:
+    """Fill what the command line left open from ``defaults`` (in ``RUN_KEYS`` order); resolve the shape."""
+    for key, value in zip(RUN_KEYS, defaults):
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.global_batch % a.micro_batch:
+        p.error("--global-batch must be a multiple of --micro-batch")
+    a.shape_name, a.shape = a.shape, SHAPES[a.shape]
+
+
+def chosen(p: argparse.ArgumentParser, given: str, known: tuple[str, ...], what: str) -> list[str]:
+    """The comma-separated subset ``given`` of ``known``; a usage error names the unknown ones."""
+    names = [n for n in given.split(",") if n]
+    if unknown := set(names) - set(known):
+        p.error(f"unknown {what} {sorted(unknown)}; known: {', '.join(known)}")
+    return names
+
+
+def run_header(a: argparse.Namespace, prefix: str) -> tuple[dict, Path, Path]:
+    """(the result's header: device, model, batch, peak; the work directory; the corpus) for a run."""
+    import torch
+
+    from stalwart.data import ensure_default_corpus
+    from stalwart.models import meta_param_count, model_args
+
+    work = Path(a.work or tempfile.mkdtemp(prefix=prefix))
+    data = ensure_default_corpus(work / "data")
+    a.vocab = json.loads((data / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    n_params = meta_param_count(model_args(BASE_MODEL, vocab_size=a.vocab, max_seq_len=a.seq_len, **a.shape))
+    peak, device_name, peak_source = peak_flops(a.device, a.peak_tflops)
+    header = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "model": {"base": BASE_MODEL, "shape": a.shape_name, **a.shape, "n_params": n_params},
+        "seq_len": a.seq_len,
+        "global_batch": a.global_batch,
+        "micro_batch": a.micro_batch,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "work": str(work),
+    }
+    return header, work, data
+
+
+def writer(path: str) -> Callable[[dict], None]:
+    """Rewrite ``path`` atomically with the result so far (partial results survive a kill)."""
+
+    def emit(r: dict) -> None:
+        if path:
+            tmp = f"{path}.tmp"
+            Path(tmp).write_text(json.dumps(r, indent=1, default=str))
+            os.replace(tmp, path)
+
+    return emit
 
 
 def peak_flops(device: str, override_tflops: float) -> tuple[float, str, str]:

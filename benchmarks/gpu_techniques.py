@@ -22,13 +22,11 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step_parts as parts
-from gpu_step import SHAPES
 
 VARIANTS = ("off", "compile", "parallel_block", "attn_window", "prefetch_off")
 # (shape, seq_len, micro_batch, global_batch, warmup, steps) on CUDA, and for --smoke
@@ -52,20 +50,10 @@ def window(seq_len: int) -> int:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out-json", default="", help="also write the JSON here, rewritten after each variant")
-    p.add_argument("--smoke", action="store_true", help="the CPU, a tiny shape and few steps: runs every line")
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak to divide by (a fake one on the CPU)")
-    p.add_argument("--shape", choices=sorted(SHAPES), help=f"model shape (default {GPU_DEFAULTS[0]}; smoke: tiny)")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--micro-batch", type=int)
-    p.add_argument("--global-batch", type=int)
-    p.add_argument("--warmup", type=int, help="steps not timed, per run")
-    p.add_argument("--steps", type=int, help="timed steps per run, after --warmup")
+    parts.add_run_arguments(p, GPU_DEFAULTS[0], "variant")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     p.add_argument("--budget-s", type=float, default=420.0, help="start no variant after this many seconds")
     p.add_argument("--section-timeout", type=float, default=180.0, help="seconds per run")
-    p.add_argument("--work", default="", help="directory for data and runs (default: a temporary one)")
     a = p.parse_args(argv)
     import torch
 
@@ -74,49 +62,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.exit(
             2, "benchmarks/gpu_techniques.py needs CUDA (torch.cuda.is_available() is False); --smoke runs on the CPU\n"
         )
-    for key, value in zip(
-        ("shape", "seq_len", "micro_batch", "global_batch", "warmup", "steps"),
-        SMOKE_DEFAULTS if a.smoke else GPU_DEFAULTS,
-    ):
-        if getattr(a, key) is None:
-            setattr(a, key, value)
-    if a.global_batch % a.micro_batch:
-        p.error("--global-batch must be a multiple of --micro-batch")
-    a.variants = [v for v in a.variants.split(",") if v]
-    if unknown := set(a.variants) - set(VARIANTS):
-        p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
-    a.shape_name, a.shape = a.shape, SHAPES[a.shape]
+    parts.fill_run_defaults(p, a, SMOKE_DEFAULTS if a.smoke else GPU_DEFAULTS)
+    a.variants = parts.chosen(p, a.variants, VARIANTS, "variants")
     return a
 
 
 def measure(a: argparse.Namespace, emit=lambda r: None) -> dict:
-    import torch
-
-    from stalwart.data import ensure_default_corpus
-    from stalwart.models import meta_param_count, model_args
     from stalwart.plan.compute import flops_per_token
 
     start = time.perf_counter()
-    work = Path(a.work or tempfile.mkdtemp(prefix="stalwart-gpu-techniques-"))
-    data = ensure_default_corpus(work / "data")
-    vocab = json.loads((data / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    n_params = meta_param_count(model_args(parts.BASE_MODEL, vocab_size=vocab, max_seq_len=a.seq_len, **a.shape))
-    peak, device_name, peak_source = parts.peak_flops(a.device, a.peak_tflops)
+    r, work, data = parts.run_header(a, "stalwart-gpu-techniques-")
+    n_params, peak = r["model"]["n_params"], r["peak_flops"]
     tokens_per_step = a.global_batch * a.seq_len
-    r: dict = {
-        "device": device_name,
-        "torch": torch.__version__,
-        "model": {"base": parts.BASE_MODEL, "shape": a.shape_name, **a.shape, "n_params": n_params},
-        "seq_len": a.seq_len,
-        "global_batch": a.global_batch,
-        "micro_batch": a.micro_batch,
-        "warmup": a.warmup,
-        "steps": a.steps,
-        "peak_flops": peak,
-        "peak_source": peak_source,
-        "variants": {},
-        "work": str(work),
-    }
+    r["variants"] = {}
     for v in a.variants:
         if time.perf_counter() - start > a.budget_s:
             r["variants"][v] = {"skipped": f"over the {a.budget_s:.0f} s budget"}
@@ -156,10 +114,7 @@ def measure(a: argparse.Namespace, emit=lambda r: None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
 
-    def emit(r: dict) -> None:
-        if a.out_json:
-            Path(a.out_json).write_text(json.dumps(r, indent=1))
-
+    emit = parts.writer(a.out_json)
     r = measure(a, emit)
     emit(r)
     if a.json:

@@ -124,6 +124,30 @@ def expire_rendezvous_nodes(handler: Any, nodes: list[list[Any]], attempts: int 
     return 0
 
 
+def waiting_nodes_that_fit(handler: Any, attempts: int = 5) -> int:
+    """TorchElastic's ``num_nodes_waiting``, less the nodes that cannot join because the round already
+    holds ``max_nodes``. torch puts a node that arrives at a full round in the redundancy list, but a
+    node already in the wait list when the next round fills without it stays there, so the members see
+    a waiting node, restart for it, and the round refills without one of three again: a regroup storm
+    (216 restarts in 97 s, three nodes with ``--nnodes 1:2``). Such nodes are moved to the redundancy
+    list here (compare-and-set, as torch's own ops write), where torch keeps them until a member leaves."""
+    inner = getattr(handler, "inner", handler)
+    if not hasattr(inner, "_state_holder"):  # not torch's dynamic rendezvous (static): its own count
+        return inner.num_nodes_waiting()
+    holder, max_nodes = inner._state_holder, inner._settings.max_nodes
+    for _ in range(attempts):
+        holder.sync()
+        state = holder.state
+        if not state.wait_list or not state.complete or len(state.participants) < max_nodes:
+            return len(state.wait_list)
+        state.redundancy_list.update(state.wait_list)
+        state.wait_list.clear()
+        holder.mark_dirty()
+        if holder.sync():
+            return 0
+    return 0
+
+
 def rendezvous_addr_and_port(params: Any) -> tuple[str | None, int | None]:
     """torchrun's MASTER_ADDR/MASTER_PORT for a rendezvous: from the endpoint for the static backend,
     (None, None) otherwise (the rendezvous picks them)."""

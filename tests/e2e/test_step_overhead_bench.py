@@ -16,12 +16,12 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_overhead.py"
 
 
 def test_step_overhead_benchmark_smoke():
-    cmd = [sys.executable, str(BENCH), "--json", "--repeats", "2", "--steps", "3", "--global-batch", "4"]
+    cmd = [sys.executable, str(BENCH), "--json", "--repeats", "1", "--steps", "3", "--global-batch", "4"]
     cmd += ["--micro-batch", "2", "--seq-len", "32", "--tb-steps", "200"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result["stalwart_runs"]) == len(result["baseline_runs"]) == 2, "both sides, each repeat"
+    assert len(result["stalwart_runs"]) == len(result["baseline_runs"]) == 1, "both sides ran"
     assert all(t > 0 for t in result["stalwart_runs"] + result["baseline_runs"])
     assert result["ratio"] == pytest.approx(result["stalwart_tokens_per_s"] / result["baseline_tokens_per_s"])
     tb = result["tensorboard"]  # the test extra installs tensorboard: the in-process timing ran

@@ -76,3 +76,27 @@ def test_compiled_blocks_follow_eager_and_resume_bitwise(make):
     assert run(resumed, 2) == got[2:], "resumed losses bitwise those of the uninterrupted run"
     assert resumed.weights_hash() == full.weights_hash()
     assert resumed.optimizer_hash() == full.optimizer_hash()
+
+
+@pytest.mark.parametrize("pos,window", [("rope", 0), ("rope", 8), ("alibi", 0), ("alibi", 8)])
+def test_the_attention_record_asks_torch_with_the_mask_the_model_passes(monkeypatch, pos, window):
+    """summary.json's SDPA backend is torch's choice for the model's own call: a sliding window or ALiBi
+    is an explicit mask (on CUDA no flash kernel), plain causal attention is ``is_causal``."""
+    import dataclasses
+
+    import torch
+
+    from stalwart.models import model_args
+    from stalwart.models.llama import attention_mask
+    from stalwart.train import compile as compile_mod
+
+    asked: dict = {}
+    monkeypatch.setattr(compile_mod, "sdpa_backend", lambda q, k, v, **kw: asked.update(kw) or "recorded")
+    args = dataclasses.replace(model_args("debug"), pos=pos, attn_window=window)
+    out = compile_mod.attention_backend(args, 2, 32, 1, torch.float32, torch.device("cpu"))
+    assert out["backend"] == "recorded"
+    expected = attention_mask(args, 32, torch.device("cpu"), torch.float32)
+    if expected is None:
+        assert asked["attn_mask"] is None and asked["is_causal"]
+    else:
+        assert torch.equal(asked["attn_mask"], expected) and not asked["is_causal"]

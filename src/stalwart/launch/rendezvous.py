@@ -54,7 +54,9 @@ class RoundStoreHandler(RendezvousHandler):
         self.inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
+        """Only nodes that can join: a node waiting beyond ``--nnodes`` MAX is a spare, not a reason
+        for the members to restart (``_compat.waiting_nodes_that_fit``: torch's count causes a storm)."""
+        return _compat.waiting_nodes_that_fit(self.inner)
 
     def get_run_id(self) -> str:
         return self.inner.get_run_id()

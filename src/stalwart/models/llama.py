@@ -140,19 +140,25 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
-        window = self.args.attn_window
-        mask: torch.Tensor | None = None
-        if self.args.pos == "alibi":
-            mask = alibi_bias(self.args.n_heads, s, x.device).to(q.dtype)
-            if 0 < window < s:
-                mask = mask.masked_fill(~window_mask(s, window, x.device), float("-inf"))
-        elif 0 < window < s:
-            mask = window_mask(s, window, x.device)
+        mask = attention_mask(self.args, s, x.device, q.dtype)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def attention_mask(args: ModelArgs, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The SDPA mask of ``args``' attention: ALiBi's bias and/or the sliding window; None for plain
+    causal attention (``is_causal``, which lets torch pick a flash kernel)."""
+    window, mask = args.attn_window, None
+    if args.pos == "alibi":
+        mask = alibi_bias(args.n_heads, seq_len, device).to(dtype)
+        if 0 < window < seq_len:
+            mask = mask.masked_fill(~window_mask(seq_len, window, device), float("-inf"))
+    elif 0 < window < seq_len:
+        mask = window_mask(seq_len, window, device)
+    return mask
 
 
 class FeedForward(nn.Module):

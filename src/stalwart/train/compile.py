@@ -18,6 +18,7 @@ from torch import nn
 
 from stalwart._compat import sdpa_backend
 from stalwart.models import ModelArgs
+from stalwart.models.llama import attention_mask
 
 
 def compile_blocks(parts: list[nn.Module]) -> int:
@@ -42,7 +43,9 @@ def attention_backend(
     heads, kv = max(1, args.n_heads // tp), max(1, args.kv_heads // tp)
     q = torch.empty(micro_batch, heads, seq_len, args.head_dim, dtype=dtype, device=device)
     k = torch.empty(micro_batch, kv, seq_len, args.head_dim, dtype=dtype, device=device)
-    mask = torch.zeros(heads, seq_len, seq_len, dtype=dtype, device=device) if args.pos == "alibi" else None
+    mask = attention_mask(args, seq_len, device, dtype)  # the model's own: ALiBi, a window (no flash kernel)
+    if mask is not None and mask.dim() == 3:  # ALiBi's per-head bias: this rank's heads under TP
+        mask = mask[:heads]
     name = sdpa_backend(q, k, k, attn_mask=mask, is_causal=mask is None, enable_gqa=heads != kv)
     out: dict[str, Any] = {"backend": name, "how": "torch._fused_sdp_choice for the model's q/k/v"}
     if device.type == "cuda":
