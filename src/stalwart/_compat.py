@@ -107,20 +107,22 @@ def expire_rendezvous_nodes(handler: Any, nodes: list[list[Any]], attempts: int 
     a lost node belonged to closes without waiting. Returns how many were found and marked."""
     import datetime
 
-    holder = getattr(handler, "inner", handler)._state_holder
+    inner = getattr(handler, "inner", handler)
+    holder = inner._state_holder
     wanted = {tuple(n) for n in nodes}
     epoch = datetime.datetime.fromtimestamp(0, datetime.UTC)
-    for _ in range(attempts):
-        holder.sync()
-        state = holder.state
-        found = [n for n in state.last_heartbeats if (n.addr, n.pid, n.local_id) in wanted]
-        if not found:
-            return 0
-        for n in found:
-            state.last_heartbeats[n] = epoch
-        holder.mark_dirty()
-        if holder.sync():
-            return len(found)
+    with inner._heartbeat_lock:  # the keep-alive thread syncs the same state
+        for _ in range(attempts):
+            holder.sync()
+            state = holder.state
+            found = [n for n in state.last_heartbeats if (n.addr, n.pid, n.local_id) in wanted]
+            if not found:
+                return 0
+            for n in found:
+                state.last_heartbeats[n] = epoch
+            holder.mark_dirty()
+            if holder.sync():
+                return len(found)
     return 0
 
 
@@ -130,21 +132,25 @@ def waiting_nodes_that_fit(handler: Any, attempts: int = 5) -> int:
     node already in the wait list when the next round fills without it stays there, so the members see
     a waiting node, restart for it, and the round refills without one of three again: a regroup storm
     (216 restarts in 97 s, three nodes with ``--nnodes 1:2``). Such nodes are moved to the redundancy
-    list here (compare-and-set, as torch's own ops write), where torch keeps them until a member leaves."""
+    list here (compare-and-set, as torch's own ops write), where torch keeps them, without the join
+    timeout, until a member leaves (as it keeps a node that arrived at a full round). Under the
+    handler's heartbeat lock, as torch's count: its keep-alive thread syncs the same state. After
+    ``attempts`` lost writes: 0 for this tick (the next one counts again)."""
     inner = getattr(handler, "inner", handler)
     if not hasattr(inner, "_state_holder"):  # not torch's dynamic rendezvous (static): its own count
         return inner.num_nodes_waiting()
     holder, max_nodes = inner._state_holder, inner._settings.max_nodes
-    for _ in range(attempts):
-        holder.sync()
-        state = holder.state
-        if not state.wait_list or not state.complete or len(state.participants) < max_nodes:
-            return len(state.wait_list)
-        state.redundancy_list.update(state.wait_list)
-        state.wait_list.clear()
-        holder.mark_dirty()
-        if holder.sync():
-            return 0
+    with inner._heartbeat_lock:
+        for _ in range(attempts):
+            holder.sync()
+            state = holder.state
+            if not state.wait_list or not state.complete or len(state.participants) < max_nodes:
+                return len(state.wait_list)
+            state.redundancy_list.update(state.wait_list)
+            state.wait_list.clear()
+            holder.mark_dirty()
+            if holder.sync():
+                return 0
     return 0
 
 
