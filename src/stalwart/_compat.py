@@ -107,23 +107,34 @@ def expire_rendezvous_nodes(handler: Any, nodes: list[list[Any]], attempts: int 
     a lost node belonged to closes without waiting. Returns how many were found and marked."""
     import datetime
 
-    inner = getattr(handler, "inner", handler)
-    holder = inner._state_holder
     wanted = {tuple(n) for n in nodes}
     epoch = datetime.datetime.fromtimestamp(0, datetime.UTC)
-    with inner._heartbeat_lock:  # the keep-alive thread syncs the same state
+
+    def mark(state: Any) -> int | None:
+        found = [n for n in state.last_heartbeats if (n.addr, n.pid, n.local_id) in wanted]
+        for n in found:
+            state.last_heartbeats[n] = epoch
+        return len(found) if found else None
+
+    found = _update_rendezvous_state(getattr(handler, "inner", handler), mark, attempts)
+    return found if found is not None else 0
+
+
+def _update_rendezvous_state(inner: Any, change: Callable[[Any], Any], attempts: int) -> Any:
+    """Apply ``change`` to the shared rendezvous state and write it back, compare-and-set as torch's own
+    ops write, retried when another node wrote first. ``change`` returns None to write nothing (that
+    None is returned), else the result returned once the write won; None after ``attempts`` lost
+    writes. Under the handler's heartbeat lock: its keep-alive thread syncs the same state."""
+    holder = inner._state_holder
+    with inner._heartbeat_lock:
         for _ in range(attempts):
             holder.sync()
-            state = holder.state
-            found = [n for n in state.last_heartbeats if (n.addr, n.pid, n.local_id) in wanted]
-            if not found:
-                return 0
-            for n in found:
-                state.last_heartbeats[n] = epoch
+            if (result := change(holder.state)) is None:
+                return None
             holder.mark_dirty()
             if holder.sync():
-                return len(found)
-    return 0
+                return result
+    return None
 
 
 def waiting_nodes_that_fit(handler: Any, attempts: int = 5) -> int:
@@ -139,19 +150,18 @@ def waiting_nodes_that_fit(handler: Any, attempts: int = 5) -> int:
     inner = getattr(handler, "inner", handler)
     if not hasattr(inner, "_state_holder"):  # not torch's dynamic rendezvous (static): its own count
         return inner.num_nodes_waiting()
-    holder, max_nodes = inner._state_holder, inner._settings.max_nodes
-    with inner._heartbeat_lock:
-        for _ in range(attempts):
-            holder.sync()
-            state = holder.state
-            if not state.wait_list or not state.complete or len(state.participants) < max_nodes:
-                return len(state.wait_list)
-            state.redundancy_list.update(state.wait_list)
-            state.wait_list.clear()
-            holder.mark_dirty()
-            if holder.sync():
-                return 0
-    return 0
+    max_nodes, counted = inner._settings.max_nodes, []
+
+    def park(state: Any) -> int | None:
+        if not state.wait_list or not state.complete or len(state.participants) < max_nodes:
+            counted.append(len(state.wait_list))
+            return None
+        state.redundancy_list.update(state.wait_list)
+        state.wait_list.clear()
+        return 0
+
+    parked = _update_rendezvous_state(inner, park, attempts)
+    return counted[0] if parked is None and counted else 0
 
 
 def rendezvous_addr_and_port(params: Any) -> tuple[str | None, int | None]:

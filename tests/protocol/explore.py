@@ -14,9 +14,8 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from stalwart.checkpoint import decider_events as ev
 from tests.protocol.invariants import Violation
-from tests.protocol.old_design import VARIANTS
+from tests.protocol.old_design import VARIANTS, Timeout
 from tests.protocol.sim import TICK_S, World
 
 MAX_STEPS = 4000  # a schedule that has not ended by then is a livelock
@@ -74,7 +73,7 @@ def run(seed: int, variant: str = "new", skew: float = 0.0, keep_trace: bool = F
                 if at - world.now > BOUNDED_WAIT_S:
                     raise Violation(f"a wait of {at - world.now:.0f} s ended only by a timer ({token}), no event")
                 world.now = at
-                world.decide(ev.Timeout(token))
+                world.decide(Timeout(token))
                 continue
             name, fn, args = acts[rng.randrange(len(acts))]
             if name in _FAULTS:

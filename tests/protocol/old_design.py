@@ -34,6 +34,22 @@ OLD_TIMEOUT_S = 120.0  # the old persist's wait for a participant
 
 
 @dataclass(frozen=True)
+class StartTimer:
+    """An old-design decision: wake me with ``Timeout(token)`` after ``seconds``. The decider of
+    docs/protocol.md never asks for one; the old design's waits without an event show this way."""
+
+    token: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """The event of a ``StartTimer`` that fired."""
+
+    token: str
+
+
+@dataclass(frozen=True)
 class OldRules:
     lost_by_timeout: bool = False
     restart_without_save: bool = False
@@ -71,9 +87,9 @@ class OldDecider(Decider):
             super()._lost_in_plan(node, out)
         elif not self.plan["committing"]:
             self._note(f"waiting {OLD_TIMEOUT_S:.0f} s for node {node}'s shards")
-            out.append(ev.StartTimer(f"plan-{self.plan['id']}", OLD_TIMEOUT_S))
+            out.append(StartTimer(f"plan-{self.plan['id']}", OLD_TIMEOUT_S))
 
-    def _on_Timeout(self, e: ev.Timeout, out: list[Decision]) -> None:
+    def _on_Timeout(self, e: Timeout, out: list[Decision]) -> None:
         if self.plan is not None and e.token == f"plan-{self.plan['id']}":
             self._end_plan("timed out waiting for a participant", out)
 

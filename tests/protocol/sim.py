@@ -14,7 +14,7 @@ from typing import Any
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider import Decider
 from tests.protocol.invariants import StorageAndChecks
-from tests.protocol.old_design import NEW, OldDecider, OldRules
+from tests.protocol.old_design import NEW, OldDecider, OldRules, StartTimer
 
 TICK_S = 0.05  # simulated seconds per step
 Action = tuple[str, Callable[..., None], tuple[Any, ...]]
@@ -159,7 +159,7 @@ class World(StorageAndChecks):
                     self.send(n, d)
             elif isinstance(d, ev.RestartMayProceed):
                 self.send("agents", d)
-            elif isinstance(d, ev.StartTimer):
+            elif isinstance(d, StartTimer):
                 self.timers.append((self.now + d.seconds, d.token))
 
     # -- actions --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch import nn
 
 from stalwart import runtime
 from stalwart.checkpoint import Checkpointer, NodeJob, Storage
-from stalwart.checkpoint.keeper_spawn import spawn_keeper
+from stalwart.checkpoint.keeper_link import spawn_keeper
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 
@@ -119,7 +119,7 @@ def test_agent_keeper_exits_when_the_agent_is_killed(root, tmp_path):
             "-c",
             (
                 "import os, sys, time; from stalwart.checkpoint import NodeJob; "
-                "from stalwart.checkpoint.keeper_spawn import spawn_keeper; "
+                "from stalwart.checkpoint.keeper_link import spawn_keeper; "
                 f"p = spawn_keeper(NodeJob({str(root)!r}), {str(tmp_path / 'keeper.log')!r}, parent=os.getpid()); "
                 "print(p.pid, flush=True); time.sleep(600)"
             ),
@@ -231,8 +231,8 @@ def test_a_step_one_rank_of_the_node_no_longer_holds_is_given_up_by_every_rank(r
     overwritten (its two slots hold 9 and 10) while rank 1's was not: rank 1 must give the step up
     as rank 0 does, not wait out the persist timeout while rank 0 went on into the next collective
     (a guard rollback hung so in CI)."""
-    from stalwart.checkpoint.durability import StorageNews
     from stalwart.checkpoint.keeper_link import KeeperLink
+    from stalwart.checkpoint.storage_health import StorageNews
 
     job = NodeJob(root)
     _snapshot(job, [7, 8, 9, 10], persist={8}, rank=0, world=2)
@@ -263,7 +263,7 @@ def test_a_keeper_across_nodes_leaves_a_torn_step_newer_than_latest_to_the_plan_
     decider's save of step 39 (latest 30): removing step 39 then failed its commit (seen in
     benchmarks/node_loss.py). Across nodes only torn steps older than latest go; on one node, under
     the persist lock, every torn one."""
-    from stalwart.checkpoint.keeper_tidy import tidy_storage
+    from stalwart.checkpoint.node_job import tidy_storage
     from stalwart.checkpoint.storage import MANIFEST, step_name
 
     job, storage = NodeJob(root), Storage(str(tmp_path / "ckpt"))

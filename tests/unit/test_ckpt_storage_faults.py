@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from stalwart.checkpoint import Checkpointer, NodeJob, Storage
-from stalwart.checkpoint.durability import AtRiskPolicy, StorageUnavailableError
-from stalwart.checkpoint.keeper_spawn import spawn_keeper
-from stalwart.checkpoint.storage_health import INCIDENTS_FILE, classify
+from stalwart.checkpoint.keeper_link import spawn_keeper
+from stalwart.checkpoint.storage_health import INCIDENTS_FILE, AtRiskPolicy, StorageUnavailableError, classify
 from stalwart.health.log_rules import diagnose
 from stalwart.launch.decide import decide
 from stalwart.launch.detect import Incident
@@ -176,7 +175,7 @@ def test_at_risk_policy_applies_only_while_storage_fails():
 
 
 def test_a_storage_failure_is_not_retried_by_a_restart():
-    text = "Traceback ...\nstalwart.checkpoint.durability.StorageUnavailableError: step 120 ... Connection refused"
+    text = "Traceback ...\nstalwart.checkpoint.storage_health.StorageUnavailableError: step 120 ... Connection refused"
     diagnosis = diagnose(text)
     assert (diagnosis.kind, diagnosis.cls, diagnosis.retry(True)) == ("storage", "storage", False)
     incident = Incident(diagnosis.kind, diagnosis.cls, diagnosis.retry(True), 0.0, ranks=[0])

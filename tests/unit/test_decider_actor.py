@@ -13,10 +13,9 @@ import torch.distributed.checkpoint as dcp
 
 from stalwart.checkpoint import NodeJob, Storage, plan_write
 from stalwart.checkpoint import decider_events as ev
-from stalwart.checkpoint.decider_actor import Actor, await_restart
+from stalwart.checkpoint.decider_actor import Actor, await_restart, holdings
 from stalwart.checkpoint.decider_link import DeciderLink
-from stalwart.checkpoint.decider_reports import holdings
-from stalwart.checkpoint.membership import Membership
+from stalwart.checkpoint.desk_host import Membership
 from stalwart.launch.client import MasterClient
 from stalwart.launch.master import Master
 from tests.unit.two_nodes import WORLD, snapshot, two_node_dirs

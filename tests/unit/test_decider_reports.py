@@ -1,4 +1,4 @@
-"""A keeper's reports to the decider in a real job master (``decider_reports``): its holdings, the
+"""A keeper's reports to the decider in a real job master (``decider_actor.Reporter``): its holdings, the
 steps due, its workers' end, and a due step pinned on sight until the decider's word."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint.decider_actor import Reporter, holdings, pin_on_sight
 from stalwart.checkpoint.decider_link import DeciderLink
-from stalwart.checkpoint.decider_reports import Reporter, holdings, pin_on_sight
 
 from .test_master_ckpt import RANKS, Keeper, started_master
 
@@ -96,7 +96,7 @@ def test_a_nodes_final_holdings_go_to_the_decider_once_every_worker_is_gone(mast
 
 
 def test_a_keeper_reports_no_membership_from_a_job_file_an_earlier_launch_left(master):
-    from stalwart.checkpoint.membership import Membership
+    from stalwart.checkpoint.desk_host import Membership
 
     members = Membership(master.address, "token", "n0", agent="launch-2")
     members.report_member(3, RANKS["n0"], 4, agent="launch-1")  # job.json of the last launch's workers

@@ -82,7 +82,7 @@ def test_the_host_puts_its_address_into_a_restarts_new_store_and_waits_for_the_l
 
 
 def test_the_master_decides_only_where_every_node_shares_it():
-    from stalwart.checkpoint.membership import Membership
+    from stalwart.checkpoint.desk_host import Membership
     from stalwart.runtime import ENV_JOB_TOKEN, ENV_MASTER, ENV_NODE_ID, ENV_SHARED_MASTER
 
     env = {ENV_MASTER: "http://127.0.0.1:9", ENV_JOB_TOKEN: "t", ENV_NODE_ID: "n0"}

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from stalwart.checkpoint import Storage, replicas
-from stalwart.checkpoint.durability import StorageNews
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.peer_restore import (
@@ -46,6 +45,7 @@ from stalwart.checkpoint.replicator import ReplicaConfig, Replicator, choose_pee
 from stalwart.checkpoint.shm import JobPaths, atomic_write, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView, SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
+from stalwart.checkpoint.storage_health import StorageNews
 from stalwart.utils import state_dict_hash
 
 KEY = b"job-token"

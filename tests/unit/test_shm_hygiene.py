@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint import NodeJob, job_dir_for
-from stalwart.checkpoint.keeper_spawn import spawn_keeper
+from stalwart.checkpoint.keeper_link import spawn_keeper
 from stalwart.checkpoint.shm import ShmPermissionError, atomic_write, secure_job_dir, user_dir
 
 OTHER_UID = 54321  # no such user needed: chown takes any id

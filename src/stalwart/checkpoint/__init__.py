@@ -3,8 +3,9 @@ keeper process that outlives the workers (tier 2). See docs/checkpoint.md.
 
     from stalwart.checkpoint import Checkpointer
     ckpt = Checkpointer("runs/x/checkpoints", persist_every_steps=50)
-    start = ckpt.restore(state)
-    ...; ckpt.save(step, state)
+    start = ckpt.restore(state)            # {"model": model, "optim": optimizer, "sampler": ..., ...}
+    for step in range(start + 1, steps + 1):
+        train_step(); ckpt.save(step, state)   # after optimizer.step(); copied in the background
     ckpt.wait(persist=True); ckpt.close()
 
 The names below load on first use (PEP 562), so the job master can host the torch-free decider

@@ -1,18 +1,7 @@
-"""The public API: three calls in a training loop.
-
-    ckpt = Checkpointer("runs/x/checkpoints", persist_every_steps=50)
-    state = {"model": model, "optim": optimizer, "sampler": sampler, "scheduler": scheduler}
-    start = ckpt.restore(state)            # memory snapshot → committed checkpoint → fresh (0)
-    for step in range(start + 1, steps + 1):
-        train_step()
-        ckpt.save(step, state)             # memory snapshot, copied in the background
-    ckpt.wait(persist=True); ckpt.close()
-
-``save`` takes a memory snapshot every ``memory_every`` steps and marks every ``persist_every_steps``-th
-one (or ``persist=True``) for the keeper to write to storage; the keeper also persists the newest one
-every ``persist_every_s`` seconds. The copy overlaps the next forward/backward; an optimizer pre-step
-hook waits for it, so no parameter changes mid-copy. The keeper is the node's: under ``stalwart run``
-the agent runs it; otherwise the node's first local rank starts one (and another if it dies).
+"""The public API (usage: :mod:`stalwart.checkpoint`; docs/checkpoint.md, "Use"). ``save`` snapshots
+every ``memory_every`` steps and marks every ``persist_every_steps``-th (or ``persist=True``) for the
+node's keeper to persist, which also persists the newest every ``persist_every_s`` seconds. The
+keeper is the agent's under ``stalwart run``, else the node's first local rank starts one (again if it dies).
 """
 
 from __future__ import annotations
@@ -29,16 +18,15 @@ from typing import Any
 import torch.distributed as dist
 
 from stalwart.checkpoint import shm
-from stalwart.checkpoint.durability import AtRiskPolicy, StorageNews, not_durable
 from stalwart.checkpoint.keeper_link import KeeperLink
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.peer_restore import gather, invalidate_replicas_after
-from stalwart.checkpoint.restore import RestoreInfo, restore_state
-from stalwart.checkpoint.rollback_to import roll_back
+from stalwart.checkpoint.restore import RestoreInfo, restore_state, roll_back
 from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
+from stalwart.checkpoint.storage_health import AtRiskPolicy, StorageNews, not_durable
 from stalwart.runtime import ENV_REPLICA_SYNC, ENV_SHARED_MASTER, REPLICA_OVERLAP, worker_env
 
 log = logging.getLogger("stalwart.checkpoint")
@@ -225,7 +213,7 @@ class Checkpointer:
     def rollback(self, state: dict[str, Any], at_most: int, before: int) -> RestoreInfo:
         """Load the newest checkpoint at step ≤ ``at_most`` (memory or storage) into ``state`` (or, when
         there is none yet, the oldest one before ``before``) for a training-health rollback, deleting
-        every newer snapshot and committed checkpoint (:func:`.rollback_to.roll_back`). Raises
+        every newer snapshot and committed checkpoint (:func:`.restore.roll_back`). Raises
         LookupError when nothing can be restored. Collective: every rank must call it."""
         return roll_back(self, state, at_most, before)
 

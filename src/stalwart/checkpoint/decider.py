@@ -5,7 +5,7 @@ returns the decisions it makes. It lives where the job's membership is known (th
 keeper through the rendezvous store without one), so a lost node is an event, never a timeout. Every
 wait is for an event, and every state has an exit when membership changes. Epochs, not clocks:
 snapshots are keyed ``(step, epoch)``; a message about an earlier epoch or an old plan is ignored and
-the log says so. Its state is JSON-able (``decider_state``: the master's journal).
+the log says so. Its state is JSON-able (``decider_wire.to_state``: the master's journal).
 """
 
 from __future__ import annotations
@@ -256,9 +256,6 @@ class Decider:
             self.plan = None
         self.due, self.failure = None, None
         out.append(ev.Release(None, None, self.next_plan, self.epoch, free=True))
-
-    def _on_Timeout(self, e: ev.Timeout, out: list[Decision]) -> None:
-        self._note(f"ignored timer {e.token}: this decider sets none")
 
     def _open_failure(self, epoch: int, out: list[Decision]) -> bool:
         """The failure of ``epoch``, opened now if it is not yet; False: its save is already settled."""

@@ -116,16 +116,8 @@ class JobEnded:
     """The job is over (finished, failed for good, or preempted)."""
 
 
-@dataclass(frozen=True)
-class Timeout:
-    """A timer the decider asked for fired. The decider of docs/protocol.md never asks for one; the
-    explorer's models of the old design do, which is how a wait without an event shows."""
-
-    token: str
-
-
 Event = Holding | PersistDue | Pinned | Wrote | Committed | WorkersGone | NodeLost | Preempted | EpochBegan
-Event = Event | RolledBack | JobEnded | Timeout
+Event = Event | RolledBack | JobEnded
 
 
 # -- decisions --------------------------------------------------------------------------------------
@@ -203,12 +195,4 @@ class RestartMayProceed:
     why: str
 
 
-@dataclass(frozen=True)
-class StartTimer:
-    """Old-design models only: wake me with ``Timeout(token)`` after ``seconds``."""
-
-    token: str
-    seconds: float
-
-
-Decision = Persist | Write | Commit | GiveUp | Release | RestartMayProceed | StartTimer
+Decision = Persist | Write | Commit | GiveUp | Release | RestartMayProceed

@@ -1,12 +1,8 @@
-"""A keeper's line to the checkpoint decider: one call, ``exchange(events, after) → decisions``.
-
-Under ``stalwart run`` the decider lives in the job master (``launch/master_ckpt.py``, ``POST
-/v1/ckpt``). The keeper's loop never waits on the network: it queues events, and a thread sends them in
-order with the number of the last decision it read, keeps those the master did not take yet (they came
-before the execution formed, or belong to an epoch not yet formed there) for the next call, and hands
-the decoded decisions back through ``take()``. A master that does not answer costs nothing but delay:
-the queue waits (bounded; a newer ``Holding`` replaces a queued one, as it is a full report) and the
-next call carries it. JSON both ways, never pickle.
+"""A keeper's line to the checkpoint decider: one call, ``exchange(events, after) → decisions``
+(``POST /v1/ckpt``; docs/protocol.md). The keeper's loop never waits on the network: it queues events,
+and a thread sends them in order, keeps those the master did not take yet for the next call, and hands
+the decoded decisions back through ``take()``. A master that does not answer costs nothing but delay
+(the queue is bounded; a newer ``Holding``, a full report, replaces a queued one). JSON, never pickle.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 ``{"kind": "Wrote", "node": "n1", "plan": 7, "attempt": 1, "ok": true}``. Decoding is strict: only the
 kinds a caller may send, every field present with its type (no bool for an int, no extra field), so a
 bad report is refused with a message instead of reaching the state machine. JSON only, never pickle.
+The decider's own state as JSON too (``to_state``/``from_state``: the master's journal, so a restarted
+master resumes where the last one stopped; keys ``(step, epoch)`` become ``"step:epoch"`` strings).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from stalwart.checkpoint import decider_events as ev
+from stalwart.checkpoint.decider import Decider
+from stalwart.checkpoint.decider_events import Key
 
 # What a keeper (or its agent) may report; NodeLost and EpochBegan are the decider host's own knowledge.
 FROM_KEEPERS: tuple[type, ...] = (
@@ -112,3 +116,40 @@ def from_json(data: Any, allowed: Iterable[type]) -> Any:
         except (ValueError, TypeError) as err:
             raise ValueError(f"{cls.__name__}.{name}: {err}") from None
     return cls(**values)
+
+
+_PLAIN = ("epoch", "nodes", "max_attempts", "next_plan", "due", "passed", "latest", "lost", "settled", "ended")
+
+
+def to_state(d: Decider) -> dict[str, Any]:
+    """Everything the decider knows, as JSON-able values."""
+    pins = {n: [list(k) for k in p] for n, p in d.pins.items()}
+    seen = {n: list(s) for n, s in d.seen.items()}
+    out = {f: getattr(d, f) for f in _PLAIN} | {"held": _dump(d.held), "pins": pins, "seen": seen}
+    return out | {"plan": _plain(d.plan), "failure": _plain(d.failure)}
+
+
+def from_state(state: dict[str, Any]) -> Decider:
+    d = Decider(state["nodes"], state["epoch"], state["max_attempts"])
+    for f in (f for f in _PLAIN if f in state):  # a journal of an earlier version lacks the newer ones
+        setattr(d, f, list(state[f]) if f == "lost" else state[f])
+    d.held, d.plan, d.failure = _load(state["held"]), _unplain(state["plan"]), _unplain(state["failure"])
+    d.pins = {n: [tuple(k) for k in p] for n, p in state["pins"].items()}
+    d.seen = {n: (s[0], s[1]) for n, s in state["seen"].items()}
+    return d
+
+
+def _dump(held: dict[str, dict[Key, list[int]]]) -> dict[str, dict[str, list[int]]]:
+    return {n: {f"{k[0]}:{k[1]}": r for k, r in h.items()} for n, h in held.items()}
+
+
+def _load(held: dict[str, dict[str, list[int]]]) -> dict[str, dict[Key, list[int]]]:
+    return {n: {(int(k.split(":")[0]), int(k.split(":")[1])): list(r) for k, r in h.items()} for n, h in held.items()}
+
+
+def _plain(d: dict[str, Any] | None) -> dict[str, Any] | None:  # a failure's final holdings as strings
+    return d if d is None or "final" not in d else {**d, "final": _dump(d["final"])}
+
+
+def _unplain(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    return d if d is None or "final" not in d else {**d, "final": _load(d["final"])}

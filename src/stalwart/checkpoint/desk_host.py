@@ -1,17 +1,9 @@
-"""The checkpoint decider of a job with no master that every node shares: hosted by rank 0's keeper.
-
-Under ``stalwart run --master`` (or Slurm's) the decider lives in the job master. Plain ``torchrun``
-across nodes has no master, and ``stalwart run`` without ``--master`` starts one per node, which hears
-its own node only. There rank 0's keeper serves the same ``CheckpointDesk`` behind the same
-authenticated handler (a :class:`~stalwart.launch.master.Master` of its own: journal in the node's job
-directory, a fresh token, bound to the address the workers' rendezvous store has on this node) and puts
-``{address, token}`` under :data:`STORE_KEY` in that store (``MASTER_ADDR:MASTER_PORT``, which the
-workers write into ``job.json``); the other keepers read it there. Storage still carries no
-coordination, and the token travels only through the store, which the job's processes trust already.
-
-The workers' store may be fresh at every restart (``stalwart run`` hosts one per round): the host puts
-its address into each new one. Without a master nothing says a node is lost: a lost node's plans end
-when the next execution forms (its keepers report their ranks), not before.
+"""The checkpoint decider of a job with no master every node shares: rank 0's keeper serves the same
+``CheckpointDesk`` and handler (a :class:`~stalwart.launch.master.Master` of its own) and puts
+``{address, token}`` under :data:`STORE_KEY` in the workers' rendezvous store (each restart's new one
+too), where the other keepers read it. The token travels only through the store, which the job's
+processes trust already. :class:`Membership` is where a keeper finds the decider (this one, or the
+master every node shares) and its node's report there. See docs/checkpoint.md, "Jobs that span nodes".
 """
 
 from __future__ import annotations
@@ -22,12 +14,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from stalwart import runtime
-from stalwart.checkpoint.membership import Membership
 from stalwart.checkpoint.shm import JobPaths
+from stalwart.runtime.master_call import MasterError, call_master
 
 log = logging.getLogger("stalwart.checkpoint")
 STORE_KEY = "stalwart/ckpt-desk"
@@ -121,3 +114,48 @@ class DeskHost:
             time.sleep(0.05)
         self.master.stop()
         self.master = None
+
+
+log = logging.getLogger("stalwart.checkpoint")
+
+
+class Membership:
+    """Where the decider is (address, token) and ``me``: this keeper's node id, which reports its ranks."""
+
+    def __init__(self, address: str, token: str, me: str, every_s: float = 0.2, agent: str = "") -> None:
+        self.address, self.token, self.me, self.every_s = address.rstrip("/"), token, me, every_s
+        self.agent = agent  # this launch of the node's agent (``runtime.ENV_AGENT``): a requeue is a new one
+        self._reported: tuple[int, list[int], int] | None = None  # (epoch, ranks, world) the master has
+        self._report_tried = -float("inf")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Membership | None:
+        """The keeper's under ``stalwart run`` with a master every node shares (master, job token and node
+        id in its environment); None otherwise (``desk_host``: rank 0's keeper decides)."""
+        env = os.environ if env is None else env
+        address, token, me = (env.get(k, "") for k in (runtime.ENV_MASTER, runtime.ENV_JOB_TOKEN, runtime.ENV_NODE_ID))
+        if not (address and token and me and env.get(runtime.ENV_SHARED_MASTER) == "1"):
+            return None
+        log.info("node %s: the checkpoint decider is the job master's, at %s", me, address)
+        return cls(address, token, me, agent=env.get(runtime.ENV_AGENT, ""))
+
+    def report_member(self, epoch: int, ranks: list[int], world: int, agent: str = "") -> None:
+        """Tell the decider (once per execution; a failed try again after ``every_s``) that this node runs
+        ``ranks`` of ``world`` in ``epoch``: every node's report forms the execution there. ``agent``: the
+        launch whose workers wrote that (``job.json``); one left by an earlier launch is not reported."""
+        if agent != self.agent:
+            return
+        member = (epoch, sorted(ranks), world)
+        now = time.monotonic()
+        if member == self._reported or now - self._report_tried < self.every_s:
+            return
+        self._report_tried = now
+        event = {"kind": "Member", "epoch": epoch, "ranks": member[1], "world": world}
+        if self.agent:
+            event["agent"] = self.agent
+        try:
+            body = {"node": self.me, "events": [event]}  # one short try: the keeper's loop must not wait
+            call_master(self.address, self.token, "POST", "/v1/ckpt", body, 1.0, retry_for_s=0)
+            self._reported = member
+        except (OSError, ValueError, MasterError) as err:
+            log.debug("could not report node %s's ranks to the master (%s)", self.me, err)

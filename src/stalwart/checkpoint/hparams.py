@@ -1,18 +1,8 @@
-"""Where an optimizer's hyperparameters (lr, betas, ...) go in a checkpoint.
-
-A snapshot keeps them compact: per optimizer, its param groups as DCP's nested state dict has them
-(each group's hyperparameters, and ``params``: the FQNs of its parameters) — one small object per
-group, copied at every save. A checkpoint spells them out under the keys of *both* of DCP's
-optimizer layouts, so plain ``dcp.load`` into torch's own ``get_state_dict(model, optim)`` template
-works, nested or with ``StateDictOptions(flatten_optimizer_state_dict=True)``:
-
-- flattened: ``<optim>.param_groups.<fqn>.<name>``, one per parameter — what stalwart itself loads:
-  every key names its parameter, so pipeline stages (which hold different parameters) never collide;
-- nested: ``<optim>.param_groups.<i>.<name>`` and ``<optim>.param_groups.<i>.params`` — keyed by
-  group index, so under pipeline parallelism one stage's copy wins; only torch's nested template
-  reads them (DCP ignores keys a template lacks).
-
-Optimizer *state* tensors (``<optim>.state.<fqn>.exp_avg``) have the same key in both layouts.
+"""Where an optimizer's hyperparameters (lr, betas, ...) go: a snapshot keeps each optimizer's param
+groups compact, as DCP's nested state dict has them; a checkpoint spells them out under the keys of
+both of DCP's layouts (flattened ``<optim>.param_groups.<fqn>.<name>``, what stalwart loads; nested
+``<optim>.param_groups.<i>.<name>``), so plain ``dcp.load`` into torch's own templates works. See
+docs/parallelism.md, the optimizer state.
 """
 
 from __future__ import annotations

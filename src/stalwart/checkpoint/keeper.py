@@ -1,16 +1,8 @@
-"""The keeper: one process per node and job that outlives the workers.
-
-It watches the shared-memory snapshots, persists them to storage per policy (DCP format,
-:mod:`.persist`; across nodes as the checkpoint decider says, :mod:`.decider_actor`, the decider being
-the job master's or rank 0's keeper's, :mod:`.desk_host`), saves on failure when a worker dies, and
-removes the snapshots when the job completes. It learns the storage and policy from ``job.json``,
-which the workers write (:class:`~stalwart.checkpoint.node_job.NodeJob` owns that protocol). Under
-``stalwart run`` the agent starts it (``--parent AGENT_PID``) before the workers, and on SIGTERM or
-when the agent is gone it finishes what is due and exits within ``--grace-s``; without an agent the
-node's first local rank starts it in its own session (a SIGKILL of a worker or TorchElastic's
-process-group kill does not reach it), and it exits ``idle_s`` after the last worker detached
-(:mod:`.keeper_process`). Persistence never blocks training: a snapshot overwritten before the
-keeper pins it is skipped, and steps due while a persist runs coalesce into the newest (both logged).
+"""The keeper: one process per node and job that outlives the workers. It persists the shared-memory
+snapshots (:mod:`.persist`; across nodes as the decider says, :mod:`.decider_actor`), saves on failure
+when a worker dies and removes the snapshots when the job completes, never blocking training (a
+snapshot overwritten before it is pinned is skipped; steps due meanwhile coalesce into the newest).
+Its lifetime: :mod:`.keeper_process`. See docs/checkpoint.md, "Tier 2: persistence".
 """
 
 from __future__ import annotations
@@ -25,10 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from stalwart import chaos, runtime
 from stalwart.checkpoint.decider_actor import Outcome, reporter
-from stalwart.checkpoint.desk_host import LOOK_EVERY_S, DeskHost
-from stalwart.checkpoint.keeper_tidy import remove_leftovers, tidy_storage
-from stalwart.checkpoint.membership import Membership
-from stalwart.checkpoint.node_job import NodeJob, agreed, job_spans_nodes
+from stalwart.checkpoint.desk_host import LOOK_EVERY_S, DeskHost, Membership
+from stalwart.checkpoint.node_job import NodeJob, agreed, job_spans_nodes, remove_leftovers, tidy_storage
 from stalwart.checkpoint.persist import remove_torn, retention
 from stalwart.checkpoint.shm import atomic_write, pid_alive, read_json, read_json_cached
 from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, mark_kept

@@ -1,22 +1,25 @@
 """A worker's side of its node's keeper: start one where no agent runs it (and again when it dies), and
 wait until it committed a step — telling a failing store, a step overwritten before anyone persisted
-it, and a keeper that is gone from a slow commit."""
+it, and a keeper that is gone from a slow commit. ``spawn_keeper`` is the only part of the keeper a
+worker imports."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint.durability import FINAL_ATTEMPTS, StorageNews, StorageUnavailableError, not_durable
-from stalwart.checkpoint.keeper_spawn import spawn_keeper
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.replicator import BEAT_FILE as REPLICA_BEAT
 from stalwart.checkpoint.replicator import STATUS_FILE as REPLICA_STATUS
-from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json
+from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json, secure_job_dir
+from stalwart.checkpoint.storage_health import FINAL_ATTEMPTS, StorageNews, StorageUnavailableError, not_durable
 
 log = logging.getLogger("stalwart.checkpoint")
 REPLICATED_TIMEOUT_S = 600.0  # a copy taking longer than this is given up on (the step goes on)
@@ -180,3 +183,54 @@ class KeeperLink:
             f"step {step} was not persisted within {self.timeout_s} s (storage too slow?); see the keeper "
             f"log ({self.log_path or self.paths.root / 'keeper.log'})"
         )
+
+
+_DROP_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_",
+    "TORCH_NCCL_",
+    "NCCL_ASYNC",
+)
+
+
+def spawn_keeper(
+    job: NodeJob,
+    log_path: str | Path | None,
+    parent: int | None = None,
+    grace_s: float | None = None,
+    status_copy: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
+    it). With ``parent`` it serves the directory for as long as that process (the agent) lives;
+    ``status_copy``: also keep its status there (it outlives the directory, for the job report)."""
+    secure_job_dir(job.root)
+    extra, env = env or {}, {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    cmd = [sys.executable, "-m", "stalwart.checkpoint", str(job.root)]
+    if parent is not None:
+        cmd += ["--parent", str(parent)]
+    if grace_s is not None:
+        cmd += ["--grace-s", str(grace_s)]
+    if status_copy is not None:
+        cmd += ["--status-copy", str(status_copy)]
+    out = open(log_path or job.root / "keeper.log", "ab")
+    try:
+        return subprocess.Popen(
+            cmd,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            close_fds=True,
+        )
+    finally:
+        out.close()

@@ -1,9 +1,7 @@
-"""The keeper as a process: ``python -m stalwart.checkpoint JOB_DIR [--parent AGENT_PID]``.
-
-Under ``stalwart run`` the agent starts it with ``--parent``: it serves the node's job directory for
-as long as the agent lives (job after job), stops on SIGTERM or when the agent is gone, and finishes
-what is due within ``--grace-s`` (``StopRequest``). Without ``--parent`` a worker started it for one job
-(see :mod:`stalwart.checkpoint.keeper` for what it does with the snapshots).
+"""The keeper as a process: ``python -m stalwart.checkpoint JOB_DIR [--parent AGENT_PID]``. With
+``--parent`` it serves the node's job directory while the agent lives (job after job) and, on SIGTERM or
+when the agent is gone, finishes what is due within ``--grace-s`` (``StopRequest``); without, a worker
+started it for one job. See docs/checkpoint.md, "Tier 2: persistence".
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from pathlib import Path
 
 from stalwart import runtime
 from stalwart.checkpoint.keeper import LOG_FORMAT, Keeper, log
-from stalwart.checkpoint.keeper_spawn import spawn_keeper
+from stalwart.checkpoint.keeper_link import spawn_keeper
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.peer_restore import FETCHED
 from stalwart.checkpoint.replicas import REPLICAS_DIR

@@ -1,17 +1,8 @@
-"""Memory restore into another world size: a job that lost a node and shrank (no spare came) may still
-hold, spread over the survivors' hosts, every old rank's snapshot of a step newer than the newest
-committed checkpoint — the survivors' own, and the copies the lost node's keeper pushed to them
-(``--replicas``). Those snapshots are read as one DCP checkpoint, without storage:
-
-* the global plan that persisting the step would make (``persist.plan_items``, from every old rank's
-  entry table) gives DCP's metadata and which old rank holds each chunk after de-duplication;
-* each new rank plans its reads with DCP's own load planner (so any layout change the storage path
-  reshards — FSDP shards, TP×DP → TP — is resharded the same way) and names the old ranks it reads;
-* a host that lacks one of those old ranks' copies gets it once, over the process group
-  (``peer_restore``'s transfer, CRC32-checked); then ``dcp.load`` reads through :class:`MemoryReader`.
-
-Every rank takes the same decisions from all-gathered tables; a failure on any rank is raised on all
-(:class:`ReshardError`), and the caller falls back to storage.
+"""Memory restore into another world size: a shrunk job's old snapshots (the survivors' and the lost
+node's copies) of a step newer than storage's are read as one DCP checkpoint, without storage, and
+resharded by DCP's own load planner; ``dcp.load`` reads through :class:`MemoryReader`. A failure on any
+rank is raised on all (:class:`ReshardError`), and the caller falls back to storage.
+See docs/checkpoint.md, "A shrunk job restores from memory too".
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ reach the job through :class:`NodeJob`, so the protocol between them lives in on
 - ``persist.lock``: serialises persists (the keeper, the agent's save-on-failure, a rollback).
 
 Under ``stalwart run`` the agent starts the keeper (``keeper_process.KeeperProcess``) before the workers and stops
-it when it exits; without an agent the node's first local rank starts one (see ``Checkpointer``).
+it when it exits; without an agent the node's first local rank starts one (see ``Checkpointer``). What a
+keeper removes from storage that no checkpoint needs (torn steps, failed attempts) is here too.
 """
 
 from __future__ import annotations
@@ -22,24 +23,26 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from stalwart import runtime
-from stalwart.checkpoint.persist import write_checkpoint
+from stalwart.checkpoint.persist import remove_torn, write_checkpoint
 from stalwart.checkpoint.replicas import replica_roots
 from stalwart.checkpoint.shm import (
     JobPaths,
     atomic_write,
     complete_slots,
     job_dir_for,
+    lock_held,
     read_json,
     read_json_cached,
     secure_job_dir,
 )
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage, step_name
+from stalwart.checkpoint.storage_health import StorageHealth
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
 
@@ -203,13 +206,7 @@ class NodeJob:
             return None
 
     def _held(self, path: Path) -> bool:
-        if not self.root.is_dir():
-            return False
-        fd = self.try_lock(path)
-        if fd is None:
-            return True
-        os.close(fd)
-        return False
+        return self.root.is_dir() and lock_held(path)
 
     # -- persisting ---------------------------------------------------------------------------------------
     def persist_step(self, storage: Storage, step: int, world: int, source: str) -> dict[str, Any]:
@@ -225,27 +222,11 @@ class NodeJob:
                 if done and done[0] >= step:
                     return {**(storage.manifest(done[0]) or {}), "already": True, "commit_s": 0.0}
                 for r in range(world):
-                    views[r] = self._pin(r, step)
+                    views[r] = open_pinned([self.paths], r, lambda i: i.step == step, f"step {step}")
                 return write_checkpoint(storage, step, [views[r] for r in range(world)], source)
             finally:
                 for v in views.values():
                     v.close()
-
-    def _pin(self, rank: int, step: int, settle_s: float = 1.0) -> SnapshotView:
-        """Open ``rank``'s snapshot of ``step`` under a shared lock. The writer publishes a header just
-        before it releases the slot, so a busy slot that still holds the step is retried briefly; one
-        being overwritten has lost its header (LookupError)."""
-        deadline = time.monotonic() + settle_s
-        while True:
-            info = next((s for s in complete_slots(self.paths, rank) if s.step == step), None)
-            if info is None:
-                raise LookupError(f"rank {rank} no longer holds a snapshot of step {step}")
-            try:
-                return SnapshotView(self.paths, info)
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.005)
 
     def save_on_failure(
         self,
@@ -282,9 +263,6 @@ class NodeJob:
             held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
             return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
         step = max(common)
-        committed = storage.committed()
-        if committed and committed[0] >= step:
-            return outcome(False, step, covered.format(step, committed[0]), True)
         manifest = self.persist_step(storage, step, world, "save-on-failure")
         if manifest.get("already"):
             return outcome(False, step, covered.format(step, manifest.get("step")), True)
@@ -294,6 +272,23 @@ class NodeJob:
             f"persisted step {step} ({manifest['bytes'] / 2**20:.1f} MiB in "
             f"{manifest['commit_s']:.2f} s) to {storage.path(step_name(step))}",
         )
+
+
+def open_pinned(roots: list[JobPaths], rank: int, match: Callable[[Any], bool], what: str) -> SnapshotView:
+    """``rank``'s first complete snapshot in ``roots`` that ``match``es, opened under a shared lock. The
+    writer publishes a header just before it releases the slot, so a busy slot that still matches is
+    retried for a second; one being overwritten has lost its header (LookupError)."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        found = next(((root, i) for root in roots for i in complete_slots(root, rank) if match(i)), None)
+        if found is None:
+            raise LookupError(f"rank {rank} no longer holds {what} on this node")
+        try:
+            return SnapshotView(*found)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _workers_store() -> str | None:
@@ -319,3 +314,30 @@ def save_on_failure(
 ) -> dict[str, Any]:
     """:meth:`NodeJob.save_on_failure` of the job in ``job_dir``."""
     return NodeJob(job_dir).save_on_failure(storage_url, storage_options, world_size, quiet)
+
+
+Event = Callable[..., None]  # the keeper's event(kind, step, detail, level)
+
+
+def tidy_storage(node: NodeJob, storage: Storage, event: Event, health: StorageHealth, across: bool = False) -> None:
+    """At the keeper's start (rank 0's node): torn step directories are never resumed from; remove them.
+    ``across`` (a job across nodes): only those older than ``latest`` — a newer one may be a plan that
+    other nodes' keepers are writing now (this keeper may be a spare's, joining mid-save), which the
+    decider's ``GiveUp`` tidies if it fails; the node-local persist lock does not cover them."""
+    try:
+        with node.persist_lock():
+            latest = storage.latest()
+            below = (latest if latest is not None else -1) if across else None
+            for s in storage.remove_uncommitted(below):
+                why = f"{step_name(s)} had no manifest (a persist died mid-write; latest is {latest})"
+                event("removed-torn", s, why, logging.WARNING)
+    except Exception as err:  # unreachable storage: the first persist will report it too
+        health.failed("tidy", None, err)
+
+
+def remove_leftovers(storage: Storage, leftovers: set[int], event: Event) -> None:
+    """Storage works again: remove the failed attempts that could not be removed when they failed."""
+    for step in sorted(leftovers):
+        if remove_torn(storage, step):
+            leftovers.discard(step)
+            event("removed-torn", step, "a failed attempt, removed now that storage works again")

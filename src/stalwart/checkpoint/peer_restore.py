@@ -1,13 +1,7 @@
-"""Memory restore when the snapshots are spread over hosts: after a node loss the spare that replaced
-it holds nothing, and a regroup may give the survivors other ranks than they had (TorchElastic orders
-the nodes afresh), so rank r's snapshot of the agreed step may lie in another node's own rank
-directory or in a peer replica (``checkpoint/replicas.py``) on any host.
-
-Every rank lists the complete snapshots on its host — its node's own rank directories first, then the
-replicas other nodes pushed here — and the ranks agree (one all-gather) on the newest step that some
-host holds for every rank. A rank whose host lacks its copy receives it from the lowest rank whose host
-has it, over the process group (gloo: a CPU group is made where the default is NCCL), checked by CRC32;
-the copy lands in ``<job dir>/fetched/`` and is read like any snapshot. Transfers run in one order on
+"""Memory restore when the snapshots are spread over hosts (after a node loss or a regroup, rank r's
+snapshot may lie in another node's rank directory or in a peer replica): the ranks agree on the newest
+step some host holds for every rank, and a rank whose host lacks its copy receives it over the process
+group. See docs/checkpoint.md, "Peer replicas" ("Restore from peers"). Transfers run in one order on
 every rank, so the blocking sends and receives cannot wait on each other in a cycle.
 """
 

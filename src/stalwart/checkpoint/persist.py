@@ -266,7 +266,6 @@ def commit(
     source: str,
     snapshot_time: float,
     t0: float,
-    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """After every rank's shards are durable: ``.metadata`` → manifest with CRCs → ``latest``."""
     writer = _writer(storage, step, {}, lambda _: None)
@@ -287,7 +286,6 @@ def commit(
         "files": dict(sorted(sums.items())),
         "write_s": round(time.perf_counter() - t0, 4),
         "snapshot_time": snapshot_time,
-        **(extra or {}),
     }
     storage.write_atomic(json_bytes(manifest), step_name(step), MANIFEST)
     storage.set_latest(step)
@@ -308,16 +306,14 @@ def chaos_hook(step: int) -> Callable[[str], None]:
     return hook
 
 
-def write_checkpoint(
-    storage: Storage, step: int, views: list[SnapshotView], source: str, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def write_checkpoint(storage: Storage, step: int, views: list[SnapshotView], source: str) -> dict[str, Any]:
     """Write and commit the snapshots of all ranks (``views[r]`` is rank r's) for ``step``."""
     assert [v.info.rank for v in views] == list(range(len(views))), "one view per rank, in rank order"
     assert all(v.step == step for v in views), "all views must hold the same step"
     t0 = time.perf_counter()
     storage.remove(step)  # a torn leftover of an earlier attempt at this step
     try:
-        return _write_and_commit(storage, step, views, source, extra, t0)
+        return _write_and_commit(storage, step, views, source, t0)
     except BaseException:
         # DCP's writer threads outlive a failed write_data: they read the shared-memory views that our
         # caller unmaps next (a SIGSEGV that silently ended the keeper), and write into the directory.
@@ -341,9 +337,7 @@ def remove_torn(storage: Storage, step: int) -> bool:
         return False
 
 
-def _write_and_commit(
-    storage: Storage, step: int, views: list[SnapshotView], source: str, extra: dict[str, Any] | None, t0: float
-) -> dict[str, Any]:
+def _write_and_commit(storage: Storage, step: int, views: list[SnapshotView], source: str, t0: float) -> dict[str, Any]:
     sums: dict[str, dict[str, int]] = {}
     hook = chaos_hook(step)
     planners, plans, metadata = global_plan(storage, step, views, share_equal_objects=True)
@@ -359,7 +353,7 @@ def _write_and_commit(
                 results = list(pool.map(write, range(len(views))))
     share_bytes(planners, metadata, results)
     return commit(
-        storage, step, metadata, results, sums, len(views), source, max(v.info.header["time"] for v in views), t0, extra
+        storage, step, metadata, results, sums, len(views), source, max(v.info.header["time"] for v in views), t0
     )
 
 
@@ -367,14 +361,14 @@ def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=1).encode()
 
 
-def retention(storage: Storage, keep_last: int, keep_every: int, busy: set[int] = frozenset()) -> list[int]:
+def retention(storage: Storage, keep_last: int, keep_every: int) -> list[int]:
     """Delete checkpoints outside the policy: keep the newest ``keep_last`` committed steps, every step
     divisible by ``keep_every`` (0 = none), and ``latest``. Torn directories older than ``latest`` go
     too. Returns the removed steps."""
     storage.refresh()
     latest = storage.latest()
     committed = storage.committed()
-    keep = set(committed[: max(1, keep_last)]) | set(busy)
+    keep = set(committed[: max(1, keep_last)])
     if latest is not None:
         keep.add(latest)
     if keep_every > 0:

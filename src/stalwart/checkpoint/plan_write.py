@@ -1,18 +1,13 @@
-"""A plan's data in storage when the keepers act on the decider (docs/protocol.md, step 3).
-
-No coordinator plans for the others and no file in storage says who does what: that is the decider's
-word (``Persist`` → ``Pinned`` → ``Write`` → ``Wrote`` → ``Commit``). Storage holds checkpoint data
-only, under the step's directory and the plan's name:
+"""A plan's data in storage when the keepers act on the decider (docs/protocol.md, step 3):
 
     step-N/p{plan}/table.rank{r}.json        each node, before its Pinned: its ranks' entry tables
     step-N/__p{plan}a{attempt}_{r}_{i}.distcp each node, on Write: its ranks' share of DCP's layout
     step-N/p{plan}/a{attempt}.rank{r}.json    ... and their write results (sizes, CRCs)
     step-N/.metadata, manifest.json, latest  the committer, on Commit; then p{plan}/ goes
 
-Every node plans the same layout from every rank's table (DCP's global plan is deterministic: the
-same local plans in rank order give the same de-duplication), so nobody hands plans around. Shards
-are named by plan and attempt: a late write of a plan given up or of an earlier attempt never
-overwrites a shard the manifest names.
+Every node plans the same layout from every rank's table (DCP's global plan is deterministic), so
+nobody hands plans around; a late write of a plan given up or of an earlier attempt never overwrites
+a shard the manifest names.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Peer memory replicas, the wire and the receiving side: a node's keeper accepts copies of other
 nodes' snapshots into its own shared memory, so a node that dies does not take its ranks' only
-in-memory state with it (issue 16; GEMINI's in-memory checkpoints on peers).
+in-memory state with it (issue 16). See docs/checkpoint.md, "Peer replicas".
 
 One push is one TCP connection carrying one rank's slot::
 
@@ -11,20 +11,10 @@ One push is one TCP connection carrying one rank's slot::
     {"mac": HMAC-SHA256(key, header line + nonce + CRC32 of the slot's bytes)}\\n
     ← {"ok": true} | {"ok": false, "error": "..."}\\n
 
-The key is the job token (never sent): only the job's keepers can push, and what arrives is
-checked against the CRC32 the sender signed (objects: the CRC32 in the signed header). The bytes
-themselves are not MACed — HMAC-SHA256 runs at half zlib's CRC32 speed here (30 MiB: 46 vs 22 ms), on
-every byte of every step, on both ends — so, like the master's HTTP, this channel expects the
-cluster network to be private (an active man-in-the-middle could forge a CRC32). Nothing is
-unpickled: the slot's objects stay bytes until a restore reads them with
-``torch.load(weights_only=True)``. A copy is published
-(its header written) only after the trailer checks out; the CRC32 then recorded guards it at rest.
-The sender sends the slot straight from shared memory (``SlotSource``: ``sendfile``, no copy of the
-state in the keeper), without locking it: a slot overwritten while it was sent is cut off before the
-trailer and the newer snapshot pushed instead; one superseded again and again is pinned.
-Replicas live in ``<job dir>/replicas/<src node>/rank<r>/slot<i>.{bin,obj,json}``: the layout of a
-rank's own snapshots (``shm.JobPaths``), so restore reads them with the same code; the header gains
-``replica: {src, crc32_bin, received}``, against which a restore verifies the bytes again.
+The key is the job token (never sent); the bytes are checked against the signed CRC32s, not MACed. A
+copy is published (its header written) only after the trailer checks out, in a rank's own layout
+(``<job dir>/replicas/<src node>/rank<r>/``, ``shm.JobPaths``), so restore reads it with the same code;
+the header gains ``replica: {src, crc32_bin, received}``, against which a restore verifies it again.
 """
 
 from __future__ import annotations
@@ -280,13 +270,11 @@ def header_version(path: Path) -> tuple[int, int] | None:
 
 
 class SlotSource:
-    """One rank's complete slot, sent straight from shared memory (``socket.sendfile``: no copy of the
-    state in the keeper, whatever its size). Lock-free by default: the writer deletes a slot's header
-    before it overwrites the slot, so a header that is the same file from the opening to the end of a
-    send proves the bytes sent consistent (``unchanged``); a send that fails it is cut off before its
-    trailer, so the receiver publishes nothing. ``pin``: hold the slot's shared lock until ``close``
-    instead (the writer then takes another slot; for states too large to send between two snapshots).
-    The CRC32 is taken once, through a read-only mapping."""
+    """One rank's complete slot, sent straight from shared memory (``socket.sendfile``), lock-free by
+    default: the writer deletes a slot's header before overwriting it, so a header unchanged from the
+    opening to the end of a send proves the bytes consistent (``unchanged``); else the send is cut off
+    before its trailer. ``pin``: hold the slot's shared lock until ``close`` instead (the writer takes
+    another slot; for states too large to send between two snapshots). CRC32 via a read-only mapping."""
 
     def __init__(self, paths: JobPaths, slot: Any, pin: bool = False) -> None:
         self.rank = slot.rank

@@ -1,13 +1,7 @@
 """Peer memory replicas, the sending side: the node's keeper copies the newest snapshot all of its
-ranks hold into the shared memory of ``--replicas K`` other nodes, in the background (training never
-waits: the slots are sent straight from shared memory without locking them, see ``replicas.SlotSource``).
-
-Peers find each other the way the keepers already meet, through the checkpoint storage: each keeper
-serving replicas writes ``<storage>/.replicas/<node>.json`` (host, port, failure domain, time) every
-10 s and removes it when it stops. A keeper pushes to the next K live nodes after its own id in a ring
-of node ids, nodes of another failure domain (``--replica-domain``, e.g. a rack) first, so every node's
-copies land on different nodes; a peer that refuses or cannot be reached is skipped for 5 s and the
-next one takes its place. Restore reads the copies (``checkpoint/peer_restore.py``).
+ranks hold into the shared memory of ``--replicas K`` other nodes, in the background (the wire and the
+receiver: :mod:`.replicas`). Peers register in ``<storage>/.replicas/<node>.json``; a node pushes to the
+next K live nodes in the ring of node ids. See docs/checkpoint.md, "Peer replicas" ("Where.").
 """
 
 from __future__ import annotations

@@ -166,14 +166,33 @@ def write_owner(paths: JobPaths, rank: int, world: int) -> None:
     atomic_write(paths.owner(rank), json.dumps(owner).encode())
 
 
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs and is not a zombie (a SIGKILLed worker stays a zombie until reaped)."""
+def pid_alive(pid: Any, started_before: Any = None) -> bool:
+    """True if ``pid`` runs and is not a zombie (a SIGKILLed worker stays a zombie until reaped); with
+    ``started_before`` (its record's time) also started by then: not a reused pid."""
     import psutil
 
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        proc = psutil.Process(int(pid))
+        return proc.status() != psutil.STATUS_ZOMBIE and (
+            started_before is None or proc.create_time() <= float(started_before) + 1.0
+        )
+    except (psutil.Error, TypeError, ValueError):
         return False
+
+
+def lock_held(path: Path) -> bool:
+    """True when a process holds ``path``'s flock (a missing file: nobody does)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 class JobPaths:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpoint.shm import JobPaths, atomic_write, read_json, user_dir
+from stalwart.checkpoint.shm import JobPaths, atomic_write, lock_held, pid_alive, read_json, user_dir
 
 # 6 h: a Slurm requeue waits in the queue minutes to hours, and an operator who finds a failed store
 # the same shift can still persist from memory; longer would keep a day's ended jobs in a node's RAM
@@ -68,45 +68,20 @@ class StaleDir:
         return asdict(self)
 
 
-def _started_before(pid: Any, when: Any) -> bool:
-    """``pid`` runs, is no zombie, and was started before ``when`` (its record's time): not a reused pid."""
-    import psutil
-
-    try:
-        proc = psutil.Process(int(pid))
-        return proc.status() != psutil.STATUS_ZOMBIE and (when is None or proc.create_time() <= float(when) + 1.0)
-    except (psutil.Error, TypeError, ValueError):
-        return False
-
-
-def _lock_held(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def owner(paths: JobPaths, job_lock: bool = True) -> str | None:
     """Who keeps ``paths.root`` alive (a description), or None when nobody does (``job_lock=False``:
     the caller holds the job lock itself)."""
-    if job_lock and _lock_held(paths.job_lock):
+    if job_lock and lock_held(paths.job_lock):
         return "workers attached"
-    if _lock_held(paths.keeper_lock):
+    if lock_held(paths.keeper_lock):
         return "a keeper serves it"
     keeper = read_json(paths.keeper_status) or {}
-    if keeper.get("pid") and _started_before(keeper["pid"], keeper.get("started")):
+    if keeper.get("pid") and pid_alive(keeper["pid"], keeper.get("started")):
         return f"keeper pid {keeper['pid']} runs"
     for rank in paths.ranks():
         rec = read_json(paths.owner(rank)) or {}
         closed = read_json(paths.closed(rank)) or {}
-        if rec.get("pid") and closed.get("pid") != rec["pid"] and _started_before(rec["pid"], rec.get("time")):
+        if rec.get("pid") and closed.get("pid") != rec["pid"] and pid_alive(rec["pid"], rec.get("time")):
             return f"rank {rank} (pid {rec['pid']}) runs"
     return None
 

@@ -1,24 +1,9 @@
-"""Tier 1: double-buffered memory snapshots in file-backed shared memory.
-
-Layout under ``<shm_root>/stalwart/<job key>/rank<r>/``: two slots, each ``slot<i>.bin`` (tensor
-bytes), ``slot<i>.obj`` (non-tensor leaves, ``torch.save``) and ``slot<i>.json`` (header: generation,
-step, world size, entry table). Files in /dev/shm outlive the worker, so a SIGKILLed worker loses
-nothing already written.
-
-Crash consistency: a header exists only for a complete slot. The writer deletes the header of the
-slot it is about to overwrite, copies, then publishes the header by atomic rename; a crash mid-copy
-leaves that slot without a header and the other slot, complete, untouched.
-
-Reader/writer exclusion uses ``flock`` on ``slot<i>.bin`` (released by the kernel when a process
-dies): the writer takes the slot exclusively without waiting and, if the keeper is persisting it
-(shared lock), writes the other slot instead — training never waits for persistence.
-
-The copy runs on a background thread (CPU) or a side CUDA stream into pinned shm (GPU); the
-optimizer pre-step hook calls :meth:`SnapshotWriter.wait_copied`, so parameters are never mutated
-while being copied. The background thread also issues the device-to-host copies (one
-``cudaMemcpyAsync`` per tensor, ~10 µs of host time each: ~6 ms per save of a 280M model with AdamW
-on an H200) after an event the save records on the training stream: the save call records the event
-instead of issuing the copies.
+"""Tier 1: double-buffered memory snapshots in file-backed shared memory (docs/checkpoint.md, "Tier 1:
+memory snapshots"): per rank two slots of ``slot<i>.{bin,obj,json}``, the header only for a complete
+slot, locked with ``flock`` so that training never waits for the keeper. The copy runs on a background
+thread, which also issues the device-to-host copies (one ``cudaMemcpyAsync`` per tensor, ~10 µs of host
+time each: ~6 ms per save of a 280M model with AdamW on an H200) after an event the save records on
+the training stream: the save call records the event instead of issuing the copies.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Collect and apply the training state: model and optimizer through DCP's ``get_state_dict`` /
-``set_state_dict`` (so DDP, FSDP2 and DTensor states work), other ``Stateful`` objects through
-``state_dict``/``load_state_dict``, plain dicts as user extras, plus this rank's RNG states.
-
-The nested state dict is flattened with DCP's own flattening, so the keys we write into a checkpoint
-are exactly the keys ``torch.distributed.checkpoint.load`` derives from the same nested dict. Where
-optimizer hyperparameters go (both of DCP's layouts): :mod:`stalwart.checkpoint.hparams`.
-
-:meth:`TrainingState.capture` runs at every save, on the training thread: it walks the model's and
-the optimizers' tensors once (to notice a replaced tensor) and otherwise reuses what does not change
-between steps — DCP's state dicts, their flattening, the slot layout's signature — because the
-optimizer updates its tensors in place; only hyperparameters and small objects are read afresh.
+"""Collect and apply the training state (docs/checkpoint.md, "Use"), flattened with DCP's own
+flattening, so our keys are those ``dcp.load`` derives from the same nested dict.
+:meth:`TrainingState.capture` runs at every save, on the training thread: it walks the tensors once
+(to notice a replaced one) and otherwise reuses what does not change between steps (DCP's state dicts,
+their flattening, the slot layout's signature), as the optimizer updates its tensors in place; only
+hyperparameters and small objects are read afresh.
 """
 
 from __future__ import annotations
@@ -44,16 +38,13 @@ _versions = itertools.count(1)  # tells cached flattenings apart (across Trainin
 
 @dataclass
 class Captured:
-    """One rank's state at one step, split for the snapshot copy.
-
-    ``tensors`` are live references (plain tensors or DTensors) that the background copy reads, and
-    ``sources`` their rank-local data; ``objects`` are deep copies of every non-tensor leaf, taken
-    synchronously, because schedulers and samplers change them on the very next step; ``groups`` are
-    each optimizer's param groups (hyperparameters copied, ``params`` = parameter FQNs), spelled out
-    into checkpoint keys only when persisted (:func:`~stalwart.checkpoint.hparams.dcp_hyperparameters`).
+    """One rank's state at one step, split for the snapshot copy: ``tensors`` are live references (plain
+    tensors or DTensors) that the background copy reads, and ``sources`` their rank-local data; ``objects``
+    deep copies of every non-tensor leaf, taken synchronously (schedulers and samplers change them on the
+    very next step); ``groups`` each optimizer's param groups (hyperparameters copied, ``params`` = FQNs),
+    spelled out into checkpoint keys only when persisted (:func:`~stalwart.checkpoint.hparams.dcp_hyperparameters`).
     ``signature`` changes whenever the tensors' keys, dtypes or shapes may have: the writer plans the
-    slot layout again only then.
-    """
+    slot layout again only then."""
 
     tensors: dict[str, torch.Tensor]
     objects: dict[str, Any]
@@ -156,12 +147,10 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 # -- the user's dict of Stateful things ---------------------------------------------------------------
 class TrainingState:
-    """Binds ``{"model": model, "optim": optimizer, "sampler": ..., "scheduler": ..., "extra": {...}}``.
-
-    nn.Module → DCP model state dict; Optimizer → DCP optimizer state dict (keyed by parameter FQN,
-    so it reshards); objects with ``state_dict``/``load_state_dict`` → theirs; dicts → stored as is and
-    updated in place on load. ``rng`` is reserved: this rank's RNG states go there as ``rng.rank<r>``.
-    """
+    """Binds ``{"model": model, "optim": optimizer, "sampler": ..., "scheduler": ..., "extra": {...}}``:
+    nn.Module → DCP model state dict (DDP, FSDP2, DTensor); Optimizer → DCP optimizer state dict (keyed
+    by parameter FQN, so it reshards); objects with ``state_dict``/``load_state_dict`` → theirs; dicts →
+    stored as is and updated in place on load. ``rng`` is reserved: this rank's RNG states, ``rng.rank<r>``."""
 
     def __init__(self, state: Mapping[str, Any], rank: int, rng: bool = True) -> None:
         if not isinstance(state, Mapping) or not state:

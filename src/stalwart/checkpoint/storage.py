@@ -1,12 +1,6 @@
-"""Tier-2 storage layout through fsspec (local paths, ``s3://``, ...).
-
-    DIR/latest                      "step-00000120" — the commit point, replaced atomically
-    DIR/step-00000120/.metadata     DCP metadata (plain ``torch.distributed.checkpoint.load`` reads DIR/step-…)
-    DIR/step-00000120/__0_0.distcp  one DCP shard file per writing rank
-    DIR/step-00000120/stalwart.json manifest: step, world size, size and CRC32 of every file
-
-A step directory is *committed* when its manifest exists and ``latest`` names it or a later step;
-anything else is torn (a persist that died) and is never chosen for resume.
+"""Tier-2 storage layout through fsspec (local paths, ``s3://``, ...): ``DIR/latest`` is the commit
+point; a ``DIR/step-N/`` is *committed* when its manifest exists and ``latest`` names it or a later
+step, anything else is torn and never resumed from. See docs/checkpoint.md, "Tier 2: persistence".
 """
 
 from __future__ import annotations

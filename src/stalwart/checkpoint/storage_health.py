@@ -1,13 +1,11 @@
 """Storage health as the keeper sees it: why a persist failed, when to try again, what to report.
 
-A failed persist (write, fsync, commit, retention, save-on-failure) is classified by its cause —
-``full``, ``permission``, ``unreachable``, ``timeout``, ``torn`` (a write cut short without an OS
-error), ``peer`` (another node never took part: it is lost, which is its own incident) or ``error`` —
-and, except for ``peer``, becomes a ``storage`` incident when a run of failures starts or its cause
-changes (and a ``recovered`` one at the next commit), so the user hears about it once per episode,
-not once per attempt. Retries back off exponentially while training continues from memory. Log lines
-of repeated failures are rate-limited and say how many were folded into them: nothing is hidden, the
-counts are in the keeper's status (and from there in ``/metrics`` and the job report).
+A failed persist (write, fsync, commit, retention, save-on-failure) is classified by its cause (one of
+``CAUSES``; ``torn``: a write cut short without an OS error) and becomes a ``storage`` incident when a
+run of failures starts or its cause changes (a ``recovered`` one at the next commit): once per episode,
+not per attempt. Retries back off while training continues from memory; repeated log lines are
+rate-limited and say how many they fold (the counts are in the keeper's status, ``/metrics``, the report).
+When failing storage puts too much at risk, the job stops: ``AtRiskPolicy``, ``StorageUnavailableError``.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,21 +89,14 @@ def classify(err: BaseException) -> str:
 
 
 class StorageHealth:
-    """Failures of one keeper's persists, backoff and the records to journal.
+    """Failures of one keeper's persists, backoff and the records to journal."""
 
-    ``backoff_s`` doubles per consecutive failure up to ``max_backoff_s``; ``log_every_s`` rate-limits
-    the log lines of a run of failures with the same cause."""
+    backoff_s = 1.0  # doubled per consecutive failure, up to max_backoff_s
+    max_backoff_s = 30.0
+    log_every_s = 30.0  # one log line per run of failures with the same cause, at most this often
 
-    def __init__(
-        self,
-        url: str,
-        incidents: Path | None,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
-        log_every_s: float = 30.0,
-    ) -> None:
+    def __init__(self, url: str, incidents: Path | None) -> None:
         self.url, self.incidents = url, incidents
-        self.backoff_s, self.max_backoff_s, self.log_every_s = backoff_s, max_backoff_s, log_every_s
         self.failures = 0  # all failed attempts, ever
         self.streak = 0  # consecutive failed attempts since the last commit
         self.failing_since: float | None = None
@@ -209,3 +201,74 @@ class StorageHealth:
             os.chmod(self.incidents, 0o600)
         except OSError as err:  # shm itself full: the log line above still tells
             log.warning("could not record the storage incident in %s: %s", self.incidents, err)
+
+
+log = logging.getLogger("stalwart.checkpoint")
+FINAL_ATTEMPTS = 3  # failed attempts at the final step before the job gives up (with backoff: ~7 s)
+
+
+class StorageUnavailableError(RuntimeError):
+    """Training state that must be durable is not, because the checkpoint store fails."""
+
+
+@dataclass(frozen=True)
+class AtRiskPolicy:
+    """``0`` turns a bound off. Both apply only while the keeper reports failing storage: a long
+    persist interval on healthy storage is the user's choice, not a fault."""
+
+    max_steps: int = 0
+    max_s: float = 1800.0
+
+    def violation(self, storage: dict[str, Any] | None, step: int, now: float, since: float) -> str | None:
+        """Why training must stop now (None: go on). ``storage`` is the keeper's storage status;
+        ``since`` is when this worker started, the reference when nothing was ever committed."""
+        if not storage or storage.get("ok", True):
+            return None
+        committed = int(storage.get("last_committed", -1))
+        steps = step - max(committed, 0)
+        seconds = now - (storage.get("last_commit_time") or since)
+        if self.max_steps and steps > self.max_steps:
+            return f"{steps} steps are only in memory (checkpoint.max_unpersisted_steps={self.max_steps})"
+        if self.max_s and seconds > self.max_s:
+            return f"{seconds:.0f} s of training are only in memory (checkpoint.max_unpersisted_s={self.max_s:g})"
+        return None
+
+
+def not_durable(step: int, root: Path, storage: dict[str, Any] | None, why: str) -> StorageUnavailableError:
+    """The error that ends a job whose state is not durable, saying where the state is and what to run."""
+    s = storage or {}
+    cause = f"storage {s.get('cause') or 'error'}: {s.get('last_error') or 'no commit'}"
+    committed = s.get("last_committed", -1)
+    return StorageUnavailableError(
+        f"{why}; step {step} is not in durable storage ({cause}; {s.get('url', '')}; last committed step: "
+        f"{committed if committed is not None and committed >= 0 else 'none'}). The newest state is kept in "
+        f"shared memory at {root}: once storage works again, persist it with "
+        f"`stalwart ckpt persist-from-memory {root}` (or `--to URL` for other storage) before this machine "
+        "reboots. Not restarting: a restart cannot fix storage."
+    )
+
+
+class StorageNews:
+    """Says on the worker's console when persists start failing (once per cause) and when they recover;
+    fed the keeper's storage status. Off under an agent, which prints the keeper's incidents itself."""
+
+    def __init__(self, url: str, enabled: bool) -> None:
+        self.url, self.enabled = url, enabled
+        self.told: str | None = None  # the cause last reported, None while storage works
+
+    def tell(self, status: dict[str, Any] | None) -> None:
+        cause = None if not status or status.get("ok", True) else status.get("cause")
+        if not self.enabled or cause == self.told:
+            return
+        assert status is not None or cause is None
+        if cause is not None:
+            log.error(
+                "storage %s: persists to %s fail (%s); training continues from memory (last committed step: %s)",
+                cause,
+                self.url,
+                status.get("last_error") if status else None,
+                status.get("last_committed") if status else None,
+            )
+        elif status is not None:
+            log.warning("storage recovered: step %s committed to %s", status.get("last_committed"), self.url)
+        self.told = cause

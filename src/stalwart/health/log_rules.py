@@ -43,7 +43,7 @@ RULES: tuple[Rule, ...] = (
         r"CUDA error: (?:an illegal memory access|unspecified launch failure|"
         r"device-side assert)",
     ),
-    # The checkpoint store failed the job (stalwart.checkpoint.durability): restarting cannot fix storage.
+    # The checkpoint store failed the job (stalwart.checkpoint.storage_health): restarting cannot fix storage.
     _r("storage", STORAGE, r"\bStorageUnavailableError\b", fatal=ALWAYS),
     _r("rollback_limit", USER, r"\b(?:RollbackLimitExceeded|RollbackUnavailable)\b", fatal=ALWAYS),
     _r("checkpoint_dir_in_use", USER, r"holds committed step\(s\) .* of an earlier run", fatal=ALWAYS),

@@ -14,7 +14,7 @@ from stalwart.checkpoint.decider_link import decisions_mark
 from stalwart.launch.detect import Incident
 
 if TYPE_CHECKING:  # DCP is ~660 modules: `stalwart run --help` does not import it
-    from stalwart.checkpoint.membership import Membership
+    from stalwart.checkpoint.desk_host import Membership
     from stalwart.checkpoint.node_job import NodeJob
 
 log = logging.getLogger("stalwart.agent")

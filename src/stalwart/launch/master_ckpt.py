@@ -22,7 +22,7 @@ from typing import Any
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint import decider_wire as wire
 from stalwart.checkpoint.decider import Decider
-from stalwart.checkpoint.decider_state import from_state, to_state
+from stalwart.checkpoint.decider_wire import from_state, to_state
 from stalwart.launch.api_error import ApiError
 from stalwart.launch.journal import Journal
 

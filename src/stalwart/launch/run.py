@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from stalwart import _compat, runtime
 from stalwart.chaos import faults
-from stalwart.checkpoint.membership import Membership
+from stalwart.checkpoint.desk_host import Membership
 from stalwart.health.precheck import PrecheckConfig
 from stalwart.health.throttle import Throttle
 from stalwart.launch import (

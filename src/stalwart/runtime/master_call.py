@@ -1,7 +1,7 @@
 """One call to the job master: JSON over HTTP with the job token, retried through a master restart.
 
 Stdlib only, so the launcher's client (``stalwart.launch.client.MasterClient``) and a keeper asking the
-master about membership (``stalwart.checkpoint.membership``) share one transport.
+master about membership (``stalwart.checkpoint.desk_host``) share one transport.
 """
 
 from __future__ import annotations

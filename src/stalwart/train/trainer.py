@@ -195,7 +195,7 @@ class Trainer:
         if not c.enabled:
             return None
         from stalwart.checkpoint import Checkpointer
-        from stalwart.checkpoint.durability import AtRiskPolicy
+        from stalwart.checkpoint.storage_health import AtRiskPolicy
 
         out.mkdir(parents=True, exist_ok=True)
         persists = bool(c.persist_every_steps or c.persist_every_s)  # memory-only needs no keeper (multi-node)
