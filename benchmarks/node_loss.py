@@ -26,13 +26,15 @@ workers, keeper) and its shared memory removed: a dead host.
 
 Both use the rendezvous settings given by ``--rdzv-conf`` (default: TorchElastic's, keep-alive 5 s × 3).
 Measured from rank 0's per-step log: **back_s** = kill → first step completed after it;
-**lost_steps** = newest step before the kill − step the new round resumed from; **regain_s** = kill →
-first completion of a step past the newest step before the kill; **step_s** = median compute time of a
-step before the kill (forward, backward, optimizer), **wall_step_s** = median time between two steps'
-log lines (compute plus the checkpoint call; less ``--pace-s``, the sleep that keeps a GPU's millisecond
-steps from outrunning the kill: none on the CPU); **wall_over_compute** = the two's ratio, and
-**wall_over_noreplica** = wall_step_s ÷ stalwart-noreplica's (what the copies cost a step, the copying
-included, when both ran).
+**lost_steps** = newest step before the kill − step the new round resumed from; **lost_safe_steps** =
+the newest step the job was told is safe before the kill (``safe_step``: every rank's copy of it was out;
+only under ``--replica-sync``, the step itself, and ``--replica-overlap``, the step before) − the same;
+**regain_s** = kill → first completion of a step past the newest step before the kill; **step_s** =
+median compute time of a step before the kill (forward, backward, optimizer), **wall_step_s** = median
+time between two steps' log lines (compute plus the checkpoint call; less ``--pace-s``, the sleep that
+keeps a GPU's millisecond steps from outrunning the kill: none on the CPU); **wall_over_compute** = the
+two's ratio, and **wall_over_noreplica** = wall_step_s ÷ stalwart-noreplica's (what the copies cost a
+step, the copying included, when both ran).
 Medians over ``--repeats``.
 """
 
@@ -261,6 +263,11 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
     after = [r for r in rows if r.get("ev") == "step" and r["t"] >= t_kill]
     starts = [r for r in rows if r.get("ev") == "start" and r["t_proc"] >= t_kill - 1.0]
     newest = max(before, default=0)
+    # the newest step the job was told no node loss can take (Checkpointer.safe_step; sync and overlap)
+    safe = max(
+        (r["safe"] for r in rows if r.get("ev") == "step" and r["t"] < t_kill and r.get("safe") is not None),
+        default=None,
+    )
     resumed = starts[-1]["resume_step"] if starts else None
     regain = next((r["t"] for r in after if r["step"] > newest), None)
     # median step time before the kill: what replication costs a step (against stalwart-noreplica)
@@ -279,6 +286,8 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
         "source": starts[-1].get("source") if starts else None,
         # resumed past the newest logged step (its copies landed, the kill came before the log line): 0
         "lost_steps": None if resumed is None else max(0, newest - resumed),
+        "safe_step": safe,
+        "lost_safe_steps": None if resumed is None or safe is None else max(0, safe - resumed),
         "back_s": round(after[0]["t"] - t_kill, 3) if after else None,
         "regain_s": round(regain - t_kill, 3) if regain else None,
         "final_step": max((r["step"] for r in after), default=None),
@@ -320,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             "regain_s": _median([r["regain_s"] for r in good]),
             "lost_steps": _median([r["lost_steps"] for r in good]),
             "lost_steps_each": [r["lost_steps"] for r in good],
+            "lost_safe_steps": _median([r["lost_safe_steps"] for r in good]),
+            "lost_safe_steps_each": [r["lost_safe_steps"] for r in good],
             "step_s": _median([r["step_s"] for r in good]),
             "wall_step_s": _median([r["wall_step_s"] for r in good]),
             "wall_over_compute": _median(

@@ -23,7 +23,8 @@ context up; = t_import on the CPU), "t_pg" (process group up, NCCL's communicato
 rank 0 only ``{"ev": "step", "step", "t", "dt", "save_s", "attempt", "injected_s"}`` per step (``t`` =
 time.time() when the step and its checkpoint call finished, ``dt`` = forward+backward+all-reduce+optimizer
 seconds, ``save_s`` = seconds in the checkpoint call, ``injected_s`` = seconds the previous step's injected
-fault took, e.g. a benchmark's ``slow`` pacing, which waits for no snapshot),
+fault took, e.g. a benchmark's ``slow`` pacing, which waits for no snapshot; ``safe`` = the Checkpointer's
+``safe_step``, the newest step a lost node cannot take, under ``--replica-sync``/``--replica-overlap``),
 ``{"ev": "fault", "step", "t", "action"}`` from the rank that fires a fault, and ``{"ev": "end"}``.
 """
 
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     attempt=attempt,
                     loss=round(loss.item(), 4),
                     injected_s=injected_s,
+                    safe=ckpt.safe_step if args.ckpt == "flash" else None,
                 )
             fault, injected_s = chaos.due("step", step=step, rank=rank), 0.0
             if fault is not None:

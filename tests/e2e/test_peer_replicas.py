@@ -3,10 +3,12 @@ worker, keeper and its shared memory — and the survivor and the spare resume f
 rank's FSDP2 shards come from the copy its keeper pushed into the survivor's memory (`--replicas 1`,
 the default), not from storage. The final weights and optimizer state are bitwise those of a
 fault-free 2-rank FSDP2 run. With `--replica-sync` the node is killed at once, and no step the
-survivor completed is lost; with `--replica-overlap` (the copies overlap the next step) at most one."""
+survivor completed is lost; with `--replica-overlap` (the copies overlap the next step) at most one, and
+never one that a step's record called safe (``safe_step``)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -86,6 +88,7 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
         done = completed_step(tmp_path, survivor)
         # Asynchronous copies trail the steps (under load by more than the survivor's slots): killed the
         # moment they are within them. With --replica-sync or --replica-overlap, at once.
+        t_kill = time.time()
         lose_node(nodes[lost], job, lost, when=caught_up(job, lost, survivor, world=2) if wait == "async" else None)
         pace.set(0)
         for n in (n for n in nodes if n != lost):
@@ -102,3 +105,13 @@ def test_a_lost_nodes_fsdp2_shards_come_back_from_a_peers_memory_bitwise(stdlib_
         assert ck["restore_step"] >= done, (ck, done)
     if wait == "overlap":  # every step but the last completed one had its copies out
         assert ck["restore_step"] >= done - 1, (ck, done)
+    # safe_step: every rank's copy of it was out when its step's record was made (sync: the step's own,
+    # overlap: the one before); none is said without a wait. The restore never goes behind one said.
+    lag = {"async": None, "sync": 0, "overlap": 1}[wait]
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if x.startswith("{")]
+    safe = [(r["step"], r["safe_step"]) for r in rows if "safe_step" in r and r["time"] < t_kill]
+    if lag is None:
+        assert not any("safe_step" in r for r in rows), rows[-1]
+    else:
+        assert all(s <= step - lag for step, s in safe) and any(s == step - lag for step, s in safe), safe
+        assert ck["restore_step"] >= max(s for _, s in safe), (ck, safe[-3:])

@@ -380,6 +380,7 @@ def test_with_replica_sync_a_save_returns_once_its_copy_is_on_a_peer_and_goes_on
         assert link.wait_replicated(3, since) is None
         [root] = replica_roots(b.root)  # the copy is on B when the wait returns, not some time later
         assert 3 in {s.step for s in complete_slots(JobPaths(root), 0)}
+        assert link.await_copies(3, since) is True  # what makes the step safe (Checkpointer.safe_step)
         # news from before a snapshot began is about an older one: a later save does not take it
         assert link.wait_replicated(3, time.time(), timeout_s=0.3) == "timeout"
         receiver.stop()  # B is gone: the next step gets no copy, and the save says so at once
@@ -387,6 +388,7 @@ def test_with_replica_sync_a_save_returns_once_its_copy_is_on_a_peer_and_goes_on
         snapshot(a.paths, 0, 2, steps=4, seed=0, first=4)
         why = link.wait_replicated(4, since)
         assert why in ("no peer", "no peer took the copy"), why
+        assert link.await_copies(4, since) is False  # no step is called safe without its copy
         sender.stop()  # no replicator: nobody will copy, and nobody waits for a copy
         assert link.wait_replicated(5, time.time()) == "the keeper's replicator is not running"
     finally:

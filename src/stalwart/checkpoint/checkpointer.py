@@ -166,6 +166,9 @@ class Checkpointer:
         # `--replica-overlap`: once the previous save's are (``_copies_due``), so they overlap a step
         self.replica_wait = os.environ.get(ENV_REPLICA_SYNC, "") if self.world > len(self.node_ranks) else ""
         self._copies_due: tuple[int, float, bool] | None = None  # (step, since, started) of the last save
+        # the newest step a lost node cannot take (every rank's snapshot of it is in a peer's memory); None:
+        # no such step (copies trail, or none) since the start or the last restore
+        self.safe_step: int | None = None
         self._bound: tuple[tuple[int, ...], TrainingState] | None = None
         self._hooked: set[int] = set()
         self._hooks: list[Any] = []
@@ -191,7 +194,7 @@ class Checkpointer:
     def _next_trajectory(self) -> tuple[int, int]:
         """A restore begins a later trajectory: the snapshots taken after it carry (epoch, restores), and
         the copies of an earlier one are not waited for."""
-        self._copies_due = None
+        self._copies_due, self.safe_step = None, None
         self.writer.restores += 1
         return self.epoch, self.writer.restores
 
@@ -269,15 +272,15 @@ class Checkpointer:
 
     def _wait_for_copies(self, step: int, since: float, started: bool) -> None:
         """Return once every rank's snapshot of ``step`` is in a peer's memory (a node lost then costs no
-        step), or nobody waits: a rank skipped its snapshot (slots busy), so its keeper never copies it.
-        Every rank takes part in both collectives, whatever became of its own snapshot or copy."""
+        step: ``safe_step``), or nobody waits: a rank skipped its snapshot (slots busy), so its keeper
+        never copies it. Every rank takes part in both collectives, whatever became of its own snapshot
+        or copy; the second one also keeps a rank from going on before every rank's copy is out."""
         t0 = time.perf_counter()
         if started:
             self.writer.wait()
-        if all(gather(started, self.group)):
-            self.keeper.await_copies(step, since)
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
+        copied = all(gather(started, self.group)) and self.keeper.await_copies(step, since)
+        if all(gather(copied, self.group)):
+            self.safe_step = step
         self.stats["replica_wait_s"] += time.perf_counter() - t0
 
     @property

@@ -1,11 +1,7 @@
-"""The one checkpoint decider: which step is persisted, saved on failure or given up (docs/protocol.md).
-
-A pure, deterministic state machine — no I/O, threads or clocks: ``handle(event)`` (``decider_events``)
-returns the decisions it makes. It lives where the job's membership is known (the master; rank 0's
-keeper through the rendezvous store without one), so a lost node is an event, never a timeout. Every
-wait is for an event, and every state has an exit when membership changes. Epochs, not clocks:
-snapshots are keyed ``(step, epoch)``; a message about an earlier epoch or an old plan is ignored and
-the log says so. Its state is JSON-able (``decider_wire.to_state``: the master's journal).
+"""The one checkpoint decider (docs/protocol.md): which step is persisted, saved on failure or given up.
+A pure, deterministic state machine — no I/O, threads or clocks, so ``tests/protocol`` can explore it:
+``handle(event)`` returns its decisions. Every wait ends on an event (membership included), never a timer;
+a message of an earlier epoch or an old plan is ignored and logged. State: ``decider_wire.to_state``.
 """
 
 from __future__ import annotations
@@ -374,8 +370,7 @@ class Decider:
         out.append(self._persist(plan))
 
     def _end_plan(self, why: str, out: list[Decision]) -> None:
-        """Give the plan up, then start what is due (a failed save-on-failure: the next older step every
-        rank held)."""
+        """Give the plan up, then start what is due (a failed save-on-failure: the next older common step)."""
         plan = self.plan
         self._note(f"gave up step {plan['key'][0]} (plan {plan['id']}): {why}")
         out.append(ev.GiveUp(plan["id"], plan["key"][0], why, self.epoch))

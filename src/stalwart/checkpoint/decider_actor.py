@@ -1,17 +1,10 @@
-"""The keeper acting on the decider (docs/protocol.md) in a job across nodes: it does what the decider
-says, and storage carries no coordination:
-
-    Persist(plan, key, attempt, writers)  pin the snapshots of the ranks ``writers`` gives this node
-                                          (its own, or a lost node's from its peer copies), put their
-                                          entry tables beside the step (``plan_write``), Pinned
-    Write(plan, attempt)                  every node pinned: write this node's share, Wrote
-    Commit(plan, step)                    the node writing rank 0: .metadata → manifest → latest, Committed
-    Release / GiveUp                      unpin; the keeper hears what was committed or given up
-
-Its reports (holdings, steps due, pins on sight, workers gone, the job's end): :class:`Reporter`.
-The keeper loop calls :meth:`Actor.act` each tick; a plan's writes run in that loop. A failure's save
-is the same plan with ``failure`` set; the agent waits for the decider's ``RestartMayProceed``
-(:func:`await_restart`) instead of running the save itself.
+"""The keeper's side of the decider in a job across nodes (docs/protocol.md, "Decisions" and step 3), so
+storage carries no coordination. :class:`Reporter` sends the node's reports (holdings, steps due, pins on
+sight, workers gone, the job's end); :class:`Actor` acts: on ``Persist`` it pins the ranks ``writers`` gives
+this node (its own, or a lost node's peer copies) and puts their entry tables beside the step (``plan_write``),
+``Pinned``; on ``Write`` it writes its share, ``Wrote``; the node writing rank 0 commits on ``Commit``,
+``Committed``; ``Release``/``GiveUp`` unpin. :meth:`Actor.act` runs each tick in the keeper loop, writes
+included. On a failure the agent waits for ``RestartMayProceed`` (:func:`await_restart`) instead of saving.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from stalwart.checkpoint import plan_write
 from stalwart.checkpoint.decider_link import DeciderLink
 from stalwart.checkpoint.desk_host import Membership
 from stalwart.checkpoint.node_job import NodeJob, open_pinned
-from stalwart.checkpoint.replicas import replica_roots
+from stalwart.checkpoint.replicas import host_roots
 from stalwart.checkpoint.shm import JobPaths, complete_slots, pid_alive, pin_slot
 from stalwart.checkpoint.snapshot import SnapshotView, epoch_of
 from stalwart.checkpoint.storage import Storage
@@ -61,10 +54,9 @@ class Reporter:
         self.settled: set[int] = set()  # steps the decider planned or gave up (held ones only)
 
     def observe(self, steps: Steps, flagged: list[int], copies: Steps | None = None) -> None:
-        """The node's snapshots (rank → {step: header}) and the steps due: report what changed. The
-        decider plans a due step from holdings, so they are sent at once when the steps flagged for
-        persistence among them change (one comes, or goes: moved past), else at most every
-        ``HOLDING_EVERY_S`` — not at every step of every node."""
+        """The node's snapshots and the steps due: report what changed. The decider plans a due step from
+        holdings, so they go at once when the flagged steps among them change (one comes, or goes: moved
+        past), else at most every ``HOLDING_EVERY_S`` — not at every step of every node."""
         own = holdings(steps)
         due = {(s, e) for s, e, _, _ in own if any(by_step.get(s, {}).get("persist") for by_step in steps.values())}
         # Once every rank of the node published it (the node's pin says so for all of them), and only
@@ -115,8 +107,7 @@ class Reporter:
             os.close(fd)
 
     def workers_died(self, job: NodeJob, world: int, owners: dict[int, dict[str, Any] | None], died: set[int]) -> None:
-        """Once every worker of this node is gone and one at least died (``died``: their pids; a closed
-        one did not), its final holdings for the execution they ran."""
+        """All this node's workers gone, one of them died (``died``: pids; a closed one did not): its final holdings."""
         pids = [int(o["pid"]) for o in owners.values() if o]
         epoch = job.epoch()
         if epoch in self.gone or not any(p in died for p in pids) or any(pid_alive(p) for p in pids):
@@ -126,9 +117,8 @@ class Reporter:
         self.link.send(ev.WorkersGone(self.node, epoch, final))
 
     def end(self, job_complete: bool, wait_s: float = 2.0) -> None:
-        """The keeper exits: a bounded last exchange, until every step due among its snapshots has been
-        planned or given up, so the final commit reaches the decider; then, from rank 0's node when the
-        job completed, its end. Nothing is taken up any more, only heard."""
+        """The keeper exits: a bounded last exchange (decisions only heard) until every due step is planned or
+        given up, so the final commit reaches the decider; then, from rank 0's node of a finished job, its end."""
         deadline = time.monotonic() + wait_s
         while self.link.formed and self.link.sync(max(0.0, deadline - time.monotonic())):
             for d in self.link.take():
@@ -195,9 +185,8 @@ class Actor(Reporter):
         return cls(link, paths, coordinator, lambda key, ranks: pin_on_sight(paths, key, ranks))
 
     def due_by_time(self, common: set[int], every_s: float, last: int) -> int | None:
-        """Rank 0's node under ``persist_every_s``: the newest step its ranks hold, once that long passed
-        since the last one (the decider plans it when every rank holds it; one that the other nodes'
-        workers moved past meanwhile is given up, and the next interval tries again)."""
+        """Rank 0's node under ``persist_every_s``: the newest step its ranks hold, once that long passed since
+        the last (one that other nodes' workers moved past meanwhile is given up; the next interval tries again)."""
         now, newest = time.monotonic(), max(common, default=-1)
         if every_s <= 0 or now - self.timed_at < every_s or newest <= last:
             return None
@@ -313,7 +302,7 @@ def reporter(members: Membership | None, paths: JobPaths, coordinator: Callable[
 
 def open_view(paths: JobPaths, rank: int, key: ev.Key) -> SnapshotView:
     """``rank``'s snapshot ``key`` opened pinned: this node's own, or a peer copy it holds."""
-    roots = [paths, *(JobPaths(p) for p in replica_roots(paths.root))]
+    roots = host_roots(paths)
     return open_pinned(roots, rank, lambda i: (i.step, epoch_of(i.header)) == key, f"step {key[0]} of epoch {key[1]}")
 
 
@@ -325,11 +314,9 @@ def await_restart(
     timeout_s: float = 60.0,
     after: int | None = None,
 ) -> dict[str, Any]:
-    """The agent's side of a failure under ``act``: wait for the decider's ``RestartMayProceed`` of the
-    execution ``epoch`` (every node holds the save's step pinned, or nothing can be saved) and, with
-    ``commit`` (a new world restores from storage, or a preemption ends the job), for its commit.
-    ``after``: the decisions' mark at the agent's start (``decisions_mark``): the word may have come
-    before this call, and one of an earlier launch (its epochs counted from 0 too) came before it."""
+    """The agent's side of a failure: wait for the decider's ``RestartMayProceed`` of execution ``epoch`` and,
+    with ``commit`` (a new world restores from storage, or a preemption ends the job), for its commit. ``after``:
+    ``decisions_mark`` at the agent's start: a word before this call counts, an earlier launch's does not."""
     link = DeciderLink(members.address, members.token, members.me)
     link.after, link.eager = (after if after is not None else 0), True
     deadline = time.monotonic() + timeout_s

@@ -1,8 +1,5 @@
-"""What the checkpoint decider hears and says (docs/protocol.md): plain frozen dataclasses, no I/O.
-
-A snapshot is named by its *key* ``(step, epoch)``: the step and the execution epoch (restart count /
-rendezvous round) whose workers took it. The same step redone after a restart is another key, so "a
-snapshot of the failed execution" is an integer comparison on any clock.
+"""What the checkpoint decider hears and says (docs/protocol.md): frozen dataclasses, no I/O. A snapshot's
+*key* is ``(step, epoch)``, the epoch being the execution that took it: a step redone after a restart is a new key.
 """
 
 from __future__ import annotations
@@ -138,9 +135,8 @@ class Persist:
 
 @dataclass(frozen=True)
 class Write:
-    """Every node of plan ``plan`` pinned ``key``: write your ranks' shards for ``attempt``. Each node
-    put its ranks' entry tables beside the step before its ``Pinned``, so every node now plans the
-    same global layout from all of them and writes its share (``decider_act``)."""
+    """Every node of plan ``plan`` pinned ``key`` and put its ranks' entry tables beside the step: each now
+    plans the same global layout from all of them and writes its ranks' shards for ``attempt``."""
 
     plan: int
     key: Key

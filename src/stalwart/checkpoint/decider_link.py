@@ -1,8 +1,7 @@
-"""A keeper's line to the checkpoint decider: one call, ``exchange(events, after) → decisions``
-(``POST /v1/ckpt``; docs/protocol.md). The keeper's loop never waits on the network: it queues events,
-and a thread sends them in order, keeps those the master did not take yet for the next call, and hands
-the decoded decisions back through ``take()``. A master that does not answer costs nothing but delay
-(the queue is bounded; a newer ``Holding``, a full report, replaces a queued one). JSON, never pickle.
+"""A keeper's line to the checkpoint decider (docs/protocol.md): ``exchange(events, after) → decisions`` over
+``POST /v1/ckpt``. The keeper's loop never waits on the network: a thread sends queued events in order, keeps
+those the master did not take for the next call, and hands decisions back through ``take()``. A master that
+does not answer costs only delay (the queue is bounded; a newer ``Holding`` replaces a queued one).
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ MAX_BATCH = 200  # events per call (the master refuses bodies over 1 MiB; a Hold
 
 
 def decisions_mark(address: str, token: str, node: str) -> int | None:
-    """The number of the master's newest decision now, for a later read of every decision after it
-    (an agent's, at its start: an earlier launch's decisions, kept in a shared journal, are before it);
-    None when the master does not answer."""
+    """The number of the master's newest decision now (None: no answer), so that an agent reads only later
+    ones: an earlier launch's decisions, kept in a shared journal, come before its start."""
     try:
         body = {"node": node, "events": [], "after": None}
         return int(call_master(address.rstrip("/"), token, "POST", "/v1/ckpt", body, 2.0, retry_for_s=0)["next"]) - 1

@@ -1,10 +1,7 @@
-"""The decider's events and decisions as JSON, for the wire between keepers and the decider's host.
-
-``{"kind": "Wrote", "node": "n1", "plan": 7, "attempt": 1, "ok": true}``. Decoding is strict: only the
-kinds a caller may send, every field present with its type (no bool for an int, no extra field), so a
-bad report is refused with a message instead of reaching the state machine. JSON only, never pickle.
-The decider's own state as JSON too (``to_state``/``from_state``: the master's journal, so a restarted
-master resumes where the last one stopped; keys ``(step, epoch)`` become ``"step:epoch"`` strings).
+"""The decider's events and decisions as JSON objects named by ``kind``, between keepers and its host
+(docs/protocol.md), and its state (``to_state``/``from_state``: the master's journal, so a restarted master
+resumes; keys ``(step, epoch)`` become ``"step:epoch"``). Decoding is strict — only kinds the caller may send,
+every field with its exact type, none extra — so a bad report is refused with a message. Never pickle.
 """
 
 from __future__ import annotations

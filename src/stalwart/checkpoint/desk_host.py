@@ -1,9 +1,7 @@
-"""The checkpoint decider of a job with no master every node shares: rank 0's keeper serves the same
-``CheckpointDesk`` and handler (a :class:`~stalwart.launch.master.Master` of its own) and puts
-``{address, token}`` under :data:`STORE_KEY` in the workers' rendezvous store (each restart's new one
-too), where the other keepers read it. The token travels only through the store, which the job's
-processes trust already. :class:`Membership` is where a keeper finds the decider (this one, or the
-master every node shares) and its node's report there. See docs/checkpoint.md, "Jobs that span nodes".
+"""Where a keeper finds the checkpoint decider (docs/checkpoint.md, "Jobs that span nodes"). Without a
+master every node shares, rank 0's keeper serves the same ``CheckpointDesk`` and handler (a ``Master`` of
+its own) and puts ``{address, token}`` under :data:`STORE_KEY` in the workers' rendezvous store, which the
+job's processes trust already. :class:`Membership`: the decider's address, and this node's report there.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ DESK_DB = "desk.sqlite"
 
 
 def node_name(paths: JobPaths) -> str:
-    """This keeper's node id: the agent's under ``stalwart run``; else the host and job directory (two
-    "nodes" on one host keep their snapshots in different roots)."""
+    """This keeper's node id: the agent's under ``stalwart run``, else host and job directory (two per host)."""
     given = os.environ.get(runtime.ENV_NODE_ID, "")
     return given or f"{socket.gethostname()}-{hashlib.sha1(str(paths.root).encode()).hexdigest()[:8]}"
 
@@ -53,8 +50,7 @@ class DeskHost:
         self._looked = -float("inf")
 
     def members(self, job: dict[str, Any], coordinator: bool, every_s: float = LOOK_EVERY_S) -> Membership | None:
-        """The line to the decider once known (None: not yet; called again at the next pass), read from
-        the store at most every ``every_s``."""
+        """The line to the decider once known (None: not yet), read from the store at most every ``every_s``."""
         store = job.get("store")
         if not store:
             return None

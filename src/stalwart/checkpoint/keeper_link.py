@@ -72,14 +72,15 @@ class KeeperLink:
                 return
             time.sleep(0.02)
 
-    def await_copies(self, step: int, since: float) -> None:
-        """``--replica-sync``: wait for the copies of ``step`` (see ``wait_replicated``); the node's first
-        rank says when copies stop or start reaching the peers, and why."""
+    def await_copies(self, step: int, since: float) -> bool:
+        """``--replica-sync``: wait for the copies of ``step`` (see ``wait_replicated``); True once they
+        are out. The node's first rank says when copies stop or start reaching the peers, and why."""
         why = self.wait_replicated(step, since)
         if why != self._copy_news and self.local_rank == 0:  # said when it changes, not every step
             say = log.info if why in (None, "no peer") else log.warning
             say("step %d: %s", step, "copies reach the peers" if why is None else f"no peer copy ({why})")
         self._copy_news = why
+        return why is None
 
     def wait_replicated(self, step: int, since: float, timeout_s: float = REPLICATED_TIMEOUT_S) -> str | None:
         """Return once the keeper copied this rank's snapshot of ``step`` (taken after ``since``) to the

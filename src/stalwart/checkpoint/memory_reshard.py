@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from stalwart.checkpoint import peer_restore
 from stalwart.checkpoint.peer_restore import FETCHED, Location, gather, held, host_copies
 from stalwart.checkpoint.persist import PlanOnlyView, plan_items, plan_table
-from stalwart.checkpoint.replicas import replica_roots
+from stalwart.checkpoint.replicas import host_roots
 from stalwart.checkpoint.shm import JobPaths, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView
 
@@ -33,7 +33,7 @@ def old_worlds(paths: JobPaths, world: int) -> dict[int, dict[int, dict[int, Loc
     """old world size → rank → step → where on this host: snapshots taken at another world size."""
     sizes = {
         int(s.header["world_size"])
-        for root in [paths, *(JobPaths(p) for p in replica_roots(paths.root))]
+        for root in host_roots(paths)
         for r in root.ranks()
         for s in complete_slots(root, r)
         if s.header.get("world_size") not in (None, world)

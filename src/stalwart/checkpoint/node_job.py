@@ -1,18 +1,12 @@
-"""One owner for a node's shared-memory job: its directory and naming, the locks, the ``job.json``
-policy, the steps every rank agrees on, save-on-failure and the keeper process's lifetime.
+"""A node's shared-memory job in one place (docs/checkpoint.md "Tier 2: persistence"): its naming, locks,
+``job.json``, the steps every rank agrees on, save-on-failure, and removing from storage what no checkpoint
+needs (torn steps, failed attempts). Workers, the keeper and the agent all go through :class:`NodeJob`, so
+the protocol between them lives here (the keeper process's lifetime: :mod:`.keeper_process`):
 
-Workers (:class:`~stalwart.checkpoint.Checkpointer`), the keeper and the agent of ``stalwart run`` all
-reach the job through :class:`NodeJob`, so the protocol between them lives in one place:
-
-- ``job.json`` is written by the node's first local rank (storage URL and options, world size, the
-  node's ranks, the persist policy, the keeper log); the keeper reads it, and re-reads it when it changes.
+- ``job.json``: written by the node's first local rank (storage, ranks, policy); the keeper re-reads it.
 - ``job.lock``: workers hold it shared while attached; files are removed only under it exclusively.
-- ``keeper.lock``: held by the one keeper serving the directory (released by the kernel when it dies).
+- ``keeper.lock``: held by the directory's one keeper (released by the kernel when it dies).
 - ``persist.lock``: serialises persists (the keeper, the agent's save-on-failure, a rollback).
-
-Under ``stalwart run`` the agent starts the keeper (``keeper_process.KeeperProcess``) before the workers and stops
-it when it exits; without an agent the node's first local rank starts one (see ``Checkpointer``). What a
-keeper removes from storage that no checkpoint needs (torn steps, failed attempts) is here too.
 """
 
 from __future__ import annotations
@@ -106,8 +100,7 @@ class NodeJob:
         os.chmod(self.paths.job, 0o600)  # storage options may carry credentials
 
     def job(self) -> dict[str, Any]:
-        """``job.json`` (read only: callers must not change it), parsed again only when the file changed:
-        the keeper's loops ask many times a second."""
+        """``job.json`` (read only), parsed again only when it changed: the keeper asks many times a second."""
         return read_json_cached(self.paths.job) or {}
 
     def persists(self) -> bool:
@@ -122,9 +115,8 @@ class NodeJob:
 
     # -- the steps held ---------------------------------------------------------------------------------
     def world(self) -> int | None:
-        """The world size of the newest attached workers: the newest owner record's. A regrouping may
-        leave this node another rank (rank 1 where it held rank 0): the old rank's directory keeps its
-        world's record, and a keeper that read it saw none of its new rank's snapshots."""
+        """The world size of the newest attached workers (the newest owner record): after a regrouping moved
+        this node to another rank, the old rank's record names a world that hides the new rank's snapshots."""
         owners = [o for r in self.paths.ranks() if (o := read_json_cached(self.paths.owner(r)))]
         newest = max(owners, key=lambda o: float(o.get("time") or 0), default=None)
         return int(newest["world_size"]) if newest else None
@@ -149,9 +141,8 @@ class NodeJob:
         return out
 
     def epoch(self) -> int:
-        """The execution this node's workers ran last (``runtime.ENV_EPOCH``): ``job.json``'s, which they
-        write at each start. Not the snapshots' (a snapshot restored from an earlier launch names that
-        launch's execution)."""
+        """The execution this node's workers ran last (``job.json``'s, written at each start); not the
+        snapshots' (one restored from an earlier launch names that launch's execution)."""
         return int(self.job().get("epoch", 0))
 
     def newest_agreed(self, world: int) -> int:
@@ -210,11 +201,9 @@ class NodeJob:
 
     # -- persisting ---------------------------------------------------------------------------------------
     def persist_step(self, storage: Storage, step: int, world: int, source: str) -> dict[str, Any]:
-        """Pin every rank's snapshot of ``step`` and write them as one committed checkpoint (a job on one
-        node; across nodes the keepers write together as the decider says, ``decider_actor``).
-        Returns the manifest, with ``already: True`` when a committed checkpoint covers the step (the
-        keeper and the agent's save-on-failure may race for it). Raises LookupError/BlockingIOError when
-        a snapshot is gone."""
+        """Pin every rank's snapshot of ``step`` and commit them as one checkpoint (one node; across nodes:
+        ``decider_actor``). The manifest has ``already: True`` when a committed checkpoint covers the step
+        (the keeper and the agent's save-on-failure may race). LookupError/BlockingIOError: a snapshot is gone."""
         views: dict[int, SnapshotView] = {}
         with self.persist_lock():
             try:
@@ -235,12 +224,9 @@ class NodeJob:
         world_size: int | None = None,
         quiet: bool = False,
     ) -> dict[str, Any]:
-        """Persist the newest snapshot that every rank holds, unless it is already committed.
-
-        Run when a worker dies (by the keeper, or the agent) of a job on one node; across nodes the
-        decider plans the save from every keeper's final holdings. It never persists a step that some
-        rank lacks (that would mix states of different steps) and says in the result and the log why it
-        did nothing."""
+        """Persist the newest snapshot every rank holds, unless already committed: the keeper's or the agent's
+        when a worker of a one-node job dies (across nodes the decider plans it). Never a step some rank lacks
+        (that would mix states of different steps); the result and the log say why nothing was done."""
         job = self.job()
         storage = Storage(
             storage_url or job["storage"],
@@ -320,10 +306,10 @@ Event = Callable[..., None]  # the keeper's event(kind, step, detail, level)
 
 
 def tidy_storage(node: NodeJob, storage: Storage, event: Event, health: StorageHealth, across: bool = False) -> None:
-    """At the keeper's start (rank 0's node): torn step directories are never resumed from; remove them.
-    ``across`` (a job across nodes): only those older than ``latest`` — a newer one may be a plan that
-    other nodes' keepers are writing now (this keeper may be a spare's, joining mid-save), which the
-    decider's ``GiveUp`` tidies if it fails; the node-local persist lock does not cover them."""
+    """At the keeper's start (rank 0's node): remove torn step directories; with ``across`` (a job across
+    nodes) only those older than ``latest``: a newer one may be a plan other nodes' keepers write now
+    (this may be a spare's keeper, joining mid-save), which the decider's ``GiveUp`` tidies if it fails; the
+    persist lock is node-local."""
     try:
         with node.persist_lock():
             latest = storage.latest()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.checkpoint.replicas import REPLICAS_DIR, RESTORED, replica_roots
+from stalwart.checkpoint.replicas import REPLICAS_DIR, RESTORED, host_roots, replica_roots
 from stalwart.checkpoint.shm import JobPaths, SlotInfo, atomic_write, complete_slots, data_crc32, secure_dir
 
 FETCHED = "fetched"
@@ -37,7 +37,7 @@ def host_copies(paths: JobPaths, world: int, max_step: int | None = None) -> dic
     """rank → step → where on this host a complete snapshot taken at ``world`` ranks lies: this node's
     own rank directories first, then other nodes' replicas (newest copy first)."""
     out: dict[int, dict[int, Location]] = {}
-    for root in [paths, *(JobPaths(p) for p in replica_roots(paths.root))]:
+    for root in host_roots(paths):
         for r in root.ranks():
             if r >= world:
                 continue

@@ -1,13 +1,7 @@
-"""Tier 2: write memory snapshots of all ranks as one DCP checkpoint, then commit it.
-
-The keeper process runs DCP's own save protocol — local plans, the coordinator's global plan with
-de-duplication of replicated items, ``write_data`` per rank, ``finish`` — for every rank at once,
-with tensors read straight from the shared-memory slots. The result is byte-for-byte the format
-``dcp.save`` produces, so plain ``dcp.load`` reads it and reshards it.
-
-Commit protocol: every shard fsynced (DCP's ``sync_files``) → ``.metadata`` (tmp + rename) → the
-directory fsynced → manifest with each file's size and CRC32 → ``latest`` replaced atomically.
-A crash anywhere before the last step leaves ``latest`` at the previous checkpoint.
+"""Tier 2 (docs/checkpoint.md "Tier 2: persistence"): write every rank's memory snapshot as one DCP
+checkpoint, running DCP's own save protocol for all ranks at once from shared memory, so plain ``dcp.load``
+reads and reshards it. Commit: shards fsynced → ``.metadata`` (tmp + rename) → directory fsynced →
+manifest (each file's size and CRC32) → ``latest``; a crash before the last leaves the previous ``latest``.
 """
 
 from __future__ import annotations
@@ -103,8 +97,7 @@ class _SnapshotPlanner(DefaultSavePlanner):
 
 
 def _memo_key(obj: Any) -> tuple[str, str] | None:
-    """Identifies a small plain value (``repr`` tells 1, 1.0 and True apart, which equality does not);
-    None for anything else."""
+    """A small plain value's identity (``repr`` tells 1, 1.0 and True apart, equality does not), else None."""
     plain = (
         obj is None
         or isinstance(obj, (bool, int, float, str))
@@ -114,10 +107,9 @@ def _memo_key(obj: Any) -> tuple[str, str] | None:
 
 
 def share_bytes(planners: list[_SnapshotPlanner], metadata: Any, results: list[list[Any]]) -> None:
-    """Point every aliased object key at the bytes written for its equal representative: in the
-    metadata, a key is a (file, offset, length) record, so plain ``dcp.load`` reads them as usual.
-    The same hyperparameter value recurs for every parameter (see hparams): spelled out, it made a
-    persist of the debug model several hundred items longer."""
+    """Point every aliased object key at the bytes written for its equal representative (a metadata record
+    of file, offset, length, so plain ``dcp.load`` reads it): a hyperparameter recurs for every parameter,
+    and spelled out it made a persist of the debug model several hundred items longer."""
     written = {wr.index.fqn: wr for rank in results for wr in rank}
     for planner, rank_results in zip(planners, results):
         for key, rep in planner.aliases.items():
@@ -195,8 +187,7 @@ def torch_save_without_crc() -> Generator[None, None, None]:
 
 
 class PlanOnlyView:
-    """What planning needs of a rank whose snapshot lives on another node: its entry table, object
-    keys and flattening mappings (see :func:`plan_table`), without the tensor data."""
+    """What planning needs of a rank whose snapshot lives on another node: its :func:`plan_table`, no tensors."""
 
     def __init__(self, table: dict[str, Any]) -> None:
         self.entries = {e["key"]: e for e in table["entries"]}
@@ -230,9 +221,8 @@ def plan_items(
 def global_plan(
     storage: Storage, step: int, views: list[Any], share_equal_objects: bool = False
 ) -> tuple[list[_SnapshotPlanner], list[SavePlan], Any]:
-    """DCP's coordinator step for every rank at once (``views[r]`` real or plan-only): local plans,
-    de-duplication of replicated items, metadata and each rank's file prefix. ``share_equal_objects``
-    (real views only) writes equal small objects once: call :func:`share_bytes` before committing."""
+    """DCP's coordinator step for every rank at once (``views[r]`` real or plan-only): :func:`plan_items` and
+    each rank's file prefix. ``share_equal_objects`` (real views only): call :func:`share_bytes` before commit."""
     planners, plans, metadata = plan_items(views, share_equal_objects)
     writer = _writer(storage, step, {}, lambda _: None)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
@@ -362,9 +352,8 @@ def json_bytes(obj: Any) -> bytes:
 
 
 def retention(storage: Storage, keep_last: int, keep_every: int) -> list[int]:
-    """Delete checkpoints outside the policy: keep the newest ``keep_last`` committed steps, every step
-    divisible by ``keep_every`` (0 = none), and ``latest``. Torn directories older than ``latest`` go
-    too. Returns the removed steps."""
+    """Delete the steps outside the policy (keep the newest ``keep_last`` committed, those divisible by
+    ``keep_every`` (0: none) and ``latest``) and torn ones older than ``latest``; returns those removed."""
     storage.refresh()
     latest = storage.latest()
     committed = storage.committed()

@@ -54,6 +54,11 @@ def replica_roots(job_root: Path) -> list[Path]:
         return []
 
 
+def host_roots(paths: JobPaths) -> list[JobPaths]:
+    """Where this host holds snapshots of the job: the node's own directory, then each peer's copies."""
+    return [paths, *(JobPaths(p) for p in replica_roots(paths.root))]
+
+
 def canonical(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 

@@ -1,7 +1,5 @@
-"""The file layout of one job's shared-memory directory, and the small helpers every process that
-reads or writes it uses (workers, the keeper, the agent's save-on-failure, ``stalwart ckpt``).
-
-Stdlib only (psutil lazily): it is imported by the snapshot writer in every worker and by the agent.
+"""The file layout of a job's shared-memory directory (docs/checkpoint.md "Tier 1"), and the helpers every
+process that uses it needs. Stdlib only (psutil lazily): every worker's snapshot writer and the agent import it.
 
     <shm_root>/stalwart-<uid>/<job key>/          (0700, owned by the user: snapshots hold the weights)
         job.json  job.lock  keeper.lock  keeper.json  persist.lock  keeper.log  rollback.json  kept.json
@@ -53,9 +51,8 @@ def default_shm_root() -> str:
 def job_dir_for(
     storage_url: str, shm_root: str | Path | None = None, job_id: str | None = None, node_id: str | None = None
 ) -> Path:
-    """The shared-memory directory of a job on this node: one per storage location (or explicit job
-    id), and per node when ``stalwart run`` names it (``STALWART_NODE_ID``), so agents sharing a host
-    keep apart what separate hosts would. Under the user's own ``stalwart-<uid>`` directory (0700)."""
+    """A job's shared-memory directory on this node, under the user's ``stalwart-<uid>``: one per storage
+    location (or job id), and per node id under ``stalwart run``, so agents sharing a host keep apart."""
     env = worker_env()
     key = job_id or env.job_id or hashlib.sha1(storage_url.encode()).hexdigest()[:16]
     node = node_id or env.node_id
@@ -133,8 +130,7 @@ def secure_job_dir(root: str | Path) -> Path:
 
 
 def data_crc32(f: BinaryIO, size: int) -> int | None:
-    """CRC32 of the first ``size`` bytes of an open slot data file, read through a read-only mapping (no
-    copy); None when the file is shorter (being resized, or truncated)."""
+    """CRC32 of an open slot file's first ``size`` bytes via a read-only mapping; None if shorter (resized)."""
     if os.fstat(f.fileno()).st_size < size:
         return None
     if not size:
@@ -274,9 +270,8 @@ JSON_CACHE_MAX = 4096  # files remembered (a keeper serving job after job must n
 
 
 def read_json_cached(path: Path) -> dict[str, Any] | None:
-    """A JSON file replaced only by rename (slot headers, owner records), parsed again only when it
-    changed: the keeper polls them constantly. (inode, mtime, size) identifies a version; callers must
-    not change what they get."""
+    """A JSON file replaced only by rename, parsed again only when its (inode, mtime, size) changed: the
+    keeper polls them constantly. Callers must not change what they get."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -303,9 +298,8 @@ def complete_slots(paths: JobPaths, rank: int) -> list[SlotInfo]:
 
 
 def pin_slot(paths: JobPaths, info: SlotInfo) -> tuple[int, dict[str, Any]]:
-    """Hold ``info``'s slot under a shared lock (the writer takes another slot while it is held): its
-    fd, which unpins when closed, and its header. BlockingIOError when the slot is being written or has
-    changed since ``info`` was read."""
+    """Hold ``info``'s slot under a shared lock (the writer takes another meanwhile): its fd (closing unpins)
+    and header. BlockingIOError when the slot is being written or changed since ``info`` was read."""
     fd = os.open(paths.slot(info.rank, info.slot, "bin"), os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -1,18 +1,9 @@
-"""Snapshots that outlive their job, and their expiry.
-
-A job that ends without storage holding its newest state (preemption, SIGTERM, a memory-only job, a
-failing store) keeps its shared-memory directory: a requeue with the same job and node id restores from
-it, and ``stalwart ckpt persist-from-memory`` can still write it. That memory is the node's RAM, so it is
-kept for ``checkpoint.keep_shm_s`` only: the directory gets ``kept.json`` (why, step, until) and the
-console says so. Nothing runs to remove it at that time; the next ``stalwart run`` on the node (and a
-keeper a worker starts) removes expired directories at its start, and ``stalwart ckpt gc`` on demand.
-
-A directory is *live* — never removed — while workers hold its job lock, a keeper holds its keeper
-lock, or a process it names (keeper, rank owner) still runs (same pid and started before it wrote the
-record, so a reused pid does not count). Removal takes the job lock exclusively first, the protocol the
-keeper follows (:class:`~stalwart.checkpoint.node_job.NodeJob`): a worker attaching meanwhile wins.
-
-Stdlib only (psutil lazily), like :mod:`stalwart.checkpoint.shm`.
+"""Snapshots an ended job keeps in shared memory (for a requeue or ``stalwart ckpt persist-from-memory``) and
+their expiry (docs/checkpoint.md "Snapshots an ended job leaves"): ``kept.json`` says until when; as nothing
+runs then, the next ``stalwart run`` (or a keeper a worker starts) and ``stalwart ckpt gc`` remove what
+expired. A *live* directory is never removed: its job or keeper lock is held, or a recorded keeper or rank
+process still runs (started before the record: not a reused pid). Removal takes the job lock exclusively
+first, as ``NodeJob`` does, so a worker attaching meanwhile wins. Stdlib only (psutil lazily), like ``shm``.
 """
 
 from __future__ import annotations
@@ -69,8 +60,7 @@ class StaleDir:
 
 
 def owner(paths: JobPaths, job_lock: bool = True) -> str | None:
-    """Who keeps ``paths.root`` alive (a description), or None when nobody does (``job_lock=False``:
-    the caller holds the job lock itself)."""
+    """Who keeps ``paths.root`` alive, or None (``job_lock=False``: the caller holds the job lock itself)."""
     if job_lock and lock_held(paths.job_lock):
         return "workers attached"
     if lock_held(paths.keeper_lock):
@@ -157,8 +147,7 @@ def remove(path: str | Path) -> bool:
 
 
 def sweep(entries: list[StaleDir], everything: bool = False, dry_run: bool = False) -> list[StaleDir]:
-    """Remove the expired (``everything``: all) directories nobody owns; returns those removed (or,
-    with ``dry_run``, those that would be)."""
+    """Remove the expired (``everything``: all) directories nobody owns; those removed (``dry_run``: would be)."""
     due = [d for d in entries if d.live is None and (everything or d.expired)]
     return due if dry_run else [d for d in due if remove(d.path)]
 

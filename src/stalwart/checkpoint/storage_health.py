@@ -1,11 +1,7 @@
-"""Storage health as the keeper sees it: why a persist failed, when to try again, what to report.
-
-A failed persist (write, fsync, commit, retention, save-on-failure) is classified by its cause (one of
-``CAUSES``; ``torn``: a write cut short without an OS error) and becomes a ``storage`` incident when a
-run of failures starts or its cause changes (a ``recovered`` one at the next commit): once per episode,
-not per attempt. Retries back off while training continues from memory; repeated log lines are
-rate-limited and say how many they fold (the counts are in the keeper's status, ``/metrics``, the report).
-When failing storage puts too much at risk, the job stops: ``AtRiskPolicy``, ``StorageUnavailableError``.
+"""Storage faults (docs/checkpoint.md "Storage faults"). The keeper's :class:`StorageHealth` classifies a
+failed persist by cause, backs off, rate-limits its log and journals one ``storage`` incident per run of
+failures (and a ``recovered`` one); the workers stop with :class:`StorageUnavailableError` when failing
+storage puts too much at risk (:class:`AtRiskPolicy`) and say so on the console (:class:`StorageNews`).
 """
 
 from __future__ import annotations
@@ -170,8 +166,7 @@ class StorageHealth:
         self.last_committed, self.last_commit_time = max(self.last_committed, step), time.time()
 
     def status(self) -> dict[str, Any]:
-        """For the keeper's status file: read by the workers (at-risk policy), the agent (console,
-        ``/metrics``, job report) and ``stalwart ckpt``."""
+        """For the keeper's status file: the workers' at-risk policy, the agent, ``/metrics``, ``stalwart ckpt``."""
         return {
             "url": self.url,
             "ok": self.streak == 0,

@@ -37,6 +37,7 @@ class StepStats:
     aux_loss: torch.Tensor  # MoE load-balancing loss (mean over ranks), 0 for dense models
     lr: float  # the rate this step's update used
     checkpoint_s: float = 0.0  # host time the snapshot call blocked this step (set by CheckpointHook)
+    safe_step: int | None = None  # the newest step a lost node cannot take (--replica-sync/-overlap)
     loss_reduce: Any = None  # the loss's data-parallel all-reduce still under way (``settle`` ends it)
     dp_size: int = 1
 
@@ -110,5 +111,5 @@ class CheckpointHook(StepHook):
         try:
             self.ckpt.save(stats.step, trainer.state, persist=True if stats.step == self.total_steps else None)
         finally:  # a failed call's time too (its step's record is kept: MetricsHook.keep_applied)
-            stats.checkpoint_s = time.perf_counter() - t0
+            stats.checkpoint_s, stats.safe_step = time.perf_counter() - t0, self.ckpt.safe_step
         trainer.chaos_point("saved")  # a test's kill between the snapshot and the step's record

@@ -218,6 +218,8 @@ class MetricsHook(StepHook):
         }
         if self._rollback is not None:
             record["rollback"], self._rollback = self._rollback, None
+        if stats.safe_step is not None:  # under --replica-sync/-overlap: what a lost node cannot take
+            record["safe_step"] = stats.safe_step
         rank_values = {
             "time": self._wall0,
             "ms": {"checkpoint": round(stats.checkpoint_s * 1e3, 3), "step": round(dt * 1e3, 3)},
