@@ -394,3 +394,23 @@ def test_with_replica_sync_a_save_returns_once_its_copy_is_on_a_peer_and_goes_on
     finally:
         sender.stop()
         receiver.stop()
+
+
+def test_safe_step_is_the_step_every_rank_confirmed_and_a_failed_confirmation_clears_it():
+    """Checkpointer.safe_step: a step whose copies a rank could not confirm (no peer took it, or a rank
+    skipped its snapshot) leaves no older step called safe — its copies may since be overwritten."""
+    from types import SimpleNamespace
+
+    from stalwart.checkpoint.checkpointer import Checkpointer
+
+    answers = iter([True, False, True])  # the keeper's word on steps 3, 4 and 6 (5 was not snapshotted)
+    ck = SimpleNamespace(
+        writer=SimpleNamespace(wait=lambda: None),
+        group=None,
+        keeper=SimpleNamespace(await_copies=lambda step, since: next(answers)),
+        stats={"replica_wait_s": 0.0},
+        safe_step=None,
+    )
+    for step, started, safe in ((3, True, 3), (4, True, None), (5, False, None), (6, True, 6)):
+        Checkpointer._wait_for_copies(ck, step, 0.0, started)
+        assert ck.safe_step == safe, (step, ck.safe_step)

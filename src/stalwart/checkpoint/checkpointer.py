@@ -279,8 +279,8 @@ class Checkpointer:
         if started:
             self.writer.wait()
         copied = all(gather(started, self.group)) and self.keeper.await_copies(step, since)
-        if all(gather(copied, self.group)):
-            self.safe_step = step
+        # a failed confirmation clears it: the copies of an older step may since have been overwritten
+        self.safe_step = step if all(gather(copied, self.group)) else None
         self.stats["replica_wait_s"] += time.perf_counter() - t0
 
     @property

@@ -249,6 +249,9 @@ class NodeJob:
             held = ", ".join(f"rank {r}: {sorted(s) or 'none'}" for r, s in steps.items())
             return outcome(False, None, f"ranks do not agree on a step ({held}); nothing persisted")
         step = max(common)
+        committed = storage.committed()  # unlocked: a covered step need not wait for a persist under way
+        if committed and committed[0] >= step:
+            return outcome(False, step, covered.format(step, committed[0]), True)
         manifest = self.persist_step(storage, step, world, "save-on-failure")
         if manifest.get("already"):
             return outcome(False, step, covered.format(step, manifest.get("step")), True)

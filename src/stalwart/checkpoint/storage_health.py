@@ -198,7 +198,7 @@ class StorageHealth:
             log.warning("could not record the storage incident in %s: %s", self.incidents, err)
 
 
-log = logging.getLogger("stalwart.checkpoint")
+worker_log = logging.getLogger("stalwart.checkpoint")  # a worker's lines (StorageNews)
 FINAL_ATTEMPTS = 3  # failed attempts at the final step before the job gives up (with backoff: ~7 s)
 
 
@@ -257,7 +257,7 @@ class StorageNews:
             return
         assert status is not None or cause is None
         if cause is not None:
-            log.error(
+            worker_log.error(
                 "storage %s: persists to %s fail (%s); training continues from memory (last committed step: %s)",
                 cause,
                 self.url,
@@ -265,5 +265,5 @@ class StorageNews:
                 status.get("last_committed") if status else None,
             )
         elif status is not None:
-            log.warning("storage recovered: step %s committed to %s", status.get("last_committed"), self.url)
+            worker_log.warning("storage recovered: step %s committed to %s", status.get("last_committed"), self.url)
         self.told = cause
