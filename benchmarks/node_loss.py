@@ -263,11 +263,10 @@ def analyse(work: Path, run: dict[str, Any]) -> dict[str, Any]:
     after = [r for r in rows if r.get("ev") == "step" and r["t"] >= t_kill]
     starts = [r for r in rows if r.get("ev") == "start" and r["t_proc"] >= t_kill - 1.0]
     newest = max(before, default=0)
-    # the newest step the job was told no node loss can take (Checkpointer.safe_step; sync and overlap)
-    safe = max(
-        (r["safe"] for r in rows if r.get("ev") == "step" and r["t"] < t_kill and r.get("safe") is not None),
-        default=None,
-    )
+    # what the job was last told before the kill: the step no node loss can take (Checkpointer.safe_step,
+    # sync and overlap; None: none, e.g. after a confirmation failed)
+    last = max((r for r in rows if r.get("ev") == "step" and r["t"] < t_kill), key=lambda r: r["t"], default={})
+    safe = last.get("safe")
     resumed = starts[-1]["resume_step"] if starts else None
     regain = next((r["t"] for r in after if r["step"] > newest), None)
     # median step time before the kill: what replication costs a step (against stalwart-noreplica)
