@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_replicas import run_ranks
+from .gloo_ranks import run_ranks
 
 WORKER = r"""
 import json, os, sys, torch.distributed as dist

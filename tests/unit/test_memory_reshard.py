@@ -9,7 +9,8 @@ from pathlib import Path
 
 from stalwart.checkpoint.shm import JobPaths
 
-from .test_replicas import node_dies_after_pushing, run_ranks, shm  # noqa: F401  (shm: a fixture)
+from .gloo_ranks import run_ranks
+from .test_replicas import node_dies_after_pushing, shm  # noqa: F401  (shm: a fixture)
 
 COMMON = r"""
 import json, os, sys, torch, torch.distributed as dist

@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 import uuid
 import zlib
@@ -47,6 +45,8 @@ from stalwart.checkpoint.snapshot import SnapshotView, SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage_health import StorageNews
 from stalwart.utils import state_dict_hash
+
+from .gloo_ranks import run_ranks
 
 KEY = b"job-token"
 
@@ -266,26 +266,6 @@ def node_dies_after_pushing(node: JobPaths, rank: int, peer: JobPaths) -> None:
         server.shutdown()
         server.server_close()
     shutil.rmtree(node.root)
-
-
-def run_ranks(script: Path, world: int, args: list[str]) -> dict[int, dict]:
-    """``script`` as ``world`` gloo processes (``args`` after it); rank → the JSON row each prints last."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-        argv = [sys.executable, str(script), *args]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    rows = {}
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-3000:]
-        row = json.loads(out.strip().splitlines()[-1])
-        rows[row["rank"]] = row
-    return rows
 
 
 def test_a_lost_nodes_rank_is_restored_from_a_peers_memory_after_the_ranks_moved(shm, tmp_path):

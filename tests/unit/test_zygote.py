@@ -58,9 +58,9 @@ def zygote(tmp_path, monkeypatch):
     assert z.proc.poll() is not None
 
 
-def start(z: Zygote, tmp_path: Path, what: str, *python_args: str) -> subprocess.Popen:
+def start(z: Zygote, tmp_path: Path, what: str, *python_args: str, **env_vars: str) -> subprocess.Popen:
     exe, args = z.entrypoint([*python_args, "-u", str(tmp_path / "job.py"), what])
-    env = {**os.environ, **z.env(), "PROBE": "p1"}
+    env = {**os.environ, **z.env(), "PROBE": "p1", **env_vars}
     return subprocess.Popen(
         [exe, *args],
         env=env,
@@ -158,6 +158,11 @@ def test_what_the_zygote_cannot_mimic_starts_cold(zygote, tmp_path):
     assert p.wait(60) == 0
     out, err = output(tmp_path, "ok")
     assert "starting cold" in err and int(out.split()[4]) != zygote.proc.pid
+    # Another PYTHONPATH than the zygote started with: its sys.path would be the zygote's, so cold.
+    p = start(zygote, tmp_path, "ok", PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}")
+    assert p.wait(60) == 0
+    out, err = output(tmp_path, "ok")
+    assert "PYTHONPATH is not the zygote's" in err and int(out.split()[4]) != zygote.proc.pid
     # Preloaded code changed on disk: cold start, the zygote exits, ensure() starts a fresh one that
     # has the new code.
     probe = tmp_path / "lib" / "zyg_probe.py"

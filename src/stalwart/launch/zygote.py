@@ -174,6 +174,8 @@ class Server:
                 body += chunk
             request = json.loads(body)
             parse_python_args(request["argv"])
+            if request["env"].get("PYTHONPATH", "") != os.environ.get("PYTHONPATH", ""):
+                raise ValueError("its PYTHONPATH is not the zygote's (sys.path is set when python starts)")
         except (OSError, ValueError, AssertionError, KeyError, struct.error) as err:
             _reply(conn, {"cold": f"zygote cannot run this worker: {err}"})
             conn.close()
