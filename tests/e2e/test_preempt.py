@@ -72,11 +72,7 @@ def steps_logged(out: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
-def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, tmp_path):
-    ref = subprocess.run(command(tmp_path / "ref", stdlib_data, "run"), capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-4000:]
-    reference = json.loads((tmp_path / "ref" / "out" / "summary.json").read_text())
-
+def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, preempt_reference, tmp_path):
     run1 = command(tmp_path, stdlib_data, "run1", *PACE)
     proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
@@ -98,6 +94,6 @@ def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["checkpoint"]["restored_from"] == "storage" and summary["checkpoint"]["restore_step"] == step
-    assert summary["final_hash"] == reference["final_hash"]
-    assert summary["optim_hash"] == reference["optim_hash"]
-    assert summary["samples_consumed"] == reference["samples_consumed"]
+    assert summary["final_hash"] == preempt_reference["final_hash"]
+    assert summary["optim_hash"] == preempt_reference["optim_hash"]
+    assert summary["samples_consumed"] == preempt_reference["samples_consumed"]

@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,15 +35,6 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(stdlib_data, tmp_path_factory):
-    """The same training, uninterrupted, 2 ranks on one local agent (the Slurm jobs run 2 agents × 1)."""
-    out = tmp_path_factory.mktemp("ref")
-    proc = subprocess.run(command(out, stdlib_data, "run"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "out" / "summary.json").read_text())
 
 
 def port_pair() -> int:
@@ -127,7 +117,7 @@ def assert_same_weights(work: Path, reference: dict) -> dict:
     return summary
 
 
-def test_preempted_job_requeues_and_ends_bitwise_equal(cluster, stdlib_data, reference, tmp_path):
+def test_preempted_job_requeues_and_ends_bitwise_equal(cluster, stdlib_data, preempt_reference, tmp_path):
     job = submit(cluster, tmp_path, stdlib_data, "--requeue-on-preempt", *PACE)
     deadline = time.monotonic() + 180
     while steps_logged(tmp_path / "out") < HELD_6:
@@ -154,7 +144,7 @@ def test_preempted_job_requeues_and_ends_bitwise_equal(cluster, stdlib_data, ref
     kinds = [row["kind"] for row in Journal(tmp_path / "run" / "journal.sqlite").incidents()]
     assert kinds.count("preempted") == 2, kinds
 
-    summary = assert_same_weights(tmp_path, reference)
+    summary = assert_same_weights(tmp_path, preempt_reference)
     assert summary["checkpoint"]["restored_from"] == "storage" and summary["checkpoint"]["restore_step"] == step
     remove_kept(tmp_path / "job.out")
 
@@ -172,7 +162,7 @@ def remove_kept(console: Path) -> None:
         assert "stalwart run: stale snapshots in " in text.split(f"snapshots kept in {kept[-1]}")[1], text[-3000:]
 
 
-def test_worker_killed_inside_srun_heals_in_the_allocation(cluster, stdlib_data, reference, tmp_path):
+def test_worker_killed_inside_srun_heals_in_the_allocation(cluster, stdlib_data, preempt_reference, tmp_path):
     """One task with both ranks (the single-task path: only the run id comes from Slurm)."""
     job = submit(cluster, tmp_path, stdlib_data, "--max-restarts", "2", "--chaos", "kill:rank=1:step=6", tasks=1)
     info = wait_done(cluster, job, tmp_path)
@@ -183,5 +173,5 @@ def test_worker_killed_inside_srun_heals_in_the_allocation(cluster, stdlib_data,
     assert run["exit_code"] == 0 and run["restarts_used"] == 1, run
     assert [i["kind"] for i in run["incidents"]] == ["sigkill"], run["incidents"]
     assert (tmp_path / "run" / "journal.sqlite").exists() and (tmp_path / "summary.0.0.json").exists()
-    summary = assert_same_weights(tmp_path, reference)
+    summary = assert_same_weights(tmp_path, preempt_reference)
     assert summary["checkpoint"]["restored_from"] == "memory"
