@@ -21,7 +21,7 @@ def test_short_demo_recovers_from_kill_and_hang_to_the_reference_weights(tmp_pat
             "stalwart",
             "demo",
             "--steps",
-            "40",
+            "24",
             "--faults",
             "kill,hang",
             "--hang-timeout",
@@ -43,8 +43,8 @@ def test_short_demo_recovers_from_kill_and_hang_to_the_reference_weights(tmp_pat
     assert report["bitwise_equal"] is True and report["final_hash"] == report["reference_hash"]
     assert report["reference_cached"] is False and report["restarts_used"] == 2
     kill, hang = report["incidents"]
-    assert (kill["injected"], kill["at_step"], kill["kind"]) == ("kill", 13, "sigkill")
-    assert (hang["injected"], hang["at_step"], hang["kind"]) == ("hang", 26, "hang")
+    assert (kill["injected"], kill["at_step"], kill["kind"]) == ("kill", 8, "sigkill")
+    assert (hang["injected"], hang["at_step"], hang["kind"]) == ("hang", 16, "hang")
     for incident in report["incidents"]:
         assert {"kind", "detected_s", "mttr_s", "lost_steps"} <= set(incident)
         assert 0 <= incident["detected_s"] <= incident["mttr_s"] < 120
