@@ -12,8 +12,9 @@ Correctness rules:
   - only a single-threaded zygote forks (native library pools with fork handlers, e.g. OpenBLAS, are
     fine; Python threads are not), and it never touches CUDA — the worker initializes its devices;
   - the zygote refuses (the client then starts cold) anything it cannot run as ``python`` would:
-    interpreter flags other than ``-u``, a ``PYTHONPATH`` other than its own, or a preloaded module whose source changed on disk since the
-    preload (it then exits, and the agent starts a fresh one for the next restart);
+    interpreter flags other than ``-u``, a ``PYTHONPATH`` other than its own, or a preloaded module
+    whose source changed on disk since the preload (it then exits, and the agent starts a fresh one for
+    the next restart);
   - a worker dies with its client (SIGKILL when the client's socket closes) and with the zygote
     (PR_SET_PDEATHSIG), and the zygote dies with the agent, so no worker outlives its launcher.
 Environment variables read only at import time (e.g. OMP/MKL thread settings) come from the agent's
