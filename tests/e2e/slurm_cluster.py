@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalwart.utils.ports import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue")
 
 
@@ -31,12 +33,6 @@ def missing() -> str | None:
 
 def _which(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONF = """\
@@ -97,7 +93,7 @@ class SlurmCluster:
         key = d / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        conf = CONF.format(host=self.host, ctld_port=_free_port(), d_port=_free_port(), dir=d, cpus=self.cpus)
+        conf = CONF.format(host=self.host, ctld_port=free_port(), d_port=free_port(), dir=d, cpus=self.cpus)
         (d / "slurm.conf").write_text(conf)
         m = d / "munge"
         self._spawn(

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint import Storage
+from stalwart.utils.ports import free_port
 
 from .test_ckpt_multinode import STEPS, finished, train_job
-from .test_master import free_port
 
 pytestmark = pytest.mark.e2e
 

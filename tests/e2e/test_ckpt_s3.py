@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint.shm import user_dir
+from stalwart.utils.ports import free_port
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("s3fs")
@@ -28,9 +29,7 @@ pytest.importorskip("moto")
 
 @pytest.fixture(scope="module")
 def s3_env():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -129,9 +128,7 @@ class _Endpoint:
     can throttle the bytes it forwards to ``rate`` bytes/s (a slow store)."""
 
     def __init__(self, target_port: int, rate: float = 0.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.target, self.rate = target_port, rate
         self.conns: list[socket.socket] = []
         self.listener: socket.socket | None = None

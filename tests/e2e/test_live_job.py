@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from stalwart.utils.ports import free_port
 
 pytestmark = pytest.mark.e2e
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -130,12 +131,6 @@ def test_dashboard_shows_the_incident_the_curves_and_the_stall(job, tmp_path: Pa
         browser.quit()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:  # Prometheus cannot report a port it picked itself
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus")
 def test_prometheus_scrapes_the_section_histograms(job, tmp_path: Path):
     _, address, token = job
@@ -148,7 +143,7 @@ def test_prometheus_scrapes_the_section_histograms(job, tmp_path: Path):
         f"    authorization: {{type: Bearer, credentials_file: {tmp_path / 'token'}}}\n"
         f"    static_configs: [{{targets: ['{target}']}}]\n"
     )
-    port = _free_port()
+    port = free_port()
     cmd = [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}"]
     cmd += [f"--web.listen-address=127.0.0.1:{port}"]
     prom = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -7,7 +7,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,15 +20,10 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.client import MasterClient, MasterError
+from stalwart.utils.ports import free_port
 
 pytestmark = pytest.mark.e2e
 TOKEN = "test-token-123"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_master(db: Path, port: int, *extra: str) -> tuple[subprocess.Popen, str]:

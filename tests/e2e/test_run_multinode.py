@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.client import MasterClient
+from stalwart.utils.ports import free_port
 
-from .test_master import TOKEN, free_port, running_master, start_master
+from .test_master import TOKEN, running_master, start_master
 from .test_run import EXPECTED_X, SCRIPT
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from stalwart.launch.journal import Journal
 from stalwart.launch.preempt import EXIT_PREEMPTED
+from stalwart.utils.ports import free_port
 
 from .slurm_cluster import SlurmCluster, missing
 from .test_preempt import HELD_6, PACE, STEPS, command, steps_logged
@@ -39,15 +39,7 @@ def cluster(tmp_path_factory):
 
 def port_pair() -> int:
     """A free port whose successor is free too: the master's and its rendezvous store's."""
-    while True:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
+    return free_port(count=2)
 
 
 def submit(cluster: SlurmCluster, work: Path, data: Path, *run_flags: str, tasks: int = 2) -> str:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from stalwart.launch.zygote import DEFAULT_PRELOAD, Zygote
+from stalwart.utils.ports import free_port
 
 _zygote: Zygote | None = None
 SYS_PATH = os.pathsep.join(sys.path)  # the test process's: scripts import the tests package
@@ -37,9 +37,7 @@ def _warm() -> Zygote:
 
 def run_ranks(script: Path, world: int, args: list[str]) -> dict[int, dict]:
     """``script`` as ``world`` gloo processes (``args`` after it); rank → the JSON row each prints last."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     zygote = _warm()
     entry, entry_args = zygote.entrypoint([str(script), *args])
     procs = []

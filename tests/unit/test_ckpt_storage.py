@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from stalwart.checkpoint import Checkpointer, NodeJob, Storage, job_dir_for, sav
 from stalwart.checkpoint.persist import retention
 from stalwart.checkpoint.shm import JobPaths, complete_slots, read_json, user_dir
 from stalwart.utils import state_dict_hash
+from stalwart.utils.ports import free_port
 
 WORKER = r"""
 import argparse, json, os, torch, torch.distributed as dist
@@ -97,9 +97,7 @@ def run_worker(env, steps, *flags, chaos="", world=1, timeout=120):
     cmd = [sys.executable, str(env["script"]), str(env["out"]), str(env["ck"]), str(env["shm"]), str(steps), *flags]
     if world == 1:
         return [subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=base)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [
         subprocess.Popen(
             cmd,

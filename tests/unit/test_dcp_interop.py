@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from stalwart.checkpoint.persist import write_checkpoint
 from stalwart.checkpoint.shm import JobPaths, complete_slots
 from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.storage import Storage
+from stalwart.utils.ports import free_port
 
 MODEL = textwrap.dedent("""
     import torch
@@ -101,16 +101,10 @@ LOAD = MODEL + textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _save_two_ranks(mode: str, tmp: Path, shm: Path) -> Path:
     script = tmp / "save.py"
     script.write_text(SAVE)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {

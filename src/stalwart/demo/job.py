@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from rich.console import Console
 from stalwart.checkpoint.shm import default_shm_root, user_dir
 from stalwart.launch.master import Master, new_token
 from stalwart.runtime import ENV_CHAOS, ENV_CHAOS_DIR, ENV_JOB_TOKEN
+from stalwart.utils.ports import free_port
 
 FAULTS = ("kill", "exception", "hang")  # injected on rank 1, at 1/4, 1/2 and 3/4 of the steps
 NODES = 2
@@ -75,12 +75,6 @@ class JobResult:
         return all(code == 0 for code in self.exit_codes) and self.summary is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Live:
     """Prints journaled incidents and progress as they happen (rich on a terminal, plain otherwise)."""
 
@@ -122,7 +116,7 @@ def run_job(opts: DemoOptions, job_dir: Path, chaos: str | None, console: Consol
     if job_dir.exists():
         shutil.rmtree(job_dir)
     job_dir.mkdir(parents=True)
-    token, job_id, port = new_token(), f"demo-{uuid.uuid4().hex[:8]}", _free_port()
+    token, job_id, port = new_token(), f"demo-{uuid.uuid4().hex[:8]}", free_port()
     master = Master(
         job_dir / "journal.sqlite", token, job_id=job_id, restart_budget=len(opts.faults) + 2, node_timeout_s=60.0
     ).start()
