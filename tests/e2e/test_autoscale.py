@@ -134,7 +134,9 @@ def worlds(rows: list[dict]) -> list[int]:
 
 
 def test_a_throttled_node_is_parked_and_the_job_trains_on_without_it(tmp_path):
-    scale, acted, rows = run_job(tmp_path)
+    # 240 steps: 2-node steps take ~0.1 s, and a job that began at 2 nodes (an agent late to the first
+    # round) ran 70 of 120 before growing to 3; the park at 102 left too few windows at 2 for the final view
+    scale, acted, rows = run_job(tmp_path, steps=240)
     assert [(d["action"], d["details"]["node_id"], d["details"]["best"]) for d in acted] == [("park", "node2", 2)]
     assert acted[0]["details"]["cause"] == "autoscale"
     assert (scale["current"], scale["best"]) == (2, 2), f"the recommendation settles at 2 nodes: {scale}"
