@@ -61,6 +61,8 @@ def test_agent_keeper_learns_storage_from_job_json_and_stops_on_sigterm(root, tm
     try:
         time.sleep(0.5)
         assert keeper.poll() is None and not job.keeper_alive()  # no job yet: it waits, serving nothing
+        assert _until(lambda: "serving agent pid" in (tmp_path / "agent-keeper.log").read_text(), 120.0)
+        assert not _loads_torch(keeper.pid), "torch is imported only once a job needs it"
         _snapshot(job, [1, 2], persist={2})
         job.paths.owner(0).write_text(f'{{"pid": {os.getpid()}, "rank": 0, "world_size": 1}}')  # a live worker
         storage = Storage(str(tmp_path / "ckpt"))
@@ -80,6 +82,27 @@ def test_agent_keeper_learns_storage_from_job_json_and_stops_on_sigterm(root, tm
         assert keeper.wait(20) == 0
         assert not root.exists(), "storage holds the newest snapshot: the snapshots are removed"
         assert "committed step 2" in (tmp_path / "job.log").read_text()  # also logs where the workers asked
+    finally:
+        keeper.kill()
+
+
+def _loads_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+def test_agent_keeper_of_a_job_that_never_checkpoints_never_imports_torch(root, tmp_path):
+    """A script under `stalwart run` that uses no stalwart checkpoint: its node's keeper waits without
+    torch and DCP (~5 CPU-s and ~0.3 GB per node start), and stopped, leaves no directory behind."""
+    job, log = NodeJob(root), tmp_path / "agent-keeper.log"
+    keeper = spawn_keeper(job, log, parent=os.getpid(), grace_s=20)
+    try:
+        assert _until(lambda: log.exists() and "serving agent pid" in log.read_text(), 120.0), "the keeper never served"
+        time.sleep(0.3)  # a few of its polls for job.json
+        assert not _loads_torch(keeper.pid), "an idle keeper loaded torch"
+        keeper.send_signal(signal.SIGTERM)
+        assert keeper.wait(20) == 0, log.read_text()
+        assert not root.exists(), "the directory of a job that never came is removed"
     finally:
         keeper.kill()
 
@@ -130,7 +153,7 @@ def test_agent_keeper_exits_when_the_agent_is_killed(root, tmp_path):
     keeper_pid = int(agent.stdout.readline())
     log = tmp_path / "keeper.log"
     try:
-        # once it serves (it watches its agent from then on; importing torch took > 1 s on a loaded host)
+        # once it serves (it watches its agent from then on; its imports took > 1 s on a loaded host)
         assert _until(lambda: log.exists() and "serving agent pid" in log.read_text(), 120.0), "the keeper never served"
         assert psutil.pid_exists(keeper_pid)
         agent.kill()

@@ -218,7 +218,7 @@ class _Stopped:
 def test_a_memory_only_job_ended_by_the_agent_is_kept_with_an_expiry(shm, tmp_path, caplog):
     """The agent's keeper has nothing to persist for a memory-only job (workers SIGTERMed): the snapshots
     stay for a requeue, marked with the job's keep_shm_s and said in the log the agent prints from."""
-    from stalwart.checkpoint.keeper_process import serve
+    from stalwart.checkpoint.keeper_serve import serve
     from stalwart.checkpoint.node_job import NodeJob
 
     job = NodeJob(secure_job_dir(user_dir(shm) / "memonly"))

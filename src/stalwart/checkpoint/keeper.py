@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from stalwart.checkpoint.keeper_process import StopRequest
 
 log = logging.getLogger("stalwart.checkpoint.keeper")
-LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
 
 
 class Keeper:

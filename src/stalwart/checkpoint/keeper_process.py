@@ -17,17 +17,26 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stalwart import runtime
-from stalwart.checkpoint.keeper import LOG_FORMAT, Keeper, log
-from stalwart.checkpoint.keeper_link import spawn_keeper
-from stalwart.checkpoint.node_job import NodeJob
-from stalwart.checkpoint.peer_restore import FETCHED
-from stalwart.checkpoint.replicas import REPLICAS_DIR
-from stalwart.checkpoint.replicator import STATUS_FILE, ReplicaConfig, Replicator
-from stalwart.checkpoint.shm import default_shm_root, user_dir
-from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, KEPT, collect, kept_line, mark_kept, remove
+from stalwart.checkpoint.shm import (
+    FETCHED,
+    REPLICA_STATUS,
+    REPLICAS_DIR,
+    JobPaths,
+    default_shm_root,
+    read_json,
+    user_dir,
+)
+from stalwart.checkpoint.shm_gc import KEPT, collect, kept_line, remove
 from stalwart.checkpoint.storage_health import INCIDENTS_FILE
+
+if TYPE_CHECKING:
+    from stalwart.checkpoint.node_job import NodeJob
+
+log = logging.getLogger("stalwart.checkpoint.keeper")
+LOG_FORMAT = "%(asctime)s keeper[%(process)d] %(levelname)s %(message)s"
 
 
 class StopRequest:
@@ -66,56 +75,13 @@ class StopRequest:
         return self.why is not None
 
 
-_job_log: tuple[str, logging.Handler] | None = None
-
-
-def _log_also_to(path: str | None) -> None:
-    """The agent's keeper logs to the agent's run directory and also where the workers asked
-    (``keeper_log`` in job.json), where a keeper they started would have logged."""
-    global _job_log
-    if not path or (_job_log and _job_log[0] == path):
-        return
-    root = logging.getLogger()
-    if _job_log:
-        root.removeHandler(_job_log[1])
-        _job_log[1].close()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    root.addHandler(handler)
-    _job_log = (path, handler)
-
-
-def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: Path | None = None) -> int:
-    """Serve ``node``'s directory for as long as the agent runs: wait for workers to write job.json,
-    keep their snapshots, start over when a job completes (its directory removed), until stopped."""
-    log.info("keeper for %s, serving agent pid %d", node.root, stop.parent)
-    node.root.mkdir(parents=True, exist_ok=True)
-    config, replicator = ReplicaConfig.from_env(), None
-    try:
-        replicator = Replicator(node, config) if config else None
-    except OSError as err:  # e.g. --replica-host not an address of this host: persist anyway, say so
-        log.error("replicas off for this node: cannot serve on %s: %s", config.host if config else "?", err)
-    try:
-        _serve_jobs(node, stop, poll_s, status_copy)
-    finally:
-        if replicator is not None:
-            replicator.stop()
-    if holds_no_job(node.root):
-        shutil.rmtree(node.root, ignore_errors=True)  # nothing of a job in it: leave no litter in shm
-    elif not node.paths.kept.exists():  # snapshots the final pass left (memory-only, or it was cut short)
-        keep_s = float((node.job().get("policy") or {}).get("keep_shm_s", DEFAULT_KEEP_S))
-        log.warning("%s", mark_kept(node.paths, keep_s, stop.why or "the agent stopped"))
-    return 0
-
-
 _NO_JOB = {
     "keeper.lock",
     "keeper.json",
     "job.lock",
     "persist.lock",
     "rollback.json",
-    STATUS_FILE,
+    REPLICA_STATUS,
     REPLICAS_DIR,
     FETCHED,
     KEPT,
@@ -129,30 +95,6 @@ def holds_no_job(root: Path) -> bool:
         return {p.name for p in root.iterdir()} <= _NO_JOB
     except (FileNotFoundError, NotADirectoryError):
         return True
-
-
-def _serve_jobs(node: NodeJob, stop: StopRequest, poll_s: float, status_copy: Path | None) -> None:
-    """Serve job after job until stopped. A job whose workers wrote job.json before this keeper got to it
-    (a short job, a slow start) still gets its final pass: stopped, it is served once, which only finishes."""
-    while True:
-        stopping = stop()
-        node.root.mkdir(parents=True, exist_ok=True)
-        job = node.job()
-        if "storage" not in job:
-            if stopping:
-                return
-            time.sleep(max(poll_s, 0.1))
-            continue
-        _log_also_to(job.get("keeper_log"))
-        try:
-            served = Keeper(node, poll_s, stop, status_copy).run()
-        except Exception as err:
-            log.error("cannot serve %s: %r", node.root, err)
-            served = False
-        if stopping or stop():
-            return
-        if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
-            time.sleep(1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,17 +119,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-copy", type=Path, default=None, help="also write the keeper's status here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    import torch
-
-    torch.set_num_threads(1)
-    node = NodeJob(args.job_dir)
+    root = JobPaths(args.job_dir).root
     if args.parent is not None:
-        return serve(node, StopRequest(args.parent, args.grace_s), args.poll_s, args.status_copy)
+        stop = StopRequest(args.parent, args.grace_s)
+        log.info("keeper for %s, serving agent pid %d", root, args.parent)
+        if not os.environ.get(runtime.ENV_REPLICAS) and not _job_comes(root, stop, args.poll_s):
+            shutil.rmtree(root, ignore_errors=True)  # stopped before any job: nothing of one to keep
+            return 0
+        from stalwart.checkpoint.keeper_serve import NodeJob, serve  # torch and DCP: only now a job needs them
+
+        return serve(NodeJob(root), stop, args.poll_s, args.status_copy)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    if node.root.parent == user_dir(node.root.parent.parent) and (stale := collect(node.root.parent.parent)):
+    if root.parent == user_dir(root.parent.parent) and (stale := collect(root.parent.parent)):
         log.info("%s", stale)  # without an agent, the node's expired snapshots go when a keeper starts
-    Keeper(node, args.poll_s).run()
+    from stalwart.checkpoint.keeper_serve import serve_one
+
+    serve_one(root, args.poll_s)
     return 0
+
+
+def _job_comes(root: Path, stop: StopRequest, poll_s: float) -> bool:
+    """Wait, importing nothing heavy, until workers write a job.json that names a storage (True) or the
+    agent stops this keeper first with nothing of a job in ``root`` (False). Many jobs never checkpoint
+    (a script under `stalwart run`): their keeper never pays torch's and DCP's imports (~5 CPU-s, ~0.3 GB)."""
+    while True:
+        stopping = stop()
+        root.mkdir(parents=True, exist_ok=True)
+        if "storage" in (read_json(root / "job.json") or {}):
+            return True
+        if stopping:
+            return not holds_no_job(root)
+        time.sleep(max(poll_s, 0.1))
 
 
 class KeeperProcess:
@@ -206,6 +168,8 @@ class KeeperProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # The keeper journals beside the status copy: a reused run directory's old records are not news.
         (self.status_copy.parent / INCIDENTS_FILE).unlink(missing_ok=True)
+        from stalwart.checkpoint.keeper_link import spawn_keeper  # the agent's side: torch is loaded there
+
         self.proc = spawn_keeper(
             self.job,
             self.log_path,

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpoint.replicas import REPLICAS_DIR, RESTORED, host_roots, replica_roots
-from stalwart.checkpoint.shm import JobPaths, SlotInfo, atomic_write, complete_slots, data_crc32, secure_dir
+from stalwart.checkpoint.shm import FETCHED, JobPaths, SlotInfo, atomic_write, complete_slots, data_crc32, secure_dir
 
-FETCHED = "fetched"
 Location = tuple[JobPaths, SlotInfo]
 
 

@@ -35,14 +35,22 @@ import zlib
 from pathlib import Path
 from typing import IO, Any
 
-from stalwart.checkpoint.shm import SLOTS, JobPaths, atomic_write, complete_slots, data_crc32, read_json, secure_dir
+from stalwart.checkpoint.shm import (
+    REPLICAS_DIR,
+    SLOTS,
+    JobPaths,
+    atomic_write,
+    complete_slots,
+    data_crc32,
+    read_json,
+    secure_dir,
+)
 from stalwart.checkpoint.snapshot import trajectory_of
 
 log = logging.getLogger("stalwart.checkpoint.replicas")
 VERSION = 1
 CHUNK = 4 << 20
 MAX_LINE = 16 << 20  # a header line with a large model's entry table (read before its MAC is checked)
-REPLICAS_DIR = "replicas"
 RESTORED = "restored.json"  # in REPLICAS_DIR: the step and time of this host's last restore
 
 

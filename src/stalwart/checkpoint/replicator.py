@@ -25,7 +25,7 @@ from stalwart.checkpoint.replicas import (
     safe_name,
     send_copy,
 )
-from stalwart.checkpoint.shm import ENV_SLOTS, SLOTS, atomic_write, complete_slots
+from stalwart.checkpoint.shm import ENV_SLOTS, REPLICA_STATUS, SLOTS, atomic_write, complete_slots
 from stalwart.checkpoint.storage import Storage
 from stalwart.runtime import ENV_REPLICA_DOMAIN, ENV_REPLICA_HOST, ENV_REPLICA_KEY, ENV_REPLICA_SYNC, ENV_REPLICAS
 
@@ -37,7 +37,7 @@ PEERS_EVERY_S = 2.0
 DOWN_S = 5.0
 SILENT_S = 600.0  # a source that pushed nothing for this long is gone (lost, evicted): its copies are freed
 PIN_AFTER = 3  # copies overwritten this many times in a row: pin the next one (its snapshot moves over)
-STATUS_FILE = "replicas.json"
+STATUS_FILE = REPLICA_STATUS
 BEAT_FILE = "replicas.beat"  # touched every second while the replicator runs (workers under --replica-sync wait)
 BEAT_S = 1.0
 

@@ -30,6 +30,11 @@ FORMAT = 1  # slot header format
 SLOTS = (0, 1)  # double-buffered: a snapshot is written into the slot not holding the newest one
 MAX_SLOTS = 3  # a third slot under peer replicas: copies that trail by two steps still meet a survivor's
 ENV_SLOTS = ENV_SNAPSHOT_SLOTS  # set by `stalwart run --replicas K` for its workers
+# Entries of a job directory that torch-using modules own, named here so that an idle keeper, which
+# imports no torch, tells a directory holding no job from one holding snapshots (keeper_process)
+REPLICAS_DIR = "replicas"  # peers' copies (replicas.py)
+REPLICA_STATUS = "replicas.json"  # the replicator's status (replicator.py)
+FETCHED = "fetched"  # copies fetched for a restore (peer_restore.py)
 
 
 class ShmPermissionError(RuntimeError):
