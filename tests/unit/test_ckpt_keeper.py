@@ -105,6 +105,15 @@ def test_agent_keeper_of_a_job_that_never_checkpoints_never_imports_torch(root, 
         assert not root.exists(), "the directory of a job that never came is removed"
     finally:
         keeper.kill()
+    # The trainer's agent asks for it at once (`--eager`): its first persist does not wait for the imports
+    eager = spawn_keeper(job, log, parent=os.getpid(), grace_s=20, eager=True)
+    try:
+        assert _until(lambda: _loads_torch(eager.pid), 120.0), "an eager keeper never imported torch"
+        eager.send_signal(signal.SIGTERM)
+        assert eager.wait(20) == 0, log.read_text()
+        assert not root.exists()
+    finally:
+        eager.kill()
 
 
 def test_agent_keeper_saves_on_failure_when_stopped(root, tmp_path):

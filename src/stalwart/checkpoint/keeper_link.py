@@ -208,10 +208,12 @@ def spawn_keeper(
     grace_s: float | None = None,
     status_copy: Path | None = None,
     env: dict[str, str] | None = None,
+    eager: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start a keeper in its own session (so signals to the workers' or the agent's process group miss
     it). With ``parent`` it serves the directory for as long as that process (the agent) lives;
-    ``status_copy``: also keep its status there (it outlives the directory, for the job report)."""
+    ``status_copy``: also keep its status there (it outlives the directory, for the job report);
+    ``eager``: it imports torch and DCP at once, not when the first job comes (see keeper_process)."""
     secure_job_dir(job.root)
     extra, env = env or {}, {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV)}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
@@ -222,6 +224,8 @@ def spawn_keeper(
         cmd += ["--grace-s", str(grace_s)]
     if status_copy is not None:
         cmd += ["--status-copy", str(status_copy)]
+    if eager:
+        cmd += ["--eager"]
     out = open(log_path or job.root / "keeper.log", "ab")
     try:
         return subprocess.Popen(

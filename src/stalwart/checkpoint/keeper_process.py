@@ -117,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --parent: seconds to finish pending persists once asked to stop",
     )
     parser.add_argument("--status-copy", type=Path, default=None, help="also write the keeper's status here")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="with --parent: import torch and DCP at once (the workers will checkpoint), not at the first job",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     root = JobPaths(args.job_dir).root
     if args.parent is not None:
         stop = StopRequest(args.parent, args.grace_s)
         log.info("keeper for %s, serving agent pid %d", root, args.parent)
-        if not os.environ.get(runtime.ENV_REPLICAS) and not _job_comes(root, stop, args.poll_s):
+        if not (args.eager or os.environ.get(runtime.ENV_REPLICAS)) and not _job_comes(root, stop, args.poll_s):
             shutil.rmtree(root, ignore_errors=True)  # stopped before any job: nothing of one to keep
             return 0
         from stalwart.checkpoint.keeper_serve import NodeJob, serve  # torch and DCP: only now a job needs them
@@ -156,8 +161,15 @@ class KeeperProcess:
     """The agent's handle on its node's keeper, like its zygote's: started before the workers, stopped
     (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent."""
 
-    def __init__(self, job: NodeJob, log_path: Path, grace_s: float = 30.0, env: dict[str, str] | None = None) -> None:
-        self.job, self.log_path, self.grace_s, self.env = job, log_path, grace_s, env or {}
+    def __init__(
+        self,
+        job: NodeJob,
+        log_path: Path,
+        grace_s: float = 30.0,
+        env: dict[str, str] | None = None,
+        eager: bool = False,
+    ) -> None:
+        self.job, self.log_path, self.grace_s, self.env, self.eager = job, log_path, grace_s, env or {}, eager
         self.status_copy = log_path.parent / "keeper-status.json"  # the keeper's status, kept for the report
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -177,6 +189,7 @@ class KeeperProcess:
             grace_s=self.grace_s,
             status_copy=self.status_copy,
             env=self.env,
+            eager=self.eager,
         )
         return self
 

@@ -86,6 +86,7 @@ def run(argv: list[str]) -> int:
     share.validate(args)
     rendezvous_defaults(args)
     config, cmd, cmd_args = torchrun.config_from_args(args)
+    trainer = zygote.runs_stalwart(list(cmd_args))  # its keeper will persist: it imports DCP at once
     warm = zygote.from_args(args, cmd, cmd_args)  # cmd_args already have the local-rank macro
     if warm is not None:
         cmd, cmd_args = warm.entrypoint(cmd_args)
@@ -164,7 +165,7 @@ def run(argv: list[str]) -> int:
     nccl_env.apply_defaults(os.environ, args.nccl_env == "on")  # the user's own values win
     # The keeper's own environment carries the job token: peer replicas, and the master's lost nodes.
     keeper_env = {**replica_env(args, address, token), runtime.ENV_JOB_TOKEN: token}
-    node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, keeper_env)
+    node_job, keeper = _start_keeper(args.rdzv_id, node_id, run_dir, keeper_env, eager=trainer)
     failure_save = FailureSave(node_job, Membership(address, token, node_id) if shared else None)
     storage_watch = StorageWatch(keeper.status_copy)
 
@@ -313,10 +314,14 @@ def _slurm_master(
     return master, token
 
 
-def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str]) -> tuple[NodeJob, KeeperProcess]:
+def _start_keeper(
+    job_id: str, node_id: str, run_dir: Path, env: dict[str, str], eager: bool
+) -> tuple[NodeJob, KeeperProcess]:
     """The node's keeper for the job's shared-memory directory (flash checkpoints, see
     stalwart.checkpoint), started before the workers and stopped when this agent exits, as the zygote
-    is. It learns storage and policy from the job.json the workers write, and idles without one."""
+    is. It learns storage and policy from the job.json the workers write, and idles without one (without
+    torch, unless ``eager``: the trainer's job checkpoints, and its first persist should not wait for
+    the keeper's imports)."""
     # Imported now, not at the first failure: DCP is ~660 modules, seconds on the restart's critical path.
     from stalwart.checkpoint.keeper_process import KeeperProcess
     from stalwart.checkpoint.node_job import NodeJob
@@ -326,7 +331,7 @@ def _start_keeper(job_id: str, node_id: str, run_dir: Path, env: dict[str, str])
     if (stale := collect(default_shm_root())) is not None:  # ended jobs' snapshots: the expired go now
         print(f"stalwart run: {stale}", file=sys.stderr)
     job = NodeJob.of_agent(job_id, node_id)
-    return job, KeeperProcess(job, run_dir.absolute() / "keeper.log", env=env).start()
+    return job, KeeperProcess(job, run_dir.absolute() / "keeper.log", env=env, eager=eager).start()
 
 
 def _summary(client: MasterClient, node_id: str, exit_code: int, agent: StalwartAgent) -> dict[str, Any]:

@@ -60,8 +60,12 @@ def preload_for(cmd_args: list[str]) -> list[str]:
     when the worker is ``-m stalwart``, then dynamo for every worker: scripts' torch.compile and others
     import it (0.5-3 s), and so does the trainer's model init on the meta device (nn.init.normal_
     through torch._refs: 0.4-0.7 s of a restart's start on the CPU)."""
-    stalwart_cli = "-m" in cmd_args and cmd_args[cmd_args.index("-m") + 1 :][:1] == ["stalwart"]
-    return [*DEFAULT_PRELOAD, *(STALWART_PRELOAD if stalwart_cli else ()), *_compat.DYNAMO_MODULES]
+    return [*DEFAULT_PRELOAD, *(STALWART_PRELOAD if runs_stalwart(cmd_args) else ()), *_compat.DYNAMO_MODULES]
+
+
+def runs_stalwart(cmd_args: list[str]) -> bool:
+    """The worker command is ``python -m stalwart ...`` (the trainer), not a user's script."""
+    return "-m" in cmd_args and cmd_args[cmd_args.index("-m") + 1 :][:1] == ["stalwart"]
 
 
 # -- the server ------------------------------------------------------------------------------------
