@@ -57,6 +57,10 @@ class StopRequest:
         """Safe in a signal handler: no logging here (the handler may interrupt a log call)."""
         if self.why is None:
             self.why = why
+            # The agent repeats its SIGTERM every second; once finishing, the watchdog bounds the keeper.
+            # Ignored, not handled: the interpreter's exit resets Python handlers to the default, and a
+            # repeat landing then killed a keeper that had finished cleanly (exit -15, a false warning).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             watchdog = threading.Timer(self.grace_s, self._expire)
             watchdog.daemon = True
             watchdog.start()

@@ -282,9 +282,7 @@ def run(argv: list[str]) -> int:
             args.summary_json.write_text(json.dumps(summary, indent=1))
         if master is not None:
             master.stop()
-    if preempted is not None:  # the allocation is ending: no interpreter finalization (seconds with torch)
-        runtime.exit_process(exit_code)
-    return exit_code
+    return exit_code  # `stalwart run` ends the process without interpreter finalization (commands/run.py)
 
 
 def _slurm_master(
