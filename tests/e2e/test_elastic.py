@@ -26,7 +26,7 @@ from stalwart.launch.journal import Journal
 from .test_master import TOKEN
 
 pytestmark = pytest.mark.e2e
-STEPS, BATCH = 120, 16
+STEPS, BATCH = 80, 16
 RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"  # a dead node is out in ~3 s
 # One intra-op thread per worker: by default a node's only worker takes every core, and with several
 # nodes (and the reference) on the CI box's two cores its threads wait for each other; a 1-process
@@ -211,9 +211,10 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "reference.log", "w"),
     )
-    # Paced while the test acts mid-run: 0.1 s a step until the loss, 0.25 s while node 0 trains alone
-    # (the returning node's start takes seconds and the job must not end before it grows), full speed
-    # once the grown job committed (the rest only runs to the end).
+    # Paced while the test acts mid-run: 0.1 s a step until the loss, 1 s while node 0 trains alone
+    # (the returning node's cold start takes 20-30 s under load, and the job must not end before it
+    # grows: ≥ 45 steps are left then; a slower pace costs no time, the grow waits for the node anyway,
+    # and it spends fewer steps), full speed once the grown job committed (the rest only runs to the end).
     pace = Pace(tmp_path / "pace", 0.1)
     nodes = [start_node(tmp_path, stdlib_data, address, job, n, pace=pace) for n in range(2)]
     try:
@@ -231,7 +232,7 @@ def test_losing_a_whole_node_shrinks_the_job_and_it_finishes_from_the_resharded_
             latest, world = world_of_latest()
             committed = latest if world == 2 and latest >= 10 else None
             time.sleep(0.2)
-        pace.set(0.25)
+        pace.set(1.0)
         lose_node(nodes[1], job, 1)
         # Shrunk: node 0 trains alone, from step `committed` or later, and commits one-rank checkpoints.
         while world_of_latest()[1] != 1:
