@@ -17,7 +17,10 @@ from stalwart.launch.zygote import DEFAULT_PRELOAD, Zygote
 from stalwart.utils.ports import free_port
 
 _zygote: Zygote | None = None
-SYS_PATH = os.pathsep.join(sys.path)  # the test process's: scripts import the tests package
+# The test process's at import: scripts import the tests package. The same string goes to the zygote
+# and to every rank: sys.path grows while the suite runs, and a rank whose PYTHONPATH is not the
+# zygote's starts cold (half the ranks of a unit run did, ~10 s each under load, unseen)
+SYS_PATH = os.pathsep.join(sys.path)
 
 
 def _warm() -> Zygote:
@@ -43,7 +46,7 @@ def run_ranks(script: Path, world: int, args: list[str]) -> dict[int, dict]:
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", **zygote.env())
-        env.update(MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+        env.update(MASTER_PORT=str(port), PYTHONPATH=SYS_PATH, OMP_NUM_THREADS="1")
         procs.append(
             subprocess.Popen([entry, *entry_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -51,6 +54,7 @@ def run_ranks(script: Path, world: int, args: list[str]) -> dict[int, dict]:
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
+        assert "starting cold" not in err, f"the zygote did not fork this rank: {err[-1000:]}"
         row = json.loads(out.strip().splitlines()[-1])
         rows[row["rank"]] = row
     return rows
