@@ -23,6 +23,7 @@ from stalwart.checkpoint import Checkpointer, NodeJob, Storage
 from stalwart.checkpoint.keeper_link import spawn_keeper
 from stalwart.checkpoint.snapshot import SnapshotWriter
 from stalwart.checkpoint.state import TrainingState
+from stalwart.launch import run_args
 
 
 @pytest.fixture
@@ -93,9 +94,13 @@ def _loads_torch(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
 def test_agent_keeper_of_a_job_that_never_checkpoints_never_imports_torch(root, tmp_path):
     """A script under `stalwart run` that uses no stalwart checkpoint: its node's keeper waits without
-    torch and DCP (~5 CPU-s and ~0.3 GB per node start), and stopped, leaves no directory behind."""
+    torch and DCP (~5 CPU-s and ~0.3 GB per node start), and stopped, leaves no directory behind. It gets
+    the environment the agent gives it, replica settings included (replicas off: "0")."""
     job, log = NodeJob(root), tmp_path / "agent-keeper.log"
-    keeper = spawn_keeper(job, log, parent=os.getpid(), grace_s=20)
+    args = run_args.build_parser().parse_args(["--nproc-per-node", "1", "script.py"])
+    agent_env = run_args.replica_env(args, "127.0.0.1", "job-token")
+    assert agent_env[runtime.ENV_REPLICAS] == "0"
+    keeper = spawn_keeper(job, log, parent=os.getpid(), grace_s=20, env=agent_env)
     try:
         assert _until(lambda: log.exists() and "serving agent pid" in log.read_text(), 120.0), "the keeper never served"
         time.sleep(0.3)  # a few of its polls for job.json

@@ -17,8 +17,7 @@ from typing import Any
 
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.replicator import BEAT_FILE as REPLICA_BEAT
-from stalwart.checkpoint.replicator import STATUS_FILE as REPLICA_STATUS
-from stalwart.checkpoint.shm import atomic_write, complete_slots, read_json, secure_job_dir
+from stalwart.checkpoint.shm import REPLICA_STATUS, atomic_write, complete_slots, read_json, secure_job_dir
 from stalwart.checkpoint.storage_health import FINAL_ATTEMPTS, StorageNews, StorageUnavailableError, not_durable
 
 log = logging.getLogger("stalwart.checkpoint")

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stalwart import runtime
 from stalwart.checkpoint.shm import (
@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent is not None:
         stop = StopRequest(args.parent, args.grace_s)
         log.info("keeper for %s, serving agent pid %d", root, args.parent)
-        if not (args.eager or os.environ.get(runtime.ENV_REPLICAS)) and not _job_comes(root, stop, args.poll_s):
+        # The replicator serves peers' copies from the start: with replicas on, the keeper imports at once
+        replicas = int(os.environ.get(runtime.ENV_REPLICAS) or 0) > 0
+        if not (args.eager or replicas) and next_job(root, stop, args.poll_s) is None and holds_no_job(root):
             shutil.rmtree(root, ignore_errors=True)  # stopped before any job: nothing of one to keep
             return 0
         from stalwart.checkpoint.keeper_serve import NodeJob, serve  # torch and DCP: only now a job needs them
@@ -147,17 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _job_comes(root: Path, stop: StopRequest, poll_s: float) -> bool:
-    """Wait, importing nothing heavy, until workers write a job.json that names a storage (True) or the
-    agent stops this keeper first with nothing of a job in ``root`` (False). Many jobs never checkpoint
-    (a script under `stalwart run`): their keeper never pays torch's and DCP's imports (~5 CPU-s, ~0.3 GB)."""
+def next_job(root: Path, stop: StopRequest, poll_s: float) -> dict[str, Any] | None:
+    """Wait, importing nothing heavy, until workers write a job.json that names a storage (returned), or
+    the agent stops this keeper first (None). Many jobs never checkpoint (a script under `stalwart run`):
+    their keeper never pays torch's and DCP's imports (~5 CPU-s, ~0.3 GB) while it waits here."""
     while True:
         stopping = stop()
         root.mkdir(parents=True, exist_ok=True)
-        if "storage" in (read_json(root / "job.json") or {}):
-            return True
+        if "storage" in (job := read_json(root / "job.json") or {}):
+            return job
         if stopping:
-            return not holds_no_job(root)
+            return None
         time.sleep(max(poll_s, 0.1))
 
 

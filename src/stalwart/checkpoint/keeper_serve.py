@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from stalwart.checkpoint.keeper import Keeper, log
-from stalwart.checkpoint.keeper_process import LOG_FORMAT, StopRequest, holds_no_job
+from stalwart.checkpoint.keeper_process import LOG_FORMAT, StopRequest, holds_no_job, next_job
 from stalwart.checkpoint.node_job import NodeJob
 from stalwart.checkpoint.replicator import ReplicaConfig, Replicator
 from stalwart.checkpoint.shm_gc import DEFAULT_KEEP_S, mark_kept
@@ -68,22 +68,14 @@ def serve(node: NodeJob, stop: StopRequest, poll_s: float = 0.02, status_copy: P
 def _serve_jobs(node: NodeJob, stop: StopRequest, poll_s: float, status_copy: Path | None) -> None:
     """Serve job after job until stopped. A job whose workers wrote job.json before this keeper got to it
     (a short job, a slow start) still gets its final pass: stopped, it is served once, which only finishes."""
-    while True:
-        stopping = stop()
-        node.root.mkdir(parents=True, exist_ok=True)
-        job = node.job()
-        if "storage" not in job:
-            if stopping:
-                return
-            time.sleep(max(poll_s, 0.1))
-            continue
+    while (job := next_job(node.root, stop, poll_s)) is not None:
         _log_also_to(job.get("keeper_log"))
         try:
             served = Keeper(node, poll_s, stop, status_copy).run()
         except Exception as err:
             log.error("cannot serve %s: %r", node.root, err)
             served = False
-        if stopping or stop():
+        if stop():
             return
         if not served:  # another keeper (started by an earlier job's worker) serves it: until it exits
             time.sleep(1.0)

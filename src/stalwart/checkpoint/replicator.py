@@ -37,7 +37,6 @@ PEERS_EVERY_S = 2.0
 DOWN_S = 5.0
 SILENT_S = 600.0  # a source that pushed nothing for this long is gone (lost, evicted): its copies are freed
 PIN_AFTER = 3  # copies overwritten this many times in a row: pin the next one (its snapshot moves over)
-STATUS_FILE = REPLICA_STATUS
 BEAT_FILE = "replicas.beat"  # touched every second while the replicator runs (workers under --replica-sync wait)
 BEAT_S = 1.0
 
@@ -260,7 +259,7 @@ class Replicator:
             received=self.store.received,
             refused=self.store.refused,
         )
-        atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
+        atomic_write(self.node.root / REPLICA_STATUS, json.dumps(self.status).encode())
 
     def _skip(self, step: int, times: dict[str, Any], why: str) -> None:
         """Say (once per step) that ``step`` gets no copy: workers waiting for it (``--replica-sync``)
@@ -268,7 +267,7 @@ class Replicator:
         if step > self.skipped_step:
             self.skipped_step = step
             self.status.update(skipped_step=step, skipped_times=times, skipped_why=why)
-            atomic_write(self.node.root / STATUS_FILE, json.dumps(self.status).encode())
+            atomic_write(self.node.root / REPLICA_STATUS, json.dumps(self.status).encode())
 
     def _candidates(self) -> list[dict[str, Any]]:
         now = time.monotonic()
