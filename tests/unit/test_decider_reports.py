@@ -95,6 +95,36 @@ def test_a_nodes_final_holdings_go_to_the_decider_once_every_worker_is_gone(mast
         reporter.link.close()
 
 
+class NextExecution(OneNode):
+    """job.json as the next execution's workers rewrote it."""
+
+    def epoch(self) -> int:
+        return 1
+
+
+def test_dead_workers_of_an_earlier_execution_open_no_failure_of_the_next(master):
+    """The keeper read its workers' records (all dead, of epoch 0); meanwhile the next execution formed
+    and its workers rewrote job.json (epoch 1) before their own records replaced the dead ones. The
+    report names the dead workers' execution, already over: had it named epoch 1, the decider would wait
+    for that execution's save-on-failure and persist nothing more (found in CI: a job that never
+    persisted again after a restart, its workers waiting at their end)."""
+    for epoch in (0, 1):
+        for node in RANKS:
+            Keeper(master, node).member(epoch)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    reporter = Reporter(DeciderLink(master.address, "token", "n0", every_s=0.02), lambda: True)
+    try:
+        owners = {r: {"pid": pid, "rank": r, "epoch": 0} for r in RANKS["n0"]}
+        reporter.workers_died(NextExecution(steps_of("n0", 4)), 4, owners, {pid})
+        assert reporter.link.sync(5) and reporter.link.pending() == 0
+        state = master.state.ckpt.state()
+        assert state["epoch"] == 1 and state["failure"] is None, state
+        assert reporter.gone == {0}, "the report named the dead workers' execution"
+    finally:
+        reporter.link.close()
+
+
 def test_a_keeper_reports_no_membership_from_a_job_file_an_earlier_launch_left(master):
     from stalwart.checkpoint.desk_host import Membership
 

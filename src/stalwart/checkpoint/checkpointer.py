@@ -132,7 +132,7 @@ class Checkpointer:
         self.paths.rank_dir(self.rank).mkdir(parents=True, exist_ok=True)
         self.paths.closed(self.rank).unlink(missing_ok=True)
         self.paths.kept.unlink(missing_ok=True)  # a job runs here again: no longer an ended job's
-        shm.write_owner(self.paths, self.rank, self.world)
+        shm.write_owner(self.paths, self.rank, self.world, self.epoch)
         if self.local_rank == 0:
             self.job.write_job(
                 self.storage,

@@ -109,7 +109,9 @@ class Reporter:
     def workers_died(self, job: NodeJob, world: int, owners: dict[int, dict[str, Any] | None], died: set[int]) -> None:
         """All this node's workers gone, one of them died (``died``: pids; a closed one did not): its final holdings."""
         pids = [int(o["pid"]) for o in owners.values() if o]
-        epoch = job.epoch()
+        # The dead workers' execution, from their records: job.json may already be the next execution's
+        # (its workers start while these records are still in place), whose failure this is not.
+        epoch = max((int(o.get("epoch", job.epoch())) for o in owners.values() if o), default=job.epoch())
         if epoch in self.gone or not any(p in died for p in pids) or any(pid_alive(p) for p in pids):
             return
         self.gone.add(epoch)

@@ -161,9 +161,11 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def write_owner(paths: JobPaths, rank: int, world: int) -> None:
-    """Say which process holds ``rank``'s snapshots (the keeper tells a live worker from a dead one)."""
-    owner = {"pid": os.getpid(), "rank": rank, "world_size": world, "host": socket.gethostname(), "time": time.time()}
+def write_owner(paths: JobPaths, rank: int, world: int, epoch: int = 0) -> None:
+    """Say which process holds ``rank``'s snapshots (the keeper tells a live worker from a dead one), and
+    of which execution: a keeper that finds it dead reports that execution's failure, not the next one's."""
+    owner = {"pid": os.getpid(), "rank": rank, "world_size": world, "epoch": epoch}
+    owner.update(host=socket.gethostname(), time=time.time())
     atomic_write(paths.owner(rank), json.dumps(owner).encode())
 
 
