@@ -296,3 +296,17 @@ def test_a_forked_child_ending_does_not_mark_its_parent_returned(tmp_path) -> No
         f"print(ProgressReader({str(tmp_path)!r}).read(1).phase, child.exitcode)",
     )
     assert out.returncode == 0 and out.stdout.split() == ["train", "0"], (out.stdout, out.stderr)
+
+
+def test_die_with_parent_says_why_it_exits_when_the_parent_is_already_gone() -> None:
+    """Armed too late (its parent gone already), the process exits 1 and says so: an empty log and exit
+    code 1 read as an unexplained worker failure."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\nfrom stalwart import runtime\nruntime.die_with_parent(os.getppid() + 999_999)\nprint('survived')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "survived" not in proc.stdout, (proc.returncode, proc.stdout)
+    assert "parent process" in proc.stderr and "is gone" in proc.stderr, proc.stderr
