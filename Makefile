@@ -34,10 +34,9 @@ lint: setup-test
 
 # Two test processes (pytest-xdist), one module each at a time: most e2e time is waiting on real
 # processes (restarts, heartbeats, keepers), so two modules share the 2 cores CI has. PYTEST_JOBS=0: serial.
-# The modules are queued longest first (tests/module_order.py), not by xdist's count of tests.
 PYTEST_JOBS ?= 2
 test: lint
-	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 # On a CUDA machine: tests/gpu + benchmarks/gpu_step.py, one summary (docs/gpu.md). Where stalwart's
 # dependencies are already installed (the lent GPU machines), skip the venv: make gpu-check GPU_PY=python3

@@ -15,15 +15,6 @@ from pathlib import Path
 import pytest
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In `make test`'s xdist workers (each collects the same list; the controller queues its modules in
-    that order): the longest modules first (tests/module_order.py). A plain run keeps unit tests first."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        from tests.module_order import longest_first
-
-        items[:] = [items[i] for i in longest_first([item.nodeid for item in items])]
-
-
 @pytest.fixture(scope="session")
 def stdlib_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from stalwart.data import ensure_default_corpus
