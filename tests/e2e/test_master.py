@@ -452,3 +452,53 @@ def test_the_master_does_not_import_torch():
     code = "import sys, stalwart.launch.master, stalwart.commands.master; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+GONE_SCRIPT = """
+import os, pathlib, sys, time
+here = pathlib.Path(sys.argv[1])
+with open(here / "attempts", "a") as f:
+    f.write(os.environ["TORCHELASTIC_RESTART_COUNT"] + "\\n")
+while not (here / "master_gone").exists():
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+def test_an_agent_whose_master_is_gone_restarts_from_its_own_budget_and_then_gives_up(tmp_path):
+    """A master gone for good: each restart decision falls back to the node's --max-restarts, and the
+    agent waits for the master --master-retry seconds in all, not per call. Before, the local budget was
+    unbounded under `stalwart run` (the agent restarted without end) and every call waited 30 s."""
+    script = tmp_path / "fails.py"
+    script.write_text(GONE_SCRIPT)
+    proc, address = start_master(tmp_path / "journal.sqlite", 0)
+    agent = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "stalwart", "run", "--nnodes", "1", "--nproc-per-node", "1"),
+            *("--master", address, "--job-token", TOKEN, "--node-id", "n0", "--run-dir", str(tmp_path / "run")),
+            *("--max-restarts", "1", "--master-retry", "2", str(script), str(tmp_path)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "attempts").exists():
+            assert agent.poll() is None and time.monotonic() < deadline, "the first attempt did not start"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(10)
+        gone = time.monotonic()
+        (tmp_path / "master_gone").touch()
+        err = agent.communicate(timeout=60)[1]
+        ended = time.monotonic() - gone
+    finally:
+        for p in (agent, proc):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert agent.returncode != 0, err[-3000:]
+    assert "master unreachable: local budget used up; giving up" in err, err[-3000:]
+    assert (tmp_path / "attempts").read_text().split() == ["0", "1"], "one restart: --max-restarts 1"
+    assert ended < 20, f"the agent gave up {ended:.1f} s after the master went (it waits 2 s in all)"

@@ -88,6 +88,7 @@ class StalwartAgent(LocalElasticAgent):
         zygote: Zygote | None = None,
         storage_watch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any] | None]] | None = None,
         exit_grace_s: float = runtime.EXIT_GRACE_S,
+        local_restarts: int | None = None,
     ) -> None:
         # Before TorchElastic keeps a reference to the handler: ours tells workers which store to use.
         if not isinstance(spec.rdzv_handler, RoundStoreHandler):
@@ -108,6 +109,9 @@ class StalwartAgent(LocalElasticAgent):
         self._started_at = time.time()
         self._restart_round = 0  # same on every agent of a job: they restart together
         self._failure_restarts = 0  # restarts after a fault (membership changes do not count)
+        # This node's budget while the master is unreachable (``--max-restarts``): the spec's count is
+        # unbounded under `stalwart run`, where the master's job-wide budget decides.
+        self._local_restarts = spec.max_restarts if local_restarts is None else local_restarts
         self._progressed = False  # any step completed in any attempt (user-error rules need it)
         self.worker_incidents = evidence.IncidentTail()
         self.storage_watch = storage_watch  # the keeper's storage incidents and status (launch.storage_watch)
@@ -241,14 +245,14 @@ class StalwartAgent(LocalElasticAgent):
 
     def _decide(self, incident: Incident | None) -> Decision:
         if incident is None:  # TorchElastic could not poll the workers (UNHEALTHY): no diagnosis
-            left = restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts)
+            left = restarts_left(self._local_restarts, self._failure_restarts)
             return Decision(left > 0, reason="worker group unhealthy")
         decision = decide(
             incident,
             lambda: self.master.request_restart(
                 f"{incident.kind} on rank(s) {incident.ranks}", self.node_id, self._restart_round
             ),
-            restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts),
+            restarts_left(self._local_restarts, self._failure_restarts),
         )
         if decision.leave is not None:  # evicted for this failure: leave instead of rejoining
             self.status.evict(decision.leave)

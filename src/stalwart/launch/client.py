@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +24,39 @@ def write_address(run_dir: Path, address: str, job_id: str, node_id: str) -> Non
 
 
 class MasterClient:
+    """The master's API for one agent (its main loop and heartbeat thread share it).
+
+    Connection failures are retried for ``retry_for_s``, counted from when the master was first found
+    unreachable, not per call: an agent whose master is gone for good then meets each call's failure at
+    once, instead of waiting ``retry_for_s`` again for the journal, the restart decision and the lost
+    nodes of every incident (a minute and more per restart, with the local budget deciding anyway)."""
+
     def __init__(self, address: str, token: str, timeout_s: float = 5.0, retry_for_s: float = 30.0) -> None:
         self.address = address.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
+        self.unreachable_since: float | None = None  # monotonic; None while the last call got through
 
     def call(
         self, method: str, path: str, body: dict[str, Any] | None = None, retry_for_s: float | None = None
     ) -> dict[str, Any]:
         """One API call (``runtime.master_call``): connection failures retried for ``retry_for_s``."""
+        started = time.monotonic()
         retry = self.retry_for_s if retry_for_s is None else retry_for_s
-        return call_master(self.address, self.token, method, path, body, self.timeout_s, retry)
+        if (since := self.unreachable_since) is not None:
+            retry = max(0.0, min(retry, since + self.retry_for_s - started))
+        try:
+            reply = call_master(self.address, self.token, method, path, body, self.timeout_s, retry)
+        except MasterError:
+            self.unreachable_since = None  # it answered
+            raise
+        except OSError:
+            if self.unreachable_since is None:
+                self.unreachable_since = started
+            raise
+        self.unreachable_since = None
+        return reply
 
     # Convenience wrappers, one per route.
     def join(self, node_id: str, host: str, nproc: int, info: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -136,7 +136,7 @@ def run(argv: list[str]) -> int:
     shared = bool(args.master) or torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1
     os.environ[runtime.ENV_SHARED_MASTER] = "1" if shared else "0"
     os.environ[runtime.ENV_AGENT] = uuid.uuid4().hex  # this launch of the node's agent (its keeper says so)
-    client = MasterClient(address, token)
+    client = MasterClient(address, token, retry_for_s=args.master_retry)
     write_address(run_dir, address, args.rdzv_id, node_id)
 
     params = rendezvous.RendezvousParameters(
@@ -203,6 +203,7 @@ def run(argv: list[str]) -> int:
             zygote=warm,
             storage_watch=storage_watch,
             exit_grace_s=args.exit_grace,
+            local_restarts=args.max_restarts,
         )
         agent.notice = notice
         return spec, agent

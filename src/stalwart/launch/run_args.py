@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Run a training script like torchrun, and keep it training through failures: heartbeats to a "
         "job master, hang detection with stack dumps, log diagnosis (user errors fail fast), a "
         "job-wide restart budget and an incident journal. All torchrun flags work as in torchrun; "
-        "--max-restarts is the budget for the whole job, not per node."
+        "--max-restarts is the budget for the whole job, not per node (and each node's own while the "
+        "master cannot be reached)."
     )
     g = parser.add_argument_group("stalwart")
     g.add_argument(
@@ -54,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the journal, logs and progress records go (default runs/RDZV_ID)",
     )
     g.add_argument("--node-id", default=None, help="this agent's name in the job (default HOST-PID)")
+    g.add_argument(
+        "--master-retry",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds the agent keeps retrying an unreachable master (it may be restarting) before it "
+        "goes on without it: restarts then come from this node's --max-restarts (default 30)",
+    )
     g.add_argument(
         "--hang-timeout",
         default="auto",
