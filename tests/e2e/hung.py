@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -23,14 +24,34 @@ def run_or_dump(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
     else:
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     root = psutil.Process(proc.pid)
-    family = [root, *root.children(recursive=True)]
-    stacks = "\n".join(_stacks(p) for p in family)
-    for p in family:
-        with contextlib.suppress(psutil.NoSuchProcess):  # it may end on its own meanwhile
-            p.kill()
+    stacks = "\n".join(_stacks(p) for p in [root, *root.children(recursive=True)])
+    kill_tree(proc)
     _, err = proc.communicate()
     head = f"{' '.join(cmd[:5])} … did not end within {timeout} s"
     pytest.fail(f"{head}\n{stacks}\n--- its log ends ---\n{err[-6000:]}", pytrace=False)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every process it started (TorchElastic's workers run in sessions of their
+    own, so killing the launcher alone could leave them), then reap it."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):  # it may end on its own meanwhile
+                p.kill()
+    proc.wait()
+
+
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen) -> Iterator[None]:
+    """Whatever of ``procs`` still runs when the block ends (a failed assertion, a timeout) is killed
+    with its children: a job that outlived its test went on restarting its workers for 20 minutes."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc)
 
 
 def _stacks(process: psutil.Process) -> str:

@@ -20,6 +20,7 @@ from stalwart.checkpoint import Storage
 from stalwart.launch.journal import Journal
 from stalwart.utils.ports import free_port
 
+from .hung import reaped
 from .test_master import TOKEN, running_master
 
 pytestmark = pytest.mark.e2e
@@ -80,13 +81,8 @@ def finished(procs: list[subprocess.Popen], tmp_path: Path) -> dict:
     """Every node's launcher ended well: the job's summary. Every node's end is collected before
     judging, so a failure shows each node's output: the first node to fail is not always the first
     listed (CI1: node0's agent lost the rendezvous store that another node's agent hosts)."""
-    try:
+    with reaped(*procs):
         errs = [proc.communicate(timeout=300)[1] for proc in procs]
-    finally:  # a node that never ended must not outlive the test (one restarted its workers for 20 min after)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     failed = [(n, p.returncode, err) for n, (p, err) in enumerate(zip(procs, errs)) if p.returncode != 0]
     assert not failed, "\n".join(f"--- node{n} exited {code}:\n{err[-3000:]}" for n, code, err in failed)
     return json.loads((tmp_path / "out" / "summary.json").read_text())

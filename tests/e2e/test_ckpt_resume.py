@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .hung import kill_tree
+
 pytestmark = pytest.mark.e2e
 STEPS = 8
 COMMON = (
@@ -57,11 +59,8 @@ def train(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:  # TorchElastic workers run in their own sessions: kill them by pid
-        import psutil
-
-        for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-            child.kill()
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"training timed out:\n{stderr[-4000:]}") from None
     with open(out / "train.log", "a") as log:  # kept for post-mortems

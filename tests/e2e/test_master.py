@@ -22,6 +22,8 @@ import pytest
 from stalwart.launch.client import MasterClient, MasterError
 from stalwart.utils.ports import free_port
 
+from .hung import reaped
+
 pytestmark = pytest.mark.e2e
 TOKEN = "test-token-123"
 
@@ -482,7 +484,7 @@ def test_an_agent_whose_master_is_gone_restarts_from_its_own_budget_and_then_giv
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
+    with reaped(agent, proc):
         deadline = time.monotonic() + 60
         while not (tmp_path / "attempts").exists():
             assert agent.poll() is None and time.monotonic() < deadline, "the first attempt did not start"
@@ -493,11 +495,6 @@ def test_an_agent_whose_master_is_gone_restarts_from_its_own_budget_and_then_giv
         (tmp_path / "master_gone").touch()
         err = agent.communicate(timeout=60)[1]
         ended = time.monotonic() - gone
-    finally:
-        for p in (agent, proc):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     assert agent.returncode != 0, err[-3000:]
     assert "master unreachable: local budget used up; giving up" in err, err[-3000:]
     assert (tmp_path / "attempts").read_text().split() == ["0", "1"], "one restart: --max-restarts 1"

@@ -16,6 +16,8 @@ import pytest
 from stalwart.launch.journal import Journal
 from stalwart.launch.preempt import EXIT_PREEMPTED
 
+from .hung import reaped
+
 pytestmark = pytest.mark.e2e
 STEPS = 16
 
@@ -75,12 +77,13 @@ def steps_logged(out: Path) -> int:
 def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, preempt_reference, tmp_path):
     run1 = command(tmp_path, stdlib_data, "run1", *PACE)
     proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 240
-    while steps_logged(tmp_path / "out") < HELD_6 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before the notice"
-    proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=120)
+    with reaped(proc):
+        deadline = time.monotonic() + 240
+        while steps_logged(tmp_path / "out") < HELD_6 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before the notice"
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err.decode()[-4000:]
 
     notice = json.loads((tmp_path / "run1.json").read_text())["preempted"]

@@ -15,6 +15,7 @@ import pytest
 from stalwart.launch.client import MasterClient
 from stalwart.utils.ports import free_port
 
+from .hung import reaped
 from .test_master import TOKEN, running_master, start_master
 from .test_run import EXPECTED_X, SCRIPT
 
@@ -67,9 +68,10 @@ def start_agents(
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180) -> None:
-    for proc in procs:
-        _, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, err[-4000:]
+    with reaped(*procs):
+        for proc in procs:
+            _, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, err[-4000:]
 
 
 def test_two_nodes_recover_from_a_killed_worker_with_one_restart(tmp_path):
