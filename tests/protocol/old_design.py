@@ -18,6 +18,9 @@ it, and what the explorer sees:
   ``dead_end_by_epoch`` is the same rule with the epoch comparison: it holds on any clock.
 - ``preempt_waits_own_newest`` (before cd40b7f): a preempted node keeps its keeper until its own newest
   step is committed; when that step is newer than the one every rank holds, only Slurm's kill ends it.
+- ``gone_epoch_from_job`` (before 68bc639): a keeper that reads its dead workers' records again after
+  the next execution formed stamps their ``WorkersGone`` with job.json's epoch, already the new one →
+  a failure of the new execution that no other node confirms holds every persist back for good.
 - ``early_choice`` (before 300ad3b): the save-on-failure picks its step when the first node's workers
   are gone, from the others' non-final holdings, and settles "nothing" when they share none yet.
 """
@@ -58,6 +61,7 @@ class OldRules:
     dead_end_by_epoch: bool = False
     preempt_waits_own_newest: bool = False
     early_choice: bool = False
+    gone_epoch_from_job: bool = False
     pin_on_sight: bool = True  # the keepers pin a step due for persistence when they see it (new design)
 
 
@@ -71,6 +75,7 @@ VARIANTS: dict[str, OldRules] = {
     "dead_end_by_epoch": OldRules(cursor_moved_on=True, dead_end_by_epoch=True),
     "preempt_waits_own_newest": OldRules(preempt_waits_own_newest=True),
     "early_choice": OldRules(early_choice=True),
+    "gone_epoch_from_job": OldRules(gone_epoch_from_job=True),
     "no_pin_on_sight": OldRules(pin_on_sight=False),
 }
 

@@ -8,58 +8,20 @@ decider never sets, so a jump is how a wait without an event shows).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.checkpoint import decider_events as ev
 from stalwart.checkpoint.decider import Decider
 from tests.protocol.invariants import StorageAndChecks
 from tests.protocol.old_design import NEW, OldDecider, OldRules, StartTimer
+from tests.protocol.sim_keepers import Keepers
+from tests.protocol.sim_state import Key, Node, Rank, published
 
 TICK_S = 0.05  # simulated seconds per step
 Action = tuple[str, Callable[..., None], tuple[Any, ...]]
-Key = tuple[int, int]
 
 
-@dataclass
-class Rank:
-    rank: int
-    node: str
-    alive: bool = True
-    trained: int = 0  # the last step trained (the restored step after a restart)
-    copying: int | None = None  # the slot being written, torn until published
-    slots: list[Key | None] = field(default_factory=lambda: [None, None])
-    taken: list[float] = field(default_factory=lambda: [0.0, 0.0])  # capture time by the node's clock
-
-
-@dataclass
-class Node:
-    name: str
-    ranks: list[int]
-    skew: float = 0.0  # this node's clock minus true time
-    up: bool = True
-    keeper_up: bool = True
-    incarnation: int = 0
-    seq: int = 0
-    pins: dict[Key, int] = field(default_factory=dict)  # key → the newest plan that pinned it (0: on sight)
-    sight: Key | None = None  # the one step pinned on sight, until its release
-    task: tuple[int, int, Key] | None = None  # (plan, attempt, key) whose shards it writes
-    mine: list[int] = field(default_factory=list)  # the task's ranks (writers), written on its Write
-    todo: list[int] = field(default_factory=list)  # ranks whose shards are still to write
-    commits: list[tuple[int, int]] = field(default_factory=list)  # (plan, step) it commits (writes rank 0)
-    stopped: bool = False  # its workers of the current epoch are gone
-    last_plan: tuple[int, int] = (0, 0)  # the newest (plan, attempt) it acted on
-    cursor: tuple[int, int, float] | None = None  # old design: (step, epoch, taken) it began on its own
-    copies: dict[int, list[Key | None]] = field(default_factory=dict)  # another node's rank → 2 replica slots
-    pushed: dict[int, Key] = field(default_factory=dict)  # own rank → the newest key copied to the peer
-
-
-def published(rank: Rank) -> list[Key]:
-    """The rank's complete snapshots (not the slot being copied into)."""
-    return [k for i, k in enumerate(rank.slots) if k is not None and rank.copying != i]
-
-
-class World(StorageAndChecks):
+class World(Keepers, StorageAndChecks):
     def __init__(self, n_nodes: int, per_node: int, steps: int, every: int, restarts: int, rules: OldRules = NEW,
                  skew: float = 0.0) -> None:  # fmt: skip
         self.rules, self.steps, self.every, self.restarts = rules, steps, every, restarts
@@ -184,6 +146,8 @@ class World(StorageAndChecks):
                 acts.append(("stop", self.stop_workers, (node.name,)))
             if not node.keeper_up and node.up:
                 acts.append(("keeper-start", self.keeper_start, (node.name,)))
+            if node.up and node.keeper_up and node.dead_epoch is not None and node.dead_epoch < self.epoch:
+                acts.append(("gone-again", self.dead_seen_again, (node.name,)))
         for node in self.nodes.values():
             if node.keeper_up and node.commits:
                 acts.append(("commit", self.commit, (node.name, False)))
@@ -230,6 +194,7 @@ class World(StorageAndChecks):
 
     def train(self, r: int) -> None:
         rank = self.ranks[r]
+        self.nodes[rank.node].dead_epoch = None  # the new workers' owner records replaced the dead ones'
         rank.trained += 1
         slot = self._free_slot(rank)
         rank.copying, rank.slots[slot] = slot, (rank.trained, self.epoch)
@@ -259,122 +224,6 @@ class World(StorageAndChecks):
         if rank.copying is not None:
             rank.slots[rank.copying], rank.copying = None, None  # torn
 
-    # keepers
-    def _to_copy(self, node: Node) -> list[int]:
-        """Own ranks whose newest published snapshot the peer (its keeper up) lacks. Copies stop when
-        the execution fails: a node's final holdings, sent when its workers are gone, stay final."""
-        peer = self.peer(node)
-        if peer is None or not peer.keeper_up:
-            return []
-        out = []
-        for r in node.ranks:
-            done = published(self.ranks[r])
-            if done and max(done) != node.pushed.get(r):
-                out.append(r)
-        return out
-
-    def copy(self, name: str, r: int) -> None:
-        node = self.nodes[name]
-        peer, rank = self.peer(node), self.ranks[r]
-        key = max(published(rank))
-        node.pushed[r] = key
-        slots = peer.copies.setdefault(r, [None, None])
-        free = [i for i, k in enumerate(slots) if k is None or k not in peer.pins]
-        if free:  # else both copies are pinned: this one is skipped
-            slots[min(free, key=lambda i: -1 if slots[i] is None else slots[i][0])] = key
-            self.report(peer)
-
-    def deliver(self, i: int) -> None:
-        dest, msg = self.net.pop(i)
-        if dest == "decider":
-            self.decide(msg)
-        elif dest == "agents":
-            if msg.failed_epoch == self.epoch:
-                self.may_restart = msg
-        elif (node := self.nodes.get(dest)) is not None and node.up:  # a lost node's mail is dropped
-            self.keeper_handle(node, msg)
-
-    def keeper_handle(self, node: Node, msg: Any) -> None:
-        if isinstance(msg, ev.Release):
-            if msg.free:
-                for r in node.ranks:
-                    self.ranks[r].slots = [None, None]
-                node.copies = {}
-            for key, plan in list(node.pins.items()):
-                if (msg.key is None or key == msg.key) and plan <= msg.upto:
-                    del node.pins[key]
-            if node.sight not in node.pins:
-                node.sight = None
-            if node.task is not None and node.task[2] not in node.pins:
-                node.task, node.todo = None, []  # an unpinned snapshot is no longer written
-            return
-        if isinstance(msg, ev.Commit):
-            node.commits.append((msg.plan, msg.step))
-            return
-        if isinstance(msg, ev.Write):  # every node pinned: each plans the same layout, writes its share
-            if node.task is not None and node.task[:2] == (msg.plan, msg.attempt) and msg.key in node.pins:
-                node.todo = list(node.mine)
-            return
-        if (msg.plan, msg.attempt) <= node.last_plan:
-            return  # a late or repeated plan: the keeper has moved on
-        node.last_plan = (msg.plan, msg.attempt)
-        key = msg.key
-        mine = dict(msg.writers).get(node.name, tuple(node.ranks))
-        holds = all(self.has(node, r, key) for r in mine)
-        if holds and self._moved_on(node, key):
-            holds = False
-        if not holds:
-            self.to_decider(ev.Pinned(node.name, msg.plan, False, "not held"))
-            return
-        node.pins[key] = max(msg.plan, node.pins.get(key, 0))
-        self.report(node)  # its pins too: one the decider no longer wants (a late plan) is released
-        node.task, node.mine, node.todo = (msg.plan, msg.attempt, key), list(mine), []
-        self.to_decider(ev.Pinned(node.name, msg.plan, True, attempt=msg.attempt))
-
-    def _moved_on(self, node: Node, key: Key) -> bool:
-        """Old design: a cursor past ``key`` answers "missing", unless the cursor's snapshot is a dead end."""
-        c, declared = node.cursor, self.declared
-        if c is None or c[0] <= key[0] or 0 in node.ranks:  # the coordinator reads the others' cursors
-            return False
-        if declared is not None:
-            if self.rules.dead_end_by_clock and c[0] > declared[0] and c[2] < declared[1]:  # by two clocks
-                return False
-            if self.rules.dead_end_by_epoch and c[1] <= declared[2]:  # of the failed execution: integers
-                return False
-        return True
-
-    def write(self, name: str) -> None:
-        node = self.nodes[name]
-        plan, attempt, key = node.task
-        r = node.todo.pop()
-        self.shards.setdefault((key[0], plan), {})[r] = (key, True)
-        self.from_copies += r not in node.ranks  # a lost node's rank, written from a peer's copy
-        if not node.todo:
-            if node.cursor is not None and node.cursor[0] == key[0]:
-                node.cursor = None
-            self.to_decider(ev.Wrote(name, plan, attempt, True))
-
-    def storage_fails(self, name: str) -> None:
-        node = self.nodes[name]
-        self.excuse()
-        self.to_decider(ev.Wrote(name, node.task[0], node.task[1], False, "storage failed"))
-        node.todo = []
-
-    def kill_keeper(self, name: str, mid_write: bool) -> None:
-        node = self.nodes[name]
-        node.keeper_up, node.pins, node.sight = False, {}, None  # its flocks die with it
-        node.commits = []  # a commit it was told to make: the decider hears of the restart
-        self.excuse()
-        if mid_write:
-            plan, _, key = node.task
-            self.shards.setdefault((key[0], plan), {})[node.todo[-1]] = (key, False)  # torn shard
-        node.todo, node.task = [], None
-
-    def keeper_start(self, name: str) -> None:
-        node = self.nodes[name]
-        node.keeper_up, node.incarnation = True, node.incarnation + 1
-        self.report(node)
-
     # agents and membership
     def stop_workers(self, name: str) -> None:
         node = self.nodes[name]
@@ -383,7 +232,7 @@ class World(StorageAndChecks):
             if rank.copying is not None:
                 rank.slots[rank.copying], rank.copying = None, None
             rank.alive = False
-        node.stopped = True
+        node.stopped, node.dead_epoch = True, self.epoch
         self.to_decider(ev.WorkersGone(name, self.epoch, self.holdings(node)))
         if all(n.stopped or not n.up for n in self.nodes.values()):
             self.failure_truth = self._common()

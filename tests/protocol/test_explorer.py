@@ -14,7 +14,7 @@ import pytest
 from tests.protocol import explore
 
 SCHEDULES = int(os.environ.get("STALWART_EXPLORE_SCHEDULES", "10000"))
-OLD_SEEDS = range(2000)  # each old rule is found well within this (first seeds: 34, 102, 67, 0, 3)
+OLD_SEEDS = range(2000)  # each old rule is found well within this (first seeds: 0, 90, 90, 1, 52, 0, 7)
 
 
 def _report(bad: list[explore.Outcome]) -> str:
@@ -44,6 +44,7 @@ def test_new_decider_keeps_every_invariant() -> None:
         ("cursor_moved_on", "held by every rank"),  # 2b2d89f
         ("preempt_waits_own_newest", "ended only by a timer (killwait)"),  # cd40b7f
         ("early_choice", "held by every rank"),  # 300ad3b
+        ("gone_epoch_from_job", "failure={'epoch': 1"),  # 68bc639: a bogus failure of epoch 1 holds all back
         ("no_pin_on_sight", "without faults gave a due step up"),  # the shadow's finding (docs/protocol.md)
     ],
 )
