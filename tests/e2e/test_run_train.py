@@ -51,6 +51,7 @@ def run_job(tmp_path: Path, data: Path, chaos: str | None = None) -> tuple[dict,
     env = {**__import__("os").environ, "STALWART_CHAOS_DIR": str(tmp_path / "chaos")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (tmp_path / "run.err").write_text(proc.stderr)
     return json.loads((tmp_path / "run.json").read_text()), json.loads((tmp_path / "out" / "summary.json").read_text())
 
 
@@ -87,3 +88,15 @@ def test_fault_recovers_to_bitwise_identical_weights(stdlib_data, tmp_path, refe
         assert "save-on-failure step 6" in (tmp_path / "out" / "keeper.log").read_text()
     else:
         assert saved.startswith("persisted step 6 "), saved
+
+
+def test_a_keeper_killed_mid_persist_is_replaced_and_training_never_notices(stdlib_data, tmp_path, reference):
+    """Under `stalwart run` the agent's keeper serves the node; killed (as by the OOM killer) while it
+    writes its first step, the agent starts another, which persists the rest. Before, nobody replaced
+    it: every later persist failed after 30 s ("no keeper serves"), restart after restart."""
+    run, summary = run_job(tmp_path, stdlib_data, "kill:at=persist")  # its first: a late keeper coalesces
+    assert (summary["final_hash"], summary["optim_hash"]) == (reference["final_hash"], reference["optim_hash"])
+    assert run["incidents"] == [] and run["restarts_used"] == 0, "the workers never noticed"
+    assert "exited with -9 while the job ran; started keeper pid" in (tmp_path / "run.err").read_text()
+    assert run["storage"]["ok"] and run["storage"]["last_committed"] == STEPS
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"step-{STEPS:08d}"

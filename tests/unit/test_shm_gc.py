@@ -206,6 +206,27 @@ def test_the_agent_removes_what_a_killed_keeper_left_only_if_it_holds_no_job(shm
     assert job.root.exists() == snapshots
 
 
+def test_a_keeper_that_exits_on_its_own_is_replaced_until_the_agent_stops_it(shm, tmp_path):
+    """Killed while the job runs (the OOM killer), the agent's keeper is replaced at the agent's next
+    monitor tick (``ensure``), at most every ``REPLACE_EVERY_S``; once the agent stops it, never."""
+    from stalwart.checkpoint.keeper_process import KeeperProcess
+    from stalwart.checkpoint.node_job import NodeJob
+
+    keeper = KeeperProcess(NodeJob(user_dir(shm) / "oom"), tmp_path / "keeper.log", grace_s=60).start()
+    first = keeper.proc
+    assert keeper.ensure() is None, "a running keeper is left alone"
+    first.kill()
+    first.wait()
+    assert keeper.ensure() is None, "not again within REPLACE_EVERY_S of the last start"
+    keeper.REPLACE_EVERY_S = 0.0
+    said = keeper.ensure()
+    assert said is not None and f"keeper (pid {first.pid}) exited with -9" in said, said
+    assert keeper.proc is not first and keeper.proc.poll() is None and keeper.replaced == 1
+    assert f"started keeper pid {keeper.proc.pid}" in said
+    keeper.stop()
+    assert keeper.proc.returncode is not None and keeper.ensure() is None, "a stopped keeper stays stopped"
+
+
 class _Stopped:
     """The agent's stop request, already made (``keeper_process.StopRequest`` without its signals)."""
 

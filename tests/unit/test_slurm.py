@@ -143,6 +143,30 @@ def test_a_worker_killed_by_the_notice_is_the_preemption_and_a_swallowed_notice_
             signal.signal(sig, handler)
 
 
+def test_the_agent_acts_on_a_swallowed_notice_at_its_next_tick_not_at_the_end_of_the_run():
+    """Swallowed while a restart stopped the workers or saved on failure, the notice used to wait for
+    the run to end: the agent started new workers and trained on until the scheduler's SIGKILL."""
+    from stalwart.launch.agent import StalwartAgent
+
+    agent = object.__new__(StalwartAgent)  # only its notice matters here
+    agent.notice = None
+    agent._check_notice()  # not armed (a local run without a notice): nothing to act on
+    agent.notice = preempt.Preemption((signal.SIGUSR1,))
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        agent.notice.arm()
+        agent._check_notice()  # armed, no notice yet
+        try:
+            signal.raise_signal(signal.SIGUSR1)
+        except Exception:  # as TorchElastic's log tailer does while it stops workers
+            pass
+        with pytest.raises(preempt.Preempted) as err:
+            agent._check_notice()
+        assert err.value.signum == signal.SIGUSR1 and err.value.sigval == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_the_master_host_waits_for_every_node_alive_at_the_notice_to_journal_its_preemption():
     """Alive at the notice, not now: a node's beats stop with its workers, and a node still persisting
     for longer than the freshness window must not be requeued (and killed) under it."""

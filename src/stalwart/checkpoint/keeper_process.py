@@ -165,7 +165,10 @@ def next_job(root: Path, stop: StopRequest, poll_s: float) -> dict[str, Any] | N
 
 class KeeperProcess:
     """The agent's handle on its node's keeper, like its zygote's: started before the workers, stopped
-    (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent."""
+    (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent. One
+    that exits before it is asked to (killed by the OOM killer, a crash) is replaced (``ensure``)."""
+
+    REPLACE_EVERY_S = 5.0  # a keeper that dies at once is replaced this often, not at every monitor tick
 
     def __init__(
         self,
@@ -178,6 +181,9 @@ class KeeperProcess:
         self.job, self.log_path, self.grace_s, self.env, self.eager = job, log_path, grace_s, env or {}, eager
         self.status_copy = log_path.parent / "keeper-status.json"  # the keeper's status, kept for the report
         self.proc: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+        self.replaced = 0  # keepers started after one exited on its own
+        self._spawned_at = 0.0
 
     def start(self) -> KeeperProcess:
         if not Path(shm_root := default_shm_root()).is_dir():  # no flash checkpoints here without another root
@@ -186,6 +192,26 @@ class KeeperProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # The keeper journals beside the status copy: a reused run directory's old records are not news.
         (self.status_copy.parent / INCIDENTS_FILE).unlink(missing_ok=True)
+        self._spawn()
+        return self
+
+    def ensure(self) -> str | None:
+        """Replace a keeper that exited while the agent still needs it; what happened, for the console.
+        Without it every later persist of the job fails ("no keeper serves"), restart after restart. The
+        new keeper takes the job over from shared memory and storage, as after a keeper killed mid-persist."""
+        if self.proc is None or self.stopping or (code := self.proc.poll()) is None:
+            return None
+        if time.monotonic() - self._spawned_at < self.REPLACE_EVERY_S:
+            return None
+        dead = self.proc.pid
+        self._spawn()
+        self.replaced += 1
+        return (
+            f"the node's keeper (pid {dead}) exited with {code} while the job ran; started keeper pid "
+            f"{self.proc.pid} in its place (replacement {self.replaced}; see {self.log_path})"
+        )
+
+    def _spawn(self) -> None:
         from stalwart.checkpoint.keeper_link import spawn_keeper  # the agent's side: torch is loaded there
 
         self.proc = spawn_keeper(
@@ -197,12 +223,13 @@ class KeeperProcess:
             env=self.env,
             eager=self.eager,
         )
-        return self
+        self._spawned_at = time.monotonic()
 
     def stop(self, wait_s: float | None = None) -> None:
         """SIGTERM: the keeper persists what is due, saves on failure, tidies and exits (it enforces
         ``grace_s`` itself; SIGKILL after a little more). ``wait_s``: wait only that long, then leave it
         finishing on its own (a preempted agent's exit must not wait)."""
+        self.stopping = True
         if self.proc is None:
             return
         if self.proc.poll() is None:

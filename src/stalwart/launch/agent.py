@@ -207,6 +207,7 @@ class StalwartAgent(LocalElasticAgent):
         """One tick: TorchElastic's view of the processes plus the progress records; an incident when
         a rank failed or hung (a hung group is killed here and reported as failed)."""
         self._check_evicted()  # raised out of run(): TorchElastic stops the workers on the way out
+        self._check_notice()
         result = _compat.poll_workers(self, group)
         now = time.time()
         progress = self._read_progress(group)
@@ -277,6 +278,7 @@ class StalwartAgent(LocalElasticAgent):
             except Exception as err:  # a failed save must not stop the recovery
                 log.exception("save-on-failure failed")
                 saved = {"error": f"{type(err).__name__}: {err}"}
+        self._check_notice()  # a notice swallowed while stopping or saving: no new workers for it
         group.state = WorkerState.STOPPED
         self._restart_round += 1
         self.hang.reset()
@@ -411,6 +413,13 @@ class StalwartAgent(LocalElasticAgent):
             rank: evidence.log_tail(pcontext.stderrs.get(local_of[rank]) if pcontext is not None else None)
             for rank in result.failures
         }
+
+    def _check_notice(self) -> None:
+        """A preemption notice whose exception an ``except Exception`` swallowed (TorchElastic's log
+        tailer while it stops workers, a save-on-failure under way) is acted on now, not when the run
+        ends: a restart after it would train on until the scheduler's SIGKILL, its save lost."""
+        if self.notice is not None and (missed := self.notice.missed()) is not None:
+            raise missed
 
     def _check_evicted(self) -> None:
         reason = self.status.leave

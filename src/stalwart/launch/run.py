@@ -169,6 +169,12 @@ def run(argv: list[str]) -> int:
     failure_save = FailureSave(node_job, Membership(address, token, node_id) if shared else None)
     storage_watch = StorageWatch(keeper.status_copy)
 
+    def watch_keeper() -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """Each monitor tick: a keeper that died is replaced, then its storage news is read."""
+        if (replaced := keeper.ensure()) is not None:
+            print(f"stalwart run: {replaced}", file=sys.stderr, flush=True)
+        return storage_watch()
+
     slowed = slow is not None and slow.action == "delay"
     governed = share.throttle_factory(args, run_dir)  # --share-with: yield to a production job
 
@@ -201,7 +207,7 @@ def run(argv: list[str]) -> int:
             throttle=governed or (partial(Throttle, factor=slow.node_factor) if slowed else None),
             join_info={"min_nodes": config.min_nodes, "max_nodes": config.max_nodes},
             zygote=warm,
-            storage_watch=storage_watch,
+            storage_watch=watch_keeper,
             exit_grace_s=args.exit_grace,
             local_restarts=args.max_restarts,
         )
