@@ -227,6 +227,41 @@ def test_a_keeper_that_exits_on_its_own_is_replaced_until_the_agent_stops_it(shm
     assert keeper.proc.returncode is not None and keeper.ensure() is None, "a stopped keeper stays stopped"
 
 
+def test_a_keeper_that_keeps_dying_is_replaced_with_backoff_then_no_more_and_a_failed_start_is_said(shm, tmp_path):
+    """Each quick death doubles the wait before the next replacement; after REPLACE_AT_MOST in a row the
+    agent stops trying (a keeper that crashes the same way would cost a core's imports every 5 s). A
+    replacement that cannot start (a full disk, no memory) is said on the console, not raised: the
+    workers train on."""
+    from stalwart.checkpoint.keeper_process import KeeperProcess
+    from stalwart.checkpoint.node_job import NodeJob
+
+    keeper = KeeperProcess(NodeJob(user_dir(shm) / "crashy"), tmp_path / "keeper.log", grace_s=60).start()
+    keeper.REPLACE_EVERY_S, keeper.REPLACE_AT_MOST = 0.05, 3
+    said = []
+    try:
+        for _ in range(40):  # 0.05 · (1 + 2 + 4 + 8) s of backoff in all, well within
+            if keeper.proc.poll() is None:
+                keeper.proc.kill()
+                keeper.proc.wait()
+            if (line := keeper.ensure()) is not None:
+                said.append(line)
+            time.sleep(0.05)
+        assert keeper.replaced == 4 and len(said) == 4, said  # the first death is not a quick one in a row
+        assert "if this one dies too, no other is started" in said[-1]
+        assert keeper.proc.poll() is not None and keeper.ensure() is None, "given up"
+
+        other = KeeperProcess(NodeJob(user_dir(shm) / "nolog"), tmp_path / "keeper2.log", grace_s=60).start()
+        other.REPLACE_EVERY_S = 0.0
+        other.proc.kill()
+        other.proc.wait()
+        other.log_path = tmp_path / "no-such-dir" / "keeper.log"  # the log cannot be opened: OSError
+        line = other.ensure()
+        assert line is not None and "could not start another (FileNotFoundError" in line, line
+        assert other.replaced == 0
+    finally:
+        keeper.stop()
+
+
 class _Stopped:
     """The agent's stop request, already made (``keeper_process.StopRequest`` without its signals)."""
 

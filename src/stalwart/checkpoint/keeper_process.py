@@ -25,6 +25,7 @@ from stalwart.checkpoint.shm import (
     REPLICA_STATUS,
     REPLICAS_DIR,
     JobPaths,
+    ShmPermissionError,
     default_shm_root,
     read_json,
     user_dir,
@@ -168,7 +169,8 @@ class KeeperProcess:
     (after pending persists, within ``grace_s``) when the agent exits; it also dies with the agent. One
     that exits before it is asked to (killed by the OOM killer, a crash) is replaced (``ensure``)."""
 
-    REPLACE_EVERY_S = 5.0  # a keeper that dies at once is replaced this often, not at every monitor tick
+    REPLACE_EVERY_S = 5.0  # the first replacement waits this long after the last start; doubled after each
+    REPLACE_AT_MOST = 5  # replacements that died within a minute in a row: then the agent stops trying
 
     def __init__(
         self,
@@ -183,6 +185,7 @@ class KeeperProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.replaced = 0  # keepers started after one exited on its own
+        self._quick_deaths = 0  # replacements in a row that lived less than a minute
         self._spawned_at = 0.0
 
     def start(self) -> KeeperProcess:
@@ -201,15 +204,21 @@ class KeeperProcess:
         new keeper takes the job over from shared memory and storage, as after a keeper killed mid-persist."""
         if self.proc is None or self.stopping or (code := self.proc.poll()) is None:
             return None
-        if time.monotonic() - self._spawned_at < self.REPLACE_EVERY_S:
-            return None
+        lived = time.monotonic() - self._spawned_at
+        if self._quick_deaths >= self.REPLACE_AT_MOST or lived < self.REPLACE_EVERY_S * 2**self._quick_deaths:
+            return None  # backing off (a keeper that dies the same way each time), or given up
+        self._quick_deaths = self._quick_deaths + 1 if self.replaced and lived < 60.0 else 0
         dead = self.proc.pid
-        self._spawn()
+        what = f"the node's keeper (pid {dead}) exited with {code} while the job ran"
+        try:
+            self._spawn()
+        except (OSError, ShmPermissionError) as err:  # a full disk, no memory: the job trains on without one
+            self._spawned_at = time.monotonic()
+            return f"{what}; could not start another ({type(err).__name__}: {err}); retrying later"
         self.replaced += 1
-        return (
-            f"the node's keeper (pid {dead}) exited with {code} while the job ran; started keeper pid "
-            f"{self.proc.pid} in its place (replacement {self.replaced}; see {self.log_path})"
-        )
+        then = "" if self._quick_deaths < self.REPLACE_AT_MOST else "; if this one dies too, no other is started"
+        replacement = f"replacement {self.replaced}{then}; see {self.log_path}"
+        return f"{what}; started keeper pid {self.proc.pid} in its place ({replacement})"
 
     def _spawn(self) -> None:
         from stalwart.checkpoint.keeper_link import spawn_keeper  # the agent's side: torch is loaded there

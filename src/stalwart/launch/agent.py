@@ -207,7 +207,6 @@ class StalwartAgent(LocalElasticAgent):
         """One tick: TorchElastic's view of the processes plus the progress records; an incident when
         a rank failed or hung (a hung group is killed here and reported as failed)."""
         self._check_evicted()  # raised out of run(): TorchElastic stops the workers on the way out
-        self._check_notice()
         result = _compat.poll_workers(self, group)
         now = time.time()
         progress = self._read_progress(group)
@@ -246,7 +245,7 @@ class StalwartAgent(LocalElasticAgent):
 
     def _decide(self, incident: Incident | None) -> Decision:
         if incident is None:  # TorchElastic could not poll the workers (UNHEALTHY): no diagnosis
-            left = restarts_left(self._local_restarts, self._failure_restarts)
+            left = restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts)  # as before
             return Decision(left > 0, reason="worker group unhealthy")
         decision = decide(
             incident,
@@ -315,6 +314,7 @@ class StalwartAgent(LocalElasticAgent):
             self.zygote.ensure()  # a zygote that exited (stale code) is replaced for this start
         self._started_at = time.time()
         self._serve_worker_store(worker_group)
+        self._check_notice()  # a notice swallowed in the rendezvous: no workers for it
         started = super()._start_workers(worker_group)
         if self.throttle is not None:
             self.throttle.resume()
@@ -422,6 +422,7 @@ class StalwartAgent(LocalElasticAgent):
             raise missed
 
     def _check_evicted(self) -> None:
+        self._check_notice()  # a notice swallowed meanwhile (a precheck's burn-in) is no eviction
         reason = self.status.leave
         if reason is not None:
             raise NodeParked(reason) if self.status.parked else NodeEvicted(reason)

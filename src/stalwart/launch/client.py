@@ -27,8 +27,8 @@ class MasterClient:
     """The master's API for one agent (its main loop and heartbeat thread share it).
 
     Connection failures are retried for ``retry_for_s``, counted from when the master was first found
-    unreachable, not per call: an agent whose master is gone for good then meets each call's failure at
-    once, instead of waiting ``retry_for_s`` again for the journal, the restart decision and the lost
+    unreachable, not per call: an agent whose master is gone for good then meets each call's failure after
+    one attempt, instead of waiting ``retry_for_s`` again for the journal, the restart decision and the lost
     nodes of every incident (a minute and more per restart, with the local budget deciding anyway)."""
 
     def __init__(self, address: str, token: str, timeout_s: float = 5.0, retry_for_s: float = 30.0) -> None:
@@ -37,6 +37,7 @@ class MasterClient:
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s
         self.unreachable_since: float | None = None  # monotonic; None while the last call got through
+        self._answered_at = float("-inf")  # when the newest answer came
 
     def call(
         self, method: str, path: str, body: dict[str, Any] | None = None, retry_for_s: float | None = None
@@ -49,14 +50,19 @@ class MasterClient:
         try:
             reply = call_master(self.address, self.token, method, path, body, self.timeout_s, retry)
         except MasterError:
-            self.unreachable_since = None  # it answered
+            self._answered()  # an error answer is an answer
             raise
         except OSError:
-            if self.unreachable_since is None:
+            # Not when another thread's call got an answer while this one waited (a heartbeat timing out)
+            if self.unreachable_since is None and self._answered_at < started:
                 self.unreachable_since = started
             raise
-        self.unreachable_since = None
+        self._answered()
         return reply
+
+    def _answered(self) -> None:
+        self._answered_at = time.monotonic()
+        self.unreachable_since = None
 
     # Convenience wrappers, one per route.
     def join(self, node_id: str, host: str, nproc: int, info: dict[str, Any] | None = None) -> dict[str, Any]:

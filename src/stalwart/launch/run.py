@@ -82,7 +82,7 @@ def run(argv: list[str]) -> int:
     if args.master:
         if not token:
             raise ValueError("--master needs the job token: pass --job-token or set STALWART_JOB_TOKEN")
-        master_store(args, MasterClient(args.master, token))
+        master_store(args, MasterClient(args.master, token, retry_for_s=args.master_retry))
     share.validate(args)
     rendezvous_defaults(args)
     config, cmd, cmd_args = torchrun.config_from_args(args)
