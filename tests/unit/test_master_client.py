@@ -40,10 +40,10 @@ def _timed(call) -> float:
 
 def test_an_unreachable_master_is_waited_for_once_then_each_call_fails_at_once():
     port = free_port()
-    client = MasterClient(f"http://127.0.0.1:{port}", "tok", timeout_s=1.0, retry_for_s=1.0)
-    assert _timed(lambda: client.call("GET", "/v1/status")) >= 1.0, "the first call waits the window"
-    assert _timed(lambda: client.call("GET", "/v1/status")) < 0.3, "the window is spent: no second wait"
-    assert _timed(lambda: client.call("GET", "/v1/status", retry_for_s=0)) < 0.3
+    client = MasterClient(f"http://127.0.0.1:{port}", "tok", timeout_s=1.0, retry_for_s=3.0)
+    assert _timed(lambda: client.call("GET", "/v1/status")) >= 3.0, "the first call waits the window"
+    assert _timed(lambda: client.call("GET", "/v1/status")) < 1.5, "the window is spent: no second wait"
+    assert _timed(lambda: client.call("GET", "/v1/status", retry_for_s=0)) < 1.5
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Answers)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -58,7 +58,7 @@ def test_an_unreachable_master_is_waited_for_once_then_each_call_fails_at_once()
         server.server_close()
     started = time.monotonic()
     assert _timed(lambda: client.call("GET", "/v1/status", retry_for_s=0.5)) >= 0.5, "a new outage: a new window"
-    assert time.monotonic() - started < 1.0, "a call's own shorter retry still bounds it"
+    assert time.monotonic() - started < 2.5, "a call's own shorter retry bounds it, not the 3 s window"
 
 
 def test_a_call_that_failed_while_another_got_an_answer_opens_no_outage():

@@ -245,7 +245,7 @@ class StalwartAgent(LocalElasticAgent):
 
     def _decide(self, incident: Incident | None) -> Decision:
         if incident is None:  # TorchElastic could not poll the workers (UNHEALTHY): no diagnosis
-            left = restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts)  # as before
+            left = restarts_left(self.get_worker_group().spec.max_restarts, self._failure_restarts)
             return Decision(left > 0, reason="worker group unhealthy")
         decision = decide(
             incident,
@@ -277,7 +277,6 @@ class StalwartAgent(LocalElasticAgent):
             except Exception as err:  # a failed save must not stop the recovery
                 log.exception("save-on-failure failed")
                 saved = {"error": f"{type(err).__name__}: {err}"}
-        self._check_notice()  # a notice swallowed while stopping or saving: no new workers for it
         group.state = WorkerState.STOPPED
         self._restart_round += 1
         self.hang.reset()
@@ -422,7 +421,9 @@ class StalwartAgent(LocalElasticAgent):
             raise missed
 
     def _check_evicted(self) -> None:
-        self._check_notice()  # a notice swallowed meanwhile (a precheck's burn-in) is no eviction
+        # First a notice swallowed meanwhile (a save-on-failure, a precheck's burn-in): it is no eviction,
+        # and a restart's _initialize_workers checks here before it starts new workers for it.
+        self._check_notice()
         reason = self.status.leave
         if reason is not None:
             raise NodeParked(reason) if self.status.parked else NodeEvicted(reason)
