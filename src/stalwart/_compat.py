@@ -377,13 +377,20 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 def set_deterministic_algorithms() -> None:
     """``torch.use_deterministic_algorithms(True)`` without its import of ``torch._inductor`` (only to
     set inductor's own flag; 2–3 s of every worker start, so of every recovery, on torch 2.13). The
-    trainer does not compile; if something already imported inductor, the public call is used."""
+    trainer does not compile; if something already imported inductor, the public call is used.
+
+    Without filling uninitialized memory (``torch.utils.deterministic.fill_uninitialized_memory``, on by
+    default with deterministic algorithms): a fill of every ``torch.empty`` that only makes a faulty
+    op's read of garbage repeatable, at ~3 % of a CPU step here (issue 28 item 0); torch's docs call a
+    valid program deterministic without it."""
     import torch
+    import torch.utils.deterministic
 
     if "torch._inductor.config" in sys.modules:
         torch.use_deterministic_algorithms(True, warn_only=False)
     else:
         torch._C._set_deterministic_algorithms(True, warn_only=False)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def sdpa_backend(

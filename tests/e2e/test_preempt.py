@@ -74,17 +74,22 @@ def steps_logged(out: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
-def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, preempt_reference, tmp_path):
-    run1 = command(tmp_path, stdlib_data, "run1", *PACE)
-    proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def notice_after(proc: subprocess.Popen, out: Path, steps: int, poll_s: float) -> None:
+    """SIGUSR1 (the notice) to the run once ``steps`` steps are logged; it ends preempted."""
     with reaped(proc):
         deadline = time.monotonic() + 240
-        while steps_logged(tmp_path / "out") < HELD_6 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        while steps_logged(out) < steps and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
         assert proc.poll() is None, "the run ended before the notice"
         proc.send_signal(signal.SIGUSR1)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err.decode()[-4000:]
+
+
+def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, preempt_reference, tmp_path):
+    run1 = command(tmp_path, stdlib_data, "run1", *PACE)
+    proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    notice_after(proc, tmp_path / "out", HELD_6, poll_s=0.2)
 
     notice = json.loads((tmp_path / "run1.json").read_text())["preempted"]
     step = notice["save"]["step"]
@@ -100,3 +105,15 @@ def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, preempt_ref
     assert summary["final_hash"] == preempt_reference["final_hash"]
     assert summary["optim_hash"] == preempt_reference["optim_hash"]
     assert summary["samples_consumed"] == preempt_reference["samples_consumed"]
+
+
+def test_a_notice_during_a_snapshot_copy_lets_the_copy_finish_and_saves_that_step(stdlib_data, tmp_path):
+    """Both ranks' copies of step 8 take 2 s; the notice comes once step 8 is logged, so the agent's
+    SIGTERM finds them under way. The workers finish them (bounded) before they die of it, and the
+    preemption saves step 8 (before, SIGTERM's default cut them and it saved step 7)."""
+    run1 = command(tmp_path, stdlib_data, "run1", "--chaos", "slow:seconds=0.1;delay:at=copy:step=8:seconds=2")
+    proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    notice_after(proc, tmp_path / "out", 8, poll_s=0.05)
+    notice = json.loads((tmp_path / "run1.json").read_text())["preempted"]
+    assert notice["save"]["step"] == 8, notice
+    assert (tmp_path / "ckpt" / "step-00000008").is_dir()

@@ -407,14 +407,19 @@ def test_checkpoint_wrapper_prefix_is_what_named_parameters_show() -> None:
 
 
 def test_set_deterministic_algorithms_sets_the_public_flag() -> None:
-    before = torch.are_deterministic_algorithms_enabled()
+    import torch.utils.deterministic as deterministic
+
+    before, fill = torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory
     try:
         torch.use_deterministic_algorithms(False)
+        deterministic.fill_uninitialized_memory = True
         _compat.set_deterministic_algorithms()
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not deterministic.fill_uninitialized_memory, "a valid program is deterministic without the fill"
     finally:
         torch.use_deterministic_algorithms(before)
+        deterministic.fill_uninitialized_memory = fill
 
 
 # --- end of training section ------------------------------------------------------------------

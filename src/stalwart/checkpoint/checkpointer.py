@@ -28,6 +28,7 @@ from stalwart.checkpoint.state import TrainingState
 from stalwart.checkpoint.storage import Storage
 from stalwart.checkpoint.storage_health import AtRiskPolicy, StorageNews, not_durable
 from stalwart.runtime import ENV_REPLICA_SYNC, ENV_SHARED_MASTER, REPLICA_OVERLAP, worker_env
+from stalwart.runtime.sigterm import finish_before_sigterm
 
 log = logging.getLogger("stalwart.checkpoint")
 
@@ -162,6 +163,8 @@ class Checkpointer:
                 )
         slots = int(os.environ.get(shm.ENV_SLOTS) or len(shm.SLOTS))
         self.writer = SnapshotWriter(self.paths, self.rank, self.world, slots, epoch=self.epoch)
+        # the agent's SIGTERM (a peer failed) lets a copy under way finish: else this rank holds one step less
+        self._forget_sigterm = finish_before_sigterm(self.writer.finish_in_flight)
         # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out;
         # `--replica-overlap`: once the previous save's are (``_copies_due``), so they overlap a step
         self.replica_wait = os.environ.get(ENV_REPLICA_SYNC, "") if self.world > len(self.node_ranks) else ""
@@ -361,6 +364,7 @@ class Checkpointer:
         try:
             self.writer.close()
         finally:
+            self._forget_sigterm()
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()

@@ -8,6 +8,7 @@ the training stream: the save call records the event instead of issuing the copi
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import mmap
@@ -240,6 +241,13 @@ class SnapshotWriter:
             self._future.result()
             self.stats[stat] += time.perf_counter() - t0
             self._future = None
+
+    def finish_in_flight(self, timeout: float) -> None:
+        """From any thread (a SIGTERM's, ``runtime.sigterm``): wait up to ``timeout`` s for the snapshot
+        under way to be published; its failure is not raised here."""
+        future = self._future
+        if future is not None:
+            concurrent.futures.wait([future], timeout=timeout)
 
     def _raise_if_failed(self) -> None:
         if self._future is not None and self._future.done() and self._future.exception() is not None:
