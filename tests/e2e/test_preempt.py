@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,11 +75,11 @@ def steps_logged(out: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
-def notice_after(proc: subprocess.Popen, out: Path, steps: int, poll_s: float) -> None:
-    """SIGUSR1 (the notice) to the run once ``steps`` steps are logged; it ends preempted."""
+def notice_after(proc: subprocess.Popen, ready: Callable[[], bool], poll_s: float) -> None:
+    """SIGUSR1 (the notice) to the run once ``ready()``; it ends preempted."""
     with reaped(proc):
         deadline = time.monotonic() + 240
-        while steps_logged(out) < steps and proc.poll() is None and time.monotonic() < deadline:
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(poll_s)
         assert proc.poll() is None, "the run ended before the notice"
         proc.send_signal(signal.SIGUSR1)
@@ -89,7 +90,7 @@ def notice_after(proc: subprocess.Popen, out: Path, steps: int, poll_s: float) -
 def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, preempt_reference, tmp_path):
     run1 = command(tmp_path, stdlib_data, "run1", *PACE)
     proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    notice_after(proc, tmp_path / "out", HELD_6, poll_s=0.2)
+    notice_after(proc, lambda: steps_logged(tmp_path / "out") >= HELD_6, poll_s=0.2)
 
     notice = json.loads((tmp_path / "run1.json").read_text())["preempted"]
     step = notice["save"]["step"]
@@ -108,12 +109,15 @@ def test_preempt_persists_and_the_rerun_resumes_bitwise(stdlib_data, preempt_ref
 
 
 def test_a_notice_during_a_snapshot_copy_lets_the_copy_finish_and_saves_that_step(stdlib_data, tmp_path):
-    """Both ranks' copies of step 8 take 2 s; the notice comes once step 8 is logged, so the agent's
-    SIGTERM finds them under way. The workers finish them (bounded) before they die of it, and the
-    preemption saves step 8 (before, SIGTERM's default cut them and it saved step 7)."""
-    run1 = command(tmp_path, stdlib_data, "run1", "--chaos", "slow:seconds=0.1;delay:at=copy:step=8:seconds=2")
+    """Both ranks' copies of step 8 take 2 s; the notice comes once both are under way (their chaos
+    delays have fired: one marker each), so the agent's SIGTERM finds them there. The workers finish
+    them (bounded) before they die of it, and the preemption saves step 8 (before, SIGTERM's default cut
+    them and it saved step 7)."""
+    slow_copies = ";".join(f"delay:at=copy:step=8:rank={r}:seconds=2:once=1" for r in (0, 1))
+    run1 = command(tmp_path, stdlib_data, "run1", "--chaos", f"slow:seconds=0.1;{slow_copies}")
     proc = subprocess.Popen(run1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    notice_after(proc, tmp_path / "out", 8, poll_s=0.05)
+    fired = tmp_path / "run1" / "chaos" / "fired"  # `stalwart run`'s marker directory (launch.run)
+    notice_after(proc, lambda: len(list(fired.glob("*.fired"))) == 2, poll_s=0.02)
     notice = json.loads((tmp_path / "run1.json").read_text())["preempted"]
     assert notice["save"]["step"] == 8, notice
     assert (tmp_path / "ckpt" / "step-00000008").is_dir()

@@ -76,4 +76,4 @@ def test_a_rank_stuck_in_c_after_its_script_returned_is_ended_by_the_agent(tmp_p
     proc, summary, out, _ = _run(tmp_path, "--gil-stuck", run_args=("--exit-grace", "2"))
     _finished_once(proc, summary, out)
     assert "rank 1 returned from its script" in proc.stderr, proc.stderr[-3000:]
-    assert "thread(s) 'user-never-ends'" in proc.stderr
+    assert "thread(s) 'user-never-ends'" in proc.stderr, proc.stderr[-6000:]

@@ -102,6 +102,7 @@ def test_the_threads_still_running_are_named_from_the_stack_dump():
     dump = (
         'Process 5 "python x.py"\nThread 0x1 (idle): "MainThread"\n    _shutdown (threading.py:1590)\n'
         'Thread 0x2 (active+gil): "user-never-ends"\n    hog (x.py:3)\nThread 0x3 (idle): "stalwart-exit-watchdog"\n'
+        'Thread 0x4 (idle): "stalwart-sigterm"\n    _watch (stalwart/runtime/sigterm.py:131)\n'
     )
     assert user_threads(dump) == ["user-never-ends"]
 

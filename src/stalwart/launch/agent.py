@@ -40,6 +40,7 @@ from stalwart.health.precheck import PrecheckConfig
 from stalwart.health.throttle import Throttle
 from stalwart.launch import admission, detect, evidence, presence
 from stalwart.launch.agent_journal import AgentJournal
+from stalwart.launch.agent_workers import WorkerProcesses
 from stalwart.launch.client import MasterClient
 from stalwart.launch.decide import Decision, decide, restarts_left
 from stalwart.launch.detect import Incident
@@ -119,10 +120,10 @@ class StalwartAgent(LocalElasticAgent):
         self.prechecks: list[dict[str, Any]] = []  # every precheck's result, for the run summary
         self.join_info = join_info or {}
         self.zygote = zygote  # warm start: workers are forked by it, TorchElastic sees stand-ins
-        self.worker_pid = zygote.worker_pid if zygote else (lambda pid: pid)  # the real worker behind a pid
+        self.worker_processes = WorkerProcesses(self, zygote.worker_pid if zygote else (lambda pid: pid))
         self.notice: Preemption | None = None  # set by `stalwart run` once armed (launch.preempt)
         # chaos slow:at=node (a straggler on demand) or --share-with: stops and continues the workers
-        self.throttle = throttle(self._worker_pids) if throttle else None
+        self.throttle = throttle(self.worker_processes.pids) if throttle else None
         self._worker_store: TCPStore | None = None  # this round's worker store, on group rank 0's node
         self.status = NodeStatus(window_s)  # shared with the heartbeat thread (locked)
         self.heartbeat = Heartbeat(
@@ -219,8 +220,8 @@ class StalwartAgent(LocalElasticAgent):
         fault_of = partial(evidence.fault_time, self.progress_dir)
         incident = None
         if result.state == WorkerState.HEALTHY:
-            if overdue := self.returned.overdue(progress, now, self._running):
-                self.returned.note_ended(overdue, self._dump_and_kill(group, overdue))
+            if overdue := self.returned.overdue(progress, now, self.worker_processes.running):
+                self.returned.note_ended(overdue, self.worker_processes.dump_and_kill(group, overdue))
             incident = detect.hang(self.hang, detect.unheld(progress, self.throttle), now, fault_of)
             if incident is not None:
                 self._kill_hung(group, incident)
@@ -229,7 +230,12 @@ class StalwartAgent(LocalElasticAgent):
             if self.notice is not None:  # a worker killed by the preemption notice: Preempted, not a fault
                 self.notice.check_workers([f.exitcode for f in result.failures.values()])
             incident = detect.worker_exit(
-                result.failures, self._failure_logs(group, result), progress, self._progressed, now, fault_of
+                result.failures,
+                self.worker_processes.failure_logs(group, result),
+                progress,
+                self._progressed,
+                now,
+                fault_of,
             )
             if not incident.retry:
                 what = "storage failure" if incident.cls == "storage" else f"user error ({incident.kind})"
@@ -359,15 +365,7 @@ class StalwartAgent(LocalElasticAgent):
             self.progress_dir, [w.global_rank for w in group.workers]
         )
         log.error("hang diagnosis:\n%s", collectives["summary"])
-        incident.details["stacks"] = self._dump_and_kill(group)
-
-    def _dump_and_kill(self, group: WorkerGroup, ranks: list[int] | None = None) -> dict[int, str]:
-        """Python stacks of the group's workers (or of ``ranks`` only), then SIGKILL them."""
-        pcontext = _compat.worker_processes(self)
-        started = pcontext.pids() if pcontext is not None else {}
-        of = {w.local_rank: w.global_rank for w in group.workers if ranks is None or w.global_rank in ranks}
-        started = {local: pid for local, pid in started.items() if local in of}
-        return evidence.dump_stacks_and_kill(of, started, self.worker_pid)
+        incident.details["stacks"] = self.worker_processes.dump_and_kill(group)
 
     def _check_first_step(self, progress: list[Progress]) -> None:
         """Close the pending incident when every rank has reported a step since the restart."""
@@ -376,10 +374,7 @@ class StalwartAgent(LocalElasticAgent):
         if incident is None or first is None:
             return
         self._pending = None
-        pcontext = _compat.worker_processes(self)
-        pids = pcontext.pids().values() if pcontext is not None else []
-        warm = bool(pids) and all(self.worker_pid(pid) != pid for pid in pids)  # every rank forked warm
-        self.journal.first_step(incident, first, warm)
+        self.journal.first_step(incident, first, self.worker_processes.all_warm())
 
     def _forward_worker_incidents(self) -> None:
         self.journal.worker_reports(self.worker_incidents.read(self.progress_dir))
@@ -389,29 +384,10 @@ class StalwartAgent(LocalElasticAgent):
             self.journal.worker_reports(records)
 
     # -- evidence and membership --------------------------------------------------------------------
-    def _worker_pids(self) -> list[int]:
-        pcontext = _compat.worker_processes(self)
-        return [self.worker_pid(p) for p in pcontext.pids().values()] if pcontext is not None else []
-
-    def _running(self, rank: int) -> bool:
-        """Whether the worker of global ``rank`` (the real one behind a warm start's stand-in) still runs."""
-        pcontext = _compat.worker_processes(self)
-        local = {w.global_rank: w.local_rank for w in self.get_worker_group().workers}.get(rank)
-        pid = pcontext.pids().get(local) if pcontext is not None and local is not None else None
-        return pid is not None and evidence.process_running(self.worker_pid(pid))
-
     def _read_progress(self, group: WorkerGroup) -> list[Progress]:
         return detect.progress_of(
             {w.global_rank: self.reader.read(w.global_rank) for w in group.workers}, self._started_at
         )
-
-    def _failure_logs(self, group: WorkerGroup, result: RunResult) -> dict[int, str]:
-        local_of = {w.global_rank: w.local_rank for w in group.workers}
-        pcontext = _compat.worker_processes(self)
-        return {
-            rank: evidence.log_tail(pcontext.stderrs.get(local_of[rank]) if pcontext is not None else None)
-            for rank in result.failures
-        }
 
     def _check_notice(self) -> None:
         """A preemption notice whose exception an ``except Exception`` swallowed (TorchElastic's log

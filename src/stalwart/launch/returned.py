@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from stalwart.launch.progress import Progress
+from stalwart.runtime import sigterm
 from stalwart.runtime.lifetime import WATCHDOG_THREAD
 
 log = logging.getLogger("stalwart.agent")
@@ -25,9 +26,10 @@ MARGIN_S = 5.0  # after the worker's own grace: its watchdog speaks first
 
 
 def user_threads(dump: str) -> list[str]:
-    """The threads named in a py-spy dump, less the main thread and stalwart's exit watchdog."""
+    """The threads named in a py-spy dump, less the main thread and stalwart's own daemon threads (the exit
+    watchdog, a Checkpointer's SIGTERM thread)."""
     names = re.findall(r'^Thread [^\n]*?: "([^"]*)"$', dump, flags=re.MULTILINE)
-    return [n for n in names if n not in ("MainThread", WATCHDOG_THREAD)]
+    return [n for n in names if n not in ("MainThread", WATCHDOG_THREAD, sigterm.THREAD)]
 
 
 @dataclass
