@@ -49,9 +49,11 @@ def test_short_demo_recovers_from_kill_and_hang_to_the_reference_weights(tmp_pat
         assert {"kind", "detected_s", "mttr_s", "lost_steps"} <= set(incident)
         assert 0 <= incident["detected_s"] <= incident["mttr_s"] < 120
     # Faults fire once the faulty rank's node holds the step's snapshot: the restart resumes where the
-    # fault struck. Rank 0 is on the other node, whose step-8 copy may still be in flight when the agent
-    # stops it after the kill (CI once: restored from step 7, step 8 trained again to the same weights,
-    # as test_train_layouts allows); a hang is declared seconds later, every copy long done.
+    # fault struck. Rank 0 is on the other node: its step-8 copy may have been in flight when its agent
+    # stopped it after the kill (CI once: restored from step 7, step 8 trained again to the same weights,
+    # as test_train_layouts allows). A stopped worker now finishes a copy under way (runtime/sigterm.py,
+    # test_preempt), but one that had not yet started it, under load, still lacks step 8. A hang is
+    # declared seconds later, every copy long done.
     assert kill["lost_steps"] in (0, 1) and hang["lost_steps"] == 0, report["incidents"]
     # A hang is declared once the rank was silent for the timeout, not before. The silence counts from
     # its last progress report, a few ms before the chaos stamps the hang's start (detected_s 4.998
