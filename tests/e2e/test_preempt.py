@@ -119,5 +119,6 @@ def test_a_notice_during_a_snapshot_copy_lets_the_copy_finish_and_saves_that_ste
     fired = tmp_path / "run1" / "chaos" / "fired"  # `stalwart run`'s marker directory (launch.run)
     notice_after(proc, lambda: len(list(fired.glob("*.fired"))) == 2, poll_s=0.02)
     notice = json.loads((tmp_path / "run1.json").read_text())["preempted"]
-    assert notice["save"]["step"] == 8, notice
-    assert (tmp_path / "ckpt" / "step-00000008").is_dir()
+    step = notice["save"]["step"]  # 9 only if the stop came after step 9's copy (the box stalled > 2 s)
+    assert step >= 8, notice
+    assert (tmp_path / "ckpt" / f"step-{step:08d}").is_dir()

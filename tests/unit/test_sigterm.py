@@ -54,11 +54,11 @@ def test_a_sigterm_finishes_the_work_first_even_with_the_main_thread_held_in_c(t
     )
     took = terminate(proc)
     assert proc.returncode == -signal.SIGTERM, "the process dies of SIGTERM, as without the handler"
-    assert out.read_text() == f"{FINISH_BOUND_S:.1f}", "the finisher ran, with the whole bound"
+    assert FINISH_BOUND_S - 1.0 < float(out.read_text()) <= FINISH_BOUND_S, "the finisher ran, with the bound"
     assert 0.5 <= took < 10, took
 
 
-def test_a_sigterm_in_python_code_runs_the_finisher_on_the_main_thread_and_a_removed_one_never(tmp_path):
+def test_a_sigterm_in_python_code_runs_the_finisher_and_a_removed_one_never(tmp_path):
     out = tmp_path / "finished"
     proc = start(
         """
@@ -151,7 +151,9 @@ def test_the_last_finisher_removed_gives_sigterm_its_default_back(tmp_path):
         forget_b()
         assert not installed() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         assert signal.set_wakeup_fd(-1) == -1
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while [t for t in threading.enumerate() if t.name == "stalwart-sigterm"] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert not [t for t in threading.enumerate() if t.name == "stalwart-sigterm"]
         forget_c = finish_before_sigterm(lambda timeout: out.write_text("again"))
         assert installed()
@@ -179,3 +181,40 @@ def test_a_handler_put_back_after_the_last_finisher_acts_as_the_default(tmp_path
     )
     assert terminate(proc) < 2.0
     assert proc.returncode == -signal.SIGTERM and not (tmp_path / "ran").exists()
+
+
+def test_a_second_sigterm_and_a_handler_raising_meanwhile_change_nothing(tmp_path):
+    """The copy takes 1 s. Meanwhile a second SIGTERM comes (a scheduler signalling every process), and
+    another handler raises on the main thread (torch's SIGCHLD handler when DataLoader workers die of
+    the same SIGTERM): the finisher still completes, the script does not run on (it would write
+    "ran on"), and the process dies of SIGTERM once the finisher is done, long before the backstop."""
+    out = tmp_path / "finished"
+    proc = start(
+        """
+        def finish(timeout):
+            time.sleep(1.0)
+            out.write_text("done")
+        def boom(*_):
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated")
+        finish_before_sigterm(finish)
+        signal.signal(signal.SIGUSR1, boom)
+        print("ready", flush=True)
+        try:
+            while True:
+                sum(range(1000))
+        except BaseException:
+            out.with_suffix(".ran_on").write_text("ran on")
+            raise
+        """,
+        out,
+    )
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGUSR1)
+    proc.wait(timeout=20)
+    took = time.monotonic() - t0
+    assert proc.returncode == -signal.SIGTERM and out.read_text() == "done"
+    assert not out.with_suffix(".ran_on").exists(), "the script ran on after the SIGTERM"
+    assert 1.0 <= took < FINISH_BOUND_S + 0.5, took

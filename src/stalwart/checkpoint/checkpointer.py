@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +164,7 @@ class Checkpointer:
                 )
         slots = int(os.environ.get(shm.ENV_SLOTS) or len(shm.SLOTS))
         self.writer = SnapshotWriter(self.paths, self.rank, self.world, slots, epoch=self.epoch)
-        # the agent's SIGTERM (a peer failed) lets a copy under way finish: else this rank holds one step less
-        self._forget_sigterm = finish_before_sigterm(self.writer.finish_in_flight)
+        self._forget_sigterm: Callable[[], None] = lambda: None
         # `stalwart run --replica-sync` of a job across nodes: a save returns once all copies are out;
         # `--replica-overlap`: once the previous save's are (``_copies_due``), so they overlap a step
         self.replica_wait = os.environ.get(ENV_REPLICA_SYNC, "") if self.world > len(self.node_ranks) else ""
@@ -185,6 +185,9 @@ class Checkpointer:
             spans_nodes = self.world > len(self.node_ranks)
             if spans_nodes and self.persisting and os.environ.get(ENV_SHARED_MASTER) != "1":
                 self.keeper.await_decider()  # the decider is rank 0's keeper's (desk_host)
+        # Last (a constructor that raised leaves SIGTERM as it was): the agent's SIGTERM (a peer failed)
+        # lets a copy under way finish, else this rank would hold one step less.
+        self._forget_sigterm = finish_before_sigterm(self.writer.finish_in_flight)
 
     def _agree_epoch(self, restart_count: int) -> int:
         """Plain ``torchrun`` across nodes: the agents' restart counts differ after one node's failure

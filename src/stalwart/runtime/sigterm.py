@@ -9,8 +9,11 @@ copy, bounded by ``FINISH_BOUND_S`` (under the agent's 5 s between SIGTERM and S
 
 Python runs signal handlers on the main thread only, between bytecodes. A main thread blocked in C (a
 CUDA sync behind a collective that will never end, a gloo wait) would hold the SIGTERM back until the
-agent's SIGKILL, seconds later than today. So the signal also wakes a thread of ours through
-``signal.set_wakeup_fd``, and whichever of the two gets there first finishes and ends the process.
+agent's SIGKILL, seconds later than today. So the signal wakes a thread of ours through
+``signal.set_wakeup_fd``, and that thread finishes and ends the process. The main thread's handler
+only waits, bounded, swallowing what other handlers raise meanwhile (torch's SIGCHLD handler raises when
+DataLoader workers die of the same SIGTERM; a second SIGTERM re-enters it), so the script never runs on
+after the SIGTERM; it acts itself only where somebody took the wakeup fd since.
 Installed only over SIGTERM's default and an unused wakeup fd (a script's own handler, an asyncio loop's
 fd stay theirs); a forked child (a DataLoader worker) gets the default back, so its SIGTERM never reaches
 the parent's thread through the inherited fd.
@@ -22,7 +25,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +38,7 @@ _lock = threading.Lock()  # held by the one path that ends the process
 _installed_pid = 0
 _next_id = 0
 _forks_watched = False
-_wakeup: list[int] = []  # the pipe's write end that signal.set_wakeup_fd was given
+_pipe: list[int] = []  # (read end, write end); the write end is what signal.set_wakeup_fd was given
 
 
 def finish_before_sigterm(finish: Callable[[float], object]) -> Callable[[], None]:
@@ -84,7 +86,7 @@ def _install() -> None:
         return
     signal.signal(signal.SIGTERM, _on_signal)
     threading.Thread(target=_watch, args=(read_fd,), name=THREAD, daemon=True).start()
-    _installed_pid, _wakeup[:] = os.getpid(), [write_fd]
+    _installed_pid, _pipe[:] = os.getpid(), [read_fd, write_fd]
     if not _forks_watched:
         os.register_at_fork(after_in_child=_forget_in_child)
         _forks_watched = True
@@ -99,30 +101,47 @@ def _uninstall() -> None:
         return
     if signal.getsignal(signal.SIGTERM) is _on_signal:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    [write_fd] = _wakeup
+    _, write_fd = _pipe
     current = signal.set_wakeup_fd(-1)
     if current != write_fd:  # somebody set theirs since: it stays
         signal.set_wakeup_fd(current)
     os.close(write_fd)  # the thread reads the end of its pipe and returns
-    _installed_pid, _wakeup[:] = 0, []
+    _installed_pid, _pipe[:] = 0, []
 
 
 def _forget_in_child() -> None:
-    """A forked child has no watcher thread, and its SIGTERM byte would land in the parent's pipe."""
+    """A forked child has no watcher thread, and its SIGTERM byte would land in the parent's pipe; its
+    copies of the pipe's ends would keep the parent's thread from seeing the end of its pipe."""
     if _installed_pid != 0 and os.getpid() != _installed_pid:
         with contextlib.suppress(ValueError, OSError):
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for fd in _pipe:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _pipe.clear()
         _finishers.clear()
 
 
 def _on_signal(signum: int, frame: object) -> None:
-    """The main thread's share: it stops here too (no step goes on while the copy finishes). Left
-    behind by a framework that wrapped it and put it back after the last finisher was gone (Lightning
-    restores the handlers it found at fit's start): SIGTERM's default, at once."""
+    """The main thread's handler. Our thread, woken through the wakeup fd, finishes and ends the process;
+    this one waits for that (it acts itself only where somebody took the wakeup fd since), then ends the
+    process if nothing else did. Left behind by a framework that wrapped it and put it back after the last
+    finisher was gone (Lightning restores the handlers it found at fit's start): SIGTERM's default, at once."""
     if not installed():
         _die_of_sigterm()
-    _terminate()
+    current = signal.set_wakeup_fd(-1)
+    ours = bool(_pipe) and current == _pipe[1]
+    signal.set_wakeup_fd(current, warn_on_full_buffer=not ours)
+    # Our thread stands down where the fd is no longer ours, or where a framework's handler wrapped ours
+    # (it calls this one): then the finishers run here.
+    if not ours or signal.getsignal(signal.SIGTERM) is not _on_signal:
+        _terminate()
+    deadline = time.monotonic() + FINISH_BOUND_S + 1.0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(BaseException):  # what another handler raises here must not run the script on
+            time.sleep(0.05)
+    _die_of_sigterm()
 
 
 def _watch(read_fd: int) -> None:
@@ -136,39 +155,45 @@ def _watch(read_fd: int) -> None:
         if not data:  # uninstalled: the write end closed
             os.close(read_fd)
             return
-        if signal.SIGTERM in data:
+        # A handler the script set since ours keeps its say: it runs on the main thread, not here.
+        if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is _on_signal:
             _terminate()
 
 
-def _terminate() -> NoReturn:
-    _lock.acquire()  # the other path waits here until the process is gone
-    deadline = time.monotonic() + FINISH_BOUND_S
+def _terminate() -> None:
+    """Run the finishers within the bound, then die of SIGTERM. Whoever comes second returns (the
+    backstop timer ends the process whatever a finisher does)."""
     backstop = threading.Timer(FINISH_BOUND_S + 0.5, _die_of_sigterm)  # a finisher that overstays its timeout
     backstop.daemon = True
+    if not _lock.acquire(blocking=False):
+        return
     backstop.start()
+    deadline = time.monotonic() + FINISH_BOUND_S
     for finish in list(_finishers.values()):
-        try:
-            finish(max(0.0, deadline - time.monotonic()))
-        except BaseException as err:  # the end must come whatever a finisher did
-            with contextlib.suppress(OSError):
-                os.write(2, f"stalwart: SIGTERM: finishing failed ({err!r}); ending now\n".encode())
+        while True:  # on the main thread another handler may raise inside a finisher: it is resumed
+            try:
+                finish(max(0.0, deadline - time.monotonic()))
+                break
+            except BaseException as err:  # the end must come whatever a finisher did
+                if time.monotonic() >= deadline:
+                    with contextlib.suppress(OSError):
+                        os.write(2, f"stalwart: SIGTERM: finishing failed ({err!r}); ending now\n".encode())
+                    break
+                time.sleep(0.01)
     _die_of_sigterm()
 
 
 def _die_of_sigterm() -> NoReturn:
     """SIGTERM's default disposition back, then the signal itself: the process ends killed by SIGTERM.
-    Off the main thread ``signal.signal`` is refused, so libc's ``signal`` resets it there."""
+    libc's ``signal`` resets it on any thread, without running Python's pending handlers first."""
     try:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        else:
-            libc_signal = ctypes.CDLL(None, use_errno=True).signal
-            libc_signal.restype, libc_signal.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_void_p)
-            libc_signal(signal.SIGTERM, None)  # SIG_DFL is 0
+        libc_signal = ctypes.CDLL(None, use_errno=True).signal
+        libc_signal.restype, libc_signal.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_void_p)
+        libc_signal(signal.SIGTERM, None)  # SIG_DFL is 0
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(1.0)  # delivered at once where unblocked; never reached in practice
     finally:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
+        with contextlib.suppress(BaseException):
+            os.kill(os.getpid(), signal.SIGTERM)
         os._exit(128 + signal.SIGTERM)
