@@ -15,8 +15,16 @@ of the per-repeat ratios (the two runs of a repeat go back to back, in alternati
 whose load drifts slows both alike: on a shared machine that is the steadier number). Step time
 medians exclude process start; every run is listed, so the spread shows.
 
-On a loaded box the job-level figures swing by more than the effects inside them, so the run also
-times one piece of the step in-process: rank 0's TensorBoard writes (a step record and its sections,
+On this shared box the job-level figures swing by more than the effect measured: the same
+`stalwart train` run four times in a row spread ±5 %. So the run also compares the two steps inside
+one job (``in_process``; ``--blocks``, 0 skips it): 2 ranks build stalwart's ``Trainer`` and run its
+``train_step`` and the plain loop's step (``plain_step``, the baseline's own) on the same model,
+optimizer, schedule and batch stream, in alternating blocks of 10 steps, and report each side's
+median wall and process CPU time (all threads: stalwart's data prefetch and TensorBoard writer count
+against it) and plain ÷ stalwart, which reads as the tokens/s ratio. Model build, process start and
+launcher are then the same on both sides: what differs is stalwart's per-step code only.
+
+It also times one piece of the step in-process: rank 0's TensorBoard writes (a step record and its sections,
 ``--tb-steps`` steps, median of batches of 100, each ending with a log step's flush) as stalwart writes
 them, one event per step, against
 one ``SummaryWriter.add_scalar`` per value, the way it wrote them before (~16 calls a step), and reports
@@ -37,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "prepared" / "stdlib-byte"
@@ -47,7 +56,6 @@ def baseline_worker(a: argparse.Namespace) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from stalwart.models import build_model, model_args  # the same plain-PyTorch model, nothing else
@@ -84,7 +92,6 @@ def baseline_worker(a: argparse.Namespace) -> None:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     per_rank = a.global_batch // world
-    n_micro = per_rank // a.micro_batch
     n_seq = (len(tokens) - 1) // a.seq_len
     times = []
     for step in range(a.steps):
@@ -94,20 +101,98 @@ def baseline_worker(a: argparse.Namespace) -> None:
             [tokens[(start + i) * a.seq_len : (start + i) * a.seq_len + a.seq_len + 1] for i in range(per_rank)]
         ).astype(np.int64)
         batch = torch.from_numpy(rows)
-        x, y = batch[:, :-1], batch[:, 1:]
-        for i in range(n_micro):
-            xs, ys = x[i * a.micro_batch : (i + 1) * a.micro_batch], y[i * a.micro_batch : (i + 1) * a.micro_batch]
-            ctx = ddp.no_sync() if i < n_micro - 1 else torch.enable_grad()
-            with ctx:
-                loss = F.cross_entropy(ddp(xs).flatten(0, 1).float(), ys.flatten()) / n_micro
-                loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        plain_step(ddp, params, opt, sched, batch[:, :-1], batch[:, 1:], a.micro_batch)
         times.append(time.perf_counter() - t0)
     if rank == 0:
         Path(a.out).write_text(json.dumps({"step_times": times}))
+    dist.destroy_process_group()
+
+
+def plain_step(ddp: Any, params: list, opt: Any, sched: Any, x: Any, y: Any, micro_batch: int) -> None:
+    """The plain loop's step: micro-batches (DDP reduces on the last one), clipping, the update."""
+    import torch
+    import torch.nn.functional as F
+
+    n = x.shape[0] // micro_batch
+    for i in range(n):
+        xs, ys = x[i * micro_batch : (i + 1) * micro_batch], y[i * micro_batch : (i + 1) * micro_batch]
+        with ddp.no_sync() if i < n - 1 else torch.enable_grad():
+            loss = F.cross_entropy(ddp(xs).flatten(0, 1).float(), ys.flatten()) / n
+            loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# -- both steps in one process: stalwart's own per-step cost without the box's run-to-run noise ------
+BLOCK_STEPS = 10  # steps per side and block; the first two after a switch are not counted (caches)
+
+
+def step_cost_worker(a: argparse.Namespace) -> None:
+    """One rank: ``Trainer.train_step`` and ``plain_step`` on the same model, optimizer, schedule and
+    batch stream, in alternating blocks; rank 0 writes each side's median wall and process CPU time
+    (all threads: the data prefetch and TensorBoard's writer count against stalwart), and its *own*
+    time: the step's wall minus the time inside the calls both sides make (forward, loss, backward,
+    clipping, the update). The difference of the own times is stalwart's per-step code, measured
+    without the noise of the shared work around it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from stalwart.config import load_config, parse_overrides
+    from stalwart.dist import init_distributed
+    from stalwart.train.trainer import Trainer
+
+    overrides = stalwart_overrides(a, Path(a.out).with_suffix(".run")) | parse_overrides(a.stalwart_arg)
+    overrides["train.steps"] = a.blocks * BLOCK_STEPS * 2  # the LR schedule spans both sides' steps
+    trainer = Trainer(load_config(ROOT / "configs" / "debug.toml", overrides), init_distributed("gloo"))
+    trainer.metrics.open(0, progress=False)
+    ddp = trainer.pm.parts[0]
+    params = list(ddp.parameters())
+    shared = [0.0]  # seconds inside the shared calls, since the step began
+
+    def timed(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                shared[0] += time.perf_counter() - t0
+
+        setattr(owner, name, call)
+
+    for owner, name in ((ddp, "forward"), (F, "cross_entropy"), (torch.Tensor, "backward")):
+        timed(owner, name)
+    for owner, name in ((torch.nn.utils, "clip_grad_norm_"), (trainer.optimizer, "step")):
+        timed(owner, name)
+    for owner, name in ((trainer.scheduler, "step"), (trainer.optimizer, "zero_grad")):
+        timed(owner, name)
+
+    def plain() -> None:
+        x, y = trainer.loader.next()
+        plain_step(ddp, params, trainer.optimizer, trainer.scheduler, x, y, a.micro_batch)
+        trainer.step += 1
+
+    sides = {"stalwart": trainer.train_step, "plain": plain}
+    times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": [], "own": []} for name in sides}
+    for block in range(a.blocks):
+        for name in list(sides) if block % 2 == 0 else list(reversed(sides)):
+            for i in range(BLOCK_STEPS):
+                shared[0] = 0.0
+                wall, cpu = time.perf_counter(), time.process_time()
+                sides[name]()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                if i >= 2:
+                    times[name]["wall"].append(wall)
+                    times[name]["cpu"].append(cpu)
+                    times[name]["own"].append(wall - shared[0])
+    trainer.metrics.close()
+    if dist.get_rank() == 0:
+        medians = {f"{n}_{k}_ms": statistics.median(v) * 1e3 for n, side in times.items() for k, v in side.items()}
+        Path(a.out).write_text(json.dumps(medians))
     dist.destroy_process_group()
 
 
@@ -151,60 +236,58 @@ def tensorboard_cost_us(steps: int, tmp: Path) -> dict[str, float] | None:
 
 
 # -- driver -----------------------------------------------------------------------------------------
-def run_baseline(a: argparse.Namespace, out: Path) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={a.nproc}",
-        __file__,
-        "--worker",
-        "--out",
-        str(out),
-        "--data",
-        str(a.data),
-        "--model",
-        a.model,
-        "--steps",
-        str(a.steps),
-        "--seq-len",
-        str(a.seq_len),
-        "--global-batch",
-        str(a.global_batch),
-        "--micro-batch",
-        str(a.micro_batch),
-    ]
+def torchrun_self(a: argparse.Namespace, role: str, out: Path) -> None:
+    """This script's ``role`` (--worker: the baseline; --step-cost-worker) on ``a.nproc`` ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", __file__]
+    cmd += [role, "--out", str(out), "--data", str(a.data), "--model", a.model, "--steps", str(a.steps)]
+    cmd += ["--seq-len", str(a.seq_len), "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch)]
+    cmd += ["--blocks", str(a.blocks), *(f"--stalwart-arg={arg}" for arg in a.stalwart_arg)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+
+
+def run_baseline(a: argparse.Namespace, out: Path) -> float:
+    torchrun_self(a, "--worker", out)
     times = json.loads(out.read_text())["step_times"]
     return a.global_batch * a.seq_len / statistics.median(times)
 
 
+def stalwart_overrides(a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The `stalwart train` settings of both stalwart sides: the plain loop's model, batch and data;
+    checkpoints and the guard off, as a plain loop has neither."""
+    return {
+        "model.name": a.model,
+        "data.dir": str(a.data),
+        "data.seq_len": a.seq_len,
+        "train.steps": a.steps,
+        "train.global_batch": a.global_batch,
+        "train.micro_batch": a.micro_batch,
+        "train.warmup_steps": warmup_steps(a),
+        "train.out_dir": str(out),
+        "checkpoint.enabled": False,
+        "guard.enabled": False,
+    }
+
+
 def run_stalwart(a: argparse.Namespace, out: Path) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "stalwart",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "debug.toml"),
-        "--nproc",
-        str(a.nproc),
-        "--json",
-        f"--model.name={a.model}",
-        f"--data.dir={a.data}",
-        f"--data.seq_len={a.seq_len}",
-        f"--train.steps={a.steps}",
-        f"--train.global_batch={a.global_batch}",
-        f"--train.micro_batch={a.micro_batch}",
-        f"--train.warmup_steps={warmup_steps(a)}",
-        f"--train.out_dir={out}",
-        "--checkpoint.enabled=false",
-        "--guard.enabled=false",
-        *a.stalwart_arg,
-    ]
-    result = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    cmd = [sys.executable, "-m", "stalwart", "train", "--config", str(ROOT / "configs" / "debug.toml")]
+    cmd += ["--nproc", str(a.nproc), "--json"]
+    cmd += [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in stalwart_overrides(a, out).items()]
+    result = subprocess.run([*cmd, *a.stalwart_arg], check=True, capture_output=True, text=True, timeout=1800)
     return float(json.loads(result.stdout.strip().splitlines()[-1])["tokens_per_s"])
+
+
+def run_step_cost(a: argparse.Namespace, out: Path) -> dict[str, float] | None:
+    """The in-process comparison (``step_cost_worker``): medians and the plain ÷ stalwart ratios (as
+    tokens/s ratios: ≥ 1 when stalwart's step is no slower)."""
+    if a.blocks <= 0:
+        return None
+    torchrun_self(a, "--step-cost-worker", out)
+    result = {"blocks": a.blocks, "steps_per_block": BLOCK_STEPS, **json.loads(out.read_text())}
+    for k in ("wall", "cpu"):
+        result[f"{k}_ratio"] = result[f"plain_{k}_ms"] / result[f"stalwart_{k}_ms"]
+    result["stalwart_extra_ms"] = result["stalwart_own_ms"] - result["plain_own_ms"]  # its own per-step code
+    result["stalwart_extra_fraction"] = result["stalwart_extra_ms"] / result["stalwart_wall_ms"]
+    return result
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -222,15 +305,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--tb-steps", type=int, default=2000, help="steps of the in-process TensorBoard timing")
+    p.add_argument(
+        "--blocks", type=int, default=12, help="in-process comparison: blocks of 10 steps per side (0: skip it)"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--step-cost-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    if a.worker:
-        baseline_worker(a)
+    if a.worker or a.step_cost_worker:
+        (baseline_worker if a.worker else step_cost_worker)(a)
         return 0
     from stalwart.data import ensure_default_corpus
 
@@ -250,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
         tb = tensorboard_cost_us(a.tb_steps, Path(tmp) / "tensorboard")
+        in_process = run_step_cost(a, Path(tmp) / "step_cost.json")
     step_ms = a.global_batch * a.seq_len / statistics.median(ours) * 1e3
     if tb is not None:
         tb |= {f"{k.removesuffix('_us')}_fraction_of_step": v / 1e3 / step_ms for k, v in list(tb.items())}
@@ -271,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "paired_ratio_median": statistics.median(o / t for o, t in zip(ours, theirs)),
         "stalwart_median_step_ms": step_ms,
         "tensorboard": tb,
+        "in_process": in_process,
         "cpu_count": os.cpu_count(),
         "load_avg": os.getloadavg(),
     }
@@ -288,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"({tb['one_event_per_step_fraction_of_step']:.2%} of a {step_ms:.0f} ms step) vs "
                 f"{tb['add_scalar_per_value_us']:.0f} µs by add_scalar per value "
                 f"({tb['add_scalar_per_value_fraction_of_step']:.2%})"
+            )
+        if in_process is not None:
+            print(
+                f"in one process, same model and batches: plain ÷ stalwart step time {in_process['wall_ratio']:.3f} "
+                f"(wall), {in_process['cpu_ratio']:.3f} (process CPU); stalwart's own per-step code "
+                f"{in_process['stalwart_extra_ms']:.2f} ms ({in_process['stalwart_extra_fraction']:.2%} of its step)"
             )
     return 0
 

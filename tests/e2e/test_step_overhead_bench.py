@@ -1,6 +1,6 @@
-"""Smoke test of benchmarks/step_overhead.py: tiny settings, every line of both sides and the
-in-process TensorBoard timing runs, the JSON has its shape; no timing is asserted (benchmarks/ holds
-the claim, this only keeps the script runnable)."""
+"""Smoke test of benchmarks/step_overhead.py: tiny settings, every line of both sides, the in-process
+step comparison and the TensorBoard timing runs, the JSON has its shape; no timing is asserted
+(benchmarks/ holds the claim, this only keeps the script runnable)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_overhead.py"
 
 def test_step_overhead_benchmark_smoke():
     cmd = [sys.executable, str(BENCH), "--json", "--repeats", "1", "--steps", "3", "--global-batch", "4"]
-    cmd += ["--micro-batch", "2", "--seq-len", "32", "--tb-steps", "200"]
+    cmd += ["--micro-batch", "2", "--seq-len", "32", "--tb-steps", "200", "--blocks", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -29,3 +29,12 @@ def test_step_overhead_benchmark_smoke():
     assert tb["one_event_per_step_fraction_of_step"] == pytest.approx(
         tb["one_event_per_step_us"] / 1e3 / result["stalwart_median_step_ms"]
     )
+    steps = result["in_process"]  # both steps ran in one job: 2 blocks × 8 counted steps per side
+    assert steps["blocks"] == 2 and all(
+        steps[f"{side}_{k}_ms"] > 0 for side in ("stalwart", "plain") for k in ("wall", "cpu", "own")
+    )
+    for side in ("stalwart", "plain"):  # own time: the step less its forward, loss, backward, clip, update
+        assert steps[f"{side}_own_ms"] < steps[f"{side}_wall_ms"]
+    assert steps["stalwart_extra_ms"] == pytest.approx(steps["stalwart_own_ms"] - steps["plain_own_ms"])
+    assert steps["wall_ratio"] == pytest.approx(steps["plain_wall_ms"] / steps["stalwart_wall_ms"])
+    assert steps["cpu_ratio"] == pytest.approx(steps["plain_cpu_ms"] / steps["stalwart_cpu_ms"])

@@ -103,6 +103,22 @@ def test_a_non_log_step_reads_nothing_on_the_host_and_issues_no_collective(train
     assert trainer.metrics.last_loss == pytest.approx(float(stats.loss))
 
 
+def test_a_steady_step_walks_no_module_tree(trainer, monkeypatch: pytest.MonkeyPatch):
+    """Walking the modules (``parameters()``, ``named_modules()``) is Python work that grows with the
+    model, on every step; clipping did it until issue 28's profile."""
+    trainer.train_step()  # step 1 may take what it keeps (the parameter list)
+    walks: Counter = Counter()
+    original = torch.nn.Module.named_modules
+
+    def named_modules(self, *args, **kwargs):
+        walks[sys._getframe(1).f_code.co_name] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "named_modules", named_modules)
+    assert isinstance(trainer.train_step(), StepStats)
+    assert walks == Counter(), f"module walks on the step path, by caller: {dict(walks)}"
+
+
 def test_the_guard_reads_loss_and_norm_once_per_step(counted: Counter):
     """With the guard on every step syncs (it judges before the update): one all-reduce, one read."""
     from stalwart.dist import init_distributed, shutdown

@@ -122,6 +122,7 @@ class ParallelModel:
         self.pipeline = pipeline
         self.hook_state = hook_state
         self.coords: Coords = coords(mesh)
+        self._params: list[nn.Parameter] | None = None  # see ``clip_grad_norm_``
 
     # -- where this rank is ---------------------------------------------------------------------
     @property
@@ -217,8 +218,13 @@ class ParallelModel:
         return self.mesh["pp"].get_group() if self.layout.pp > 1 else None
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over all ranks and stages (clipped when max_norm > 0)."""
-        return clip_grad_norm_(list(self.module.parameters()), max_norm, self.pp_group)
+        """Global gradient norm over all ranks and stages (clipped when max_norm > 0). The parameter list
+        is taken once, at the first call: the optimizer holds these objects, so they stay, and a walk of
+        the modules every step is Python work that grows with the model (46 µs for the debug model's
+        53 modules)."""
+        if self._params is None:
+            self._params = list(self.module.parameters())
+        return clip_grad_norm_(self._params, max_norm, self.pp_group)
 
     @property
     def has_moe(self) -> bool:
