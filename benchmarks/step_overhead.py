@@ -16,13 +16,15 @@ whose load drifts slows both alike: on a shared machine that is the steadier num
 medians exclude process start; every run is listed, so the spread shows.
 
 On this shared box the job-level figures swing by more than the effect measured: the same
-`stalwart train` run four times in a row spread ±5 %. So the run also compares the two steps inside
-one job (``in_process``; ``--blocks``, 0 skips it): 2 ranks build stalwart's ``Trainer`` and run its
-``train_step`` and the plain loop's step (``plain_step``, the baseline's own) on the same model,
-optimizer, schedule and batch stream, in alternating blocks of 10 steps, and report each side's
+`stalwart train` run four times in a row gave 20.1k-22.7k tokens/s. So the run also compares the two
+steps inside one job (``in_process``; ``--blocks``, 0 skips it): 2 ranks build stalwart's ``Trainer``
+and run its ``train_step`` and the plain loop's step (``plain_step``, the baseline's own) on the same
+model, optimizer, schedule and batch stream, in alternating blocks of 10 steps, and report each side's
 median wall and process CPU time (all threads: stalwart's data prefetch and TensorBoard writer count
 against it) and plain ÷ stalwart, which reads as the tokens/s ratio. Model build, process start and
-launcher are then the same on both sides: what differs is stalwart's per-step code only.
+launcher are then the same on both sides. Still ±1 % here; the precise figure is each side's *own*
+time, the step's wall less the time inside the calls both make (forward, loss, backward, clipping,
+the update): ``stalwart_extra_ms`` (their difference) is stalwart's per-step code.
 
 It also times one piece of the step in-process: rank 0's TensorBoard writes (a step record and its sections,
 ``--tb-steps`` steps, median of batches of 100, each ending with a log step's flush) as stalwart writes
