@@ -112,9 +112,6 @@ class DeskHost:
         self.master = None
 
 
-log = logging.getLogger("stalwart.checkpoint")
-
-
 class Membership:
     """Where the decider is (address, token) and ``me``: this keeper's node id, which reports its ranks."""
 

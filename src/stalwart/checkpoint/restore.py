@@ -29,6 +29,9 @@ from stalwart.checkpoint.snapshot import SnapshotView
 from stalwart.checkpoint.state import RNG_KEY, TrainingState, local_tensor, set_path
 from stalwart.checkpoint.storage import Storage, step_name
 
+if TYPE_CHECKING:
+    from stalwart.checkpoint.checkpointer import Checkpointer
+
 log = logging.getLogger("stalwart.checkpoint")
 
 
@@ -309,12 +312,6 @@ def _invalidate_after(paths: JobPaths | None, step: int, group: Any, trajectory:
     if paths:
         peer_restore.invalidate_after(paths, step, trajectory)
     gather(None, group)
-
-
-if TYPE_CHECKING:
-    from stalwart.checkpoint.checkpointer import Checkpointer
-
-log = logging.getLogger("stalwart.checkpoint")
 
 
 def roll_back(ck: Checkpointer, state: dict[str, Any], at_most: int, before: int) -> RestoreInfo:
