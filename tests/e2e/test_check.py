@@ -40,7 +40,7 @@ def test_check_names_exactly_the_bad_node(fault, bad, slow):
         {k: n[k] for k in ("node", "matmul_s", "round1_pair", "round1_s", "round2_pair", "round2_s", "reasons")}
         for n in report["nodes"]
     ]
-    assert (report["bad_nodes"], report["stragglers"]) == (bad, slow), timings
+    assert (report["bad_nodes"], report["stragglers"]) == (bad, slow), json.dumps(timings)  # a str: never cut
     assert code == (0 if not bad and not slow else 1)
     if fault and fault.startswith("burst"):
         # slow in rounds 1 and 2 (a load burst), so only the retime beside a healthy pair cleared it

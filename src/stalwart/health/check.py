@@ -302,8 +302,10 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
     slow = [n for n in suspects if reports[n].round2_ok and reports[n].round1_ok]
     slow = [n for n in slow if reports[n].round2_s > cfg.collective_slow_factor * typical]
     reference = [p for p in round1 if not set(p) & set(suspects)]
+    # suspect → its factor beside a healthy pair (None: no healthy pair to retime it beside)
+    retimed: dict[int, float | None] = dict.fromkeys(slow)
     if slow and reference:
-        slow = _slow_when_retimed(slow, reports, reference, cfg, node, ranks_per_node, device)
+        retimed = dict(_slow_when_retimed(slow, reports, reference, cfg, node, ranks_per_node, device))
     for n in suspects:
         r = reports[n]
         if r.round2_ok is None:
@@ -314,12 +316,13 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
         elif not r.round2_ok:
             r.ok = False
             r.reasons.append("collective result wrong in both rounds")
-        elif n in slow:
+        elif n in retimed:
             # slow in both rounds (or the odd node out, tested once) and when timed again beside a healthy
             # pair: the partner of a corrupting node was a suspect for the wrong sum, and a slow round-2
             # pair on a loaded host is no straggler (CI: a load burst covered both rounds)
             r.straggler = True
-            r.reasons.append(f"collective {r.round2_s / typical:.1f}× the typical pair, in both rounds and retimed")
+            beside = f", {retimed[n]:.1f}× a healthy pair timed beside it" if retimed[n] is not None else ""
+            r.reasons.append(f"collective {r.round2_s / typical:.1f}× the typical pair in both rounds{beside}")
     for r in reports:
         r.ok = r.ok and r.matmul_ok
     return reports
@@ -333,28 +336,34 @@ def _slow_when_retimed(
     node: int,
     ranks_per_node: int,
     device: torch.device,
-) -> list[int]:
+) -> dict[int, float]:
     """The suspects whose round-2 pair stays `collective_slow_factor` × slower than the healthy round-1
-    pairs when timed again in alternation with them (`RETIMES` × the usual ops each, the fastest of
-    each compared): a burst of load on a shared host slows whatever is timed during it, so only a pair
-    slow against references timed beside it counts."""
+    pairs when timed again beside them (`RETIMES` × the usual ops), each with that factor. Each
+    iteration times the suspect's pair and then each reference pair back to back, and the median over
+    the iterations of their ratio is what is judged: a burst of load on a shared host slows both sides
+    of one ratio, and the median ignores the iterations a burst split. (Comparing each side's fastest
+    op failed under a load that left the suspect's pair no fast op in 30 while a reference had one.)"""
     fault = cfg.fault if cfg.fault and cfg.fault.node == node else None
-    still = []
+    iters = RETIMES * cfg.collective_iters
+    still = {}
     for n in slow:
         pairs = [tuple(reports[n].round2_pair or ()), *reference]
         assert len(pairs[0]) == 2, pairs
         groups = [dist.new_group(_members(p, ranks_per_node)) for p in pairs]
-        best = [0.0] * len(pairs)  # this rank's fastest op per pair it belongs to (0: not a member)
-        for _ in range(RETIMES * cfg.collective_iters):
+        seconds = [[0.0] * iters for _ in pairs]  # this rank's op times per pair and iteration (0: not a member)
+        for it in range(iters):
             for i, (pair, group) in enumerate(zip(pairs, groups)):
                 if node in pair:
-                    _, seconds = _all_reduce_once(group, _members(pair, ranks_per_node), cfg, fault, device, True)
-                    best[i] = seconds if not best[i] else min(best[i], seconds)
+                    seconds[i][it] = _all_reduce_once(group, _members(pair, ranks_per_node), cfg, fault, device, True)[
+                        1
+                    ]
                 dist.barrier()
-        per_node = _per_node(_gather(best, device), ranks_per_node)
-        pair_s = [max(float(per_node[m][:, i].max()) for m in p) for i, p in enumerate(pairs)]
-        if pair_s[0] > cfg.collective_slow_factor * statistics.median(pair_s[1:]):
-            still.append(n)
+        rows = _gather([t for per_pair in seconds for t in per_pair], device).view(-1, len(pairs), iters)
+        # an op of a pair took as long as its slowest member saw it take
+        per_pair = [rows[_members(p, ranks_per_node), i].amax(dim=0) for i, p in enumerate(pairs)]
+        ratio = float((per_pair[0] / torch.stack(per_pair[1:]).median(dim=0).values).median())
+        if ratio > cfg.collective_slow_factor:
+            still[n] = ratio
     return still
 
 
