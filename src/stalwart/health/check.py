@@ -354,9 +354,8 @@ def _slow_when_retimed(
         for it in range(iters):
             for i, (pair, group) in enumerate(zip(pairs, groups)):
                 if node in pair:
-                    seconds[i][it] = _all_reduce_once(group, _members(pair, ranks_per_node), cfg, fault, device, True)[
-                        1
-                    ]
+                    members = _members(pair, ranks_per_node)
+                    _, seconds[i][it] = _all_reduce_once(group, members, cfg, fault, device, True)
                 dist.barrier()
         rows = _gather([t for per_pair in seconds for t in per_pair], device).view(-1, len(pairs), iters)
         # an op of a pair took as long as its slowest member saw it take
