@@ -305,7 +305,7 @@ def run_check(cfg: CheckConfig, ranks_per_node: int, device: torch.device) -> li
     # suspect → its factor beside a healthy pair (None: no healthy pair to retime it beside)
     retimed: dict[int, float | None] = dict.fromkeys(slow)
     if slow and reference:
-        retimed = dict(_slow_when_retimed(slow, reports, reference, cfg, node, ranks_per_node, device))
+        retimed = _slow_when_retimed(slow, reports, reference, cfg, node, ranks_per_node, device)
     for n in suspects:
         r = reports[n]
         if r.round2_ok is None:
@@ -336,7 +336,7 @@ def _slow_when_retimed(
     node: int,
     ranks_per_node: int,
     device: torch.device,
-) -> dict[int, float]:
+) -> dict[int, float | None]:
     """The suspects whose round-2 pair stays `collective_slow_factor` × slower than the healthy round-1
     pairs when timed again beside them (`RETIMES` × the usual ops), each with that factor. Each
     iteration times the suspect's pair and then each reference pair back to back, and the median over
@@ -345,7 +345,7 @@ def _slow_when_retimed(
     op failed under a load that left the suspect's pair no fast op in 30 while a reference had one.)"""
     fault = cfg.fault if cfg.fault and cfg.fault.node == node else None
     iters = RETIMES * cfg.collective_iters
-    still = {}
+    still: dict[int, float | None] = {}
     for n in slow:
         pairs = [tuple(reports[n].round2_pair or ()), *reference]
         assert len(pairs[0]) == 2, pairs

@@ -163,10 +163,10 @@ def _watch(read_fd: int) -> None:
 def _terminate() -> None:
     """Run the finishers within the bound, then die of SIGTERM. Whoever comes second returns (the
     backstop timer ends the process whatever a finisher does)."""
-    backstop = threading.Timer(FINISH_BOUND_S + 0.5, _die_of_sigterm)  # a finisher that overstays its timeout
-    backstop.daemon = True
     if not _lock.acquire(blocking=False):
         return
+    backstop = threading.Timer(FINISH_BOUND_S + 0.5, _die_of_sigterm)  # a finisher that overstays its timeout
+    backstop.daemon = True
     backstop.start()
     deadline = time.monotonic() + FINISH_BOUND_S
     for finish in list(_finishers.values()):
